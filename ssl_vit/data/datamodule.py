@@ -1,0 +1,343 @@
+"""`ShardDataModule`: WebDataset shards -> batches for Lightning, on one device or many.
+
+    data:
+      class_path: ssl_vit.data.ShardDataModule
+      init_args:
+        train_urls: data/shards/digits/train-{000000..000001}.tar
+        val_urls: data/shards/digits/val-000000.tar
+        batch_size: 64
+        image_size: 32
+
+Training reads a resampled stream with a fixed number of batches per rank per epoch; validation and
+test are exact passes (see `ssl_vit.data.pipeline`). Batches reach the model as dicts: `image` float
+[B,3,H,W] (normalised; the DataLoaders give uint8, converted on the device by `prepare_batch`),
+`label` int64 [B] (-1 where unlabelled), `key` list[str], `skipped` (bad samples the batch's worker
+dropped since its previous batch), and during training with mixup/cutmix/label smoothing also
+`target` float [B,K] (timm's soft targets).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
+from timm.data.mixup import mixup_target
+from torch.utils.data import DataLoader
+
+from ssl_vit.data.pipeline import ShardStream, check_urls, expand, read_manifest
+from ssl_vit.data.transforms import Preset, build_transform, normalize
+from ssl_vit.errors import UserError
+
+log = logging.getLogger("ssl_vit.data")
+
+
+class EpochLoader(DataLoader):
+    """A DataLoader that hands its stream the epoch before starting workers.
+
+    With non-persistent workers the dataset is copied into fresh workers on every `iter()`, so this is
+    where the main process can tell them the epoch; Lightning only calls `set_epoch` on samplers, which
+    a DataLoader over an IterableDataset does not have.
+    """
+
+    def __init__(self, stream: ShardStream, epoch: Callable[[], int], **kwargs):
+        super().__init__(stream, batch_size=None, persistent_workers=False, **kwargs)
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.dataset.epoch = self.epoch()
+        return super().__iter__()
+
+
+class ShardDataModule(pl.LightningDataModule):
+    """Streams WebDataset shards: resampled training streams, exact validation/test passes.
+
+    Args:
+        train_urls, val_urls, test_urls: shard URLs (brace ranges; local paths, `file://`, `http(s)://`,
+            `pipe:CMD`, fsspec URLs such as `s3://`), a string or a list.
+        batch_size: samples per batch per device.
+        num_workers: DataLoader worker processes per device.
+        image_size: side of the square crops fed to the model.
+        train_preset: training transform (`pretrain`, `supervised` or `eval`); val/test always use `eval`.
+        crop_scale: area range of the random resized crop.
+        randaugment: timm RandAugment config such as `rand-m9-mstd0.5-inc1` (`supervised` preset only).
+        mixup_alpha, cutmix_alpha, label_smoothing: timm `Mixup` on training batches, on the device;
+            they add a soft `target` [B, num_classes] to the batch.
+        eval_crop_pct: `eval` resizes the shorter side to `image_size / eval_crop_pct`, then centre-crops.
+        train_batches: batches per rank per epoch; by default the manifest's sample count (after the
+            class filter) divided by `batch_size * world_size`.
+        shuffle_buffer: samples in the raw-bytes shuffle buffer of each training worker.
+        seed: seed of every training stream; the stream is a function of (seed, epoch, rank, worker).
+        classes: keep only samples with these labels (labels are not renumbered).
+        num_classes: overrides the manifest's class count.
+        mean, std: normalisation.
+        draft: decode JPEGs at a reduced scale (1/2, 1/4, 1/8) when the crop's source region, or for
+            `eval` the whole image, stays at least the size it is resized to.
+    """
+
+    def __init__(
+        self,
+        train_urls: str | list[str] | None = None,
+        val_urls: str | list[str] | None = None,
+        test_urls: str | list[str] | None = None,
+        batch_size: int = 64,
+        num_workers: int = 4,
+        image_size: int = 224,
+        train_preset: Preset = "pretrain",
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        randaugment: str | None = None,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        label_smoothing: float = 0.0,
+        eval_crop_pct: float = 0.875,
+        train_batches: int | None = None,
+        shuffle_buffer: int = 2000,
+        seed: int = 0,
+        classes: list[int] | None = None,
+        num_classes: int | None = None,
+        mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN,
+        std: tuple[float, float, float] = IMAGENET_DEFAULT_STD,
+        draft: bool = True,
+    ):
+        super().__init__()
+        # No save_hyperparameters: the CLI logs the whole config (data included) to W&B, and Lightning
+        # refuses to log a datamodule's hparams that share a key (num_classes) with the model's.
+        if batch_size <= 0 or num_workers < 0 or image_size <= 0:
+            raise ValueError(
+                f"batch_size and image_size must be positive and num_workers >= 0, got "
+                f"{batch_size}, {image_size}, {num_workers}"
+            )
+        if train_batches is not None and train_batches <= 0:
+            raise ValueError(f"train_batches must be positive, got {train_batches}")
+        if (mixup_alpha or cutmix_alpha) and train_preset != "supervised":
+            raise ValueError(f"mixup/cutmix belong to train_preset 'supervised', not {train_preset!r}")
+        # build once to validate the preset/randaugment combination at construction time
+        build_transform(
+            train_preset,
+            image_size,
+            mean=mean,
+            crop_scale=crop_scale,
+            randaugment=randaugment,
+            crop_pct=eval_crop_pct,
+        )
+        self.train_urls, self.val_urls, self.test_urls = train_urls, val_urls, test_urls
+        self.batch_size, self.num_workers, self.image_size = batch_size, num_workers, image_size
+        self.train_preset, self.crop_scale, self.randaugment = train_preset, tuple(crop_scale), randaugment
+        self.mixup_args = {
+            "mixup_alpha": mixup_alpha,
+            "cutmix_alpha": cutmix_alpha,
+            "label_smoothing": label_smoothing,
+        }
+        self.eval_crop_pct = eval_crop_pct
+        self.train_batches = train_batches
+        self.batches_per_epoch: int | None = None  # per rank, known at setup
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.classes = list(classes) if classes is not None else None
+        self._num_classes = num_classes
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.draft = draft
+        self.epoch = 0
+        self.rank, self.world_size = 0, 1
+        self._urls: dict[str, list[str]] = {}
+        self._mixup: Mixup | None = None
+
+    # --- facts for linking (LightningCLI link_arguments) --------------------------------------------
+
+    @property
+    def manifest(self) -> dict | None:
+        """The manifest of the first configured split that has one."""
+        if not hasattr(self, "_manifest"):
+            self._manifest = None
+            for urls in (self.train_urls, self.val_urls, self.test_urls):
+                if urls:
+                    found = read_manifest(expand(urls, "urls")[0])
+                    if found:
+                        self._manifest = found
+                        break
+        return self._manifest
+
+    @property
+    def num_classes(self) -> int | None:
+        if self._num_classes is not None:
+            return self._num_classes
+        return self.manifest["num_classes"] if self.manifest else None
+
+    # --- Lightning hooks ----------------------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        self.rank, self.world_size = self._rank_and_world_size()
+        wanted = {
+            "fit": ["train", "val"],
+            "validate": ["val"],
+            "test": ["test"],
+            None: ["train", "val", "test"],
+        }
+        required = {"fit": "train", "validate": "val", "test": "test"}.get(stage)
+        for split in wanted.get(stage, []):
+            urls = getattr(self, f"{split}_urls")
+            if urls is None:
+                if split == required:
+                    raise UserError(
+                        f"{split}_urls is not set: give the shard URLs for {stage} "
+                        f"(data.init_args.{split}_urls)"
+                    )
+                continue
+            self._urls[split] = expand(urls, f"{split}_urls")
+            check_urls(self._urls[split], f"{split}_urls")
+            if split != "train" and len(self._urls[split]) < self.world_size:
+                raise UserError(
+                    f"{split}_urls has {len(self._urls[split])} shards for {self.world_size} ranks: an exact "
+                    "pass needs at least one shard per rank; re-convert with a smaller --shard-size"
+                )
+        if "train" in self._urls:
+            self.batches_per_epoch = self.train_batches or self._batches_from_manifest()
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        """Read in the main process and handed to the workers (DESIGN.md section 4)."""
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def _batches_from_manifest(self) -> int:
+        manifest = read_manifest(self._urls["train"][0])
+        if manifest is None:
+            raise UserError(
+                "train_urls have no manifest ({split}.json next to the shards) to size an epoch: "
+                "set data.init_args.train_batches"
+            )
+        counts = manifest.get("class_counts", {})
+        samples = (
+            manifest["num_samples"]
+            if self.classes is None
+            else sum(counts.get(str(c), 0) for c in self.classes)
+        )
+        batches = samples // (self.batch_size * self.world_size)
+        if batches == 0:
+            raise UserError(
+                f"the training set has {samples} samples (after the class filter), fewer than one "
+                f"batch per rank ({self.batch_size} x {self.world_size}): lower batch_size or set "
+                "train_batches"
+            )
+        return batches
+
+    def train_dataloader(self) -> DataLoader:
+        if "train" not in self._urls:
+            self.setup("fit")
+        stream = self._stream("train", self.train_preset, batches_per_epoch=self.batches_per_epoch)
+        return EpochLoader(
+            stream, self._next_epoch, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self.exact_dataloader("val") if self.val_urls is not None else []
+
+    def test_dataloader(self) -> DataLoader:
+        return self.exact_dataloader("test")
+
+    def exact_dataloader(self, split: str) -> DataLoader:
+        """Exact pass over a split with the eval transform: every sample once across ranks (validation,
+        test, feature extraction)."""
+        if split not in self._urls:
+            self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
+        stream = self._stream(split, "eval", batches_per_epoch=None)
+        return DataLoader(
+            stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
+        )
+
+    def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
+        transform = build_transform(
+            preset,
+            self.image_size,
+            mean=self.mean,
+            crop_scale=self.crop_scale,
+            crop_pct=self.eval_crop_pct,
+            randaugment=self.randaugment if preset == "supervised" else None,
+            draft=self.draft,
+        )
+        return ShardStream(
+            self._urls[split],
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            transform=transform,
+            classes=self.classes,
+            seed=self.seed,
+            batches_per_epoch=batches_per_epoch,
+            shuffle_buffer=self.shuffle_buffer,
+        )
+
+    def _next_epoch(self) -> int:
+        """The epoch of the pass about to start: the trainer's when attached (restored with its
+        checkpoint), else a count of passes."""
+        if self.trainer is not None:
+            self.epoch = self.trainer.current_epoch
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return epoch
+
+    def prepare_batch(self, batch: dict) -> dict:
+        """A batch as the DataLoaders give it (`image` uint8 [B,3,H,W]) -> as the model takes it
+        (`image` float32 [B,3,H,W], normalised with `mean`/`std`), on the batch's device.
+
+        Lightning calls it after moving each batch to the device (`on_after_batch_transfer`); callers
+        of the DataLoaders outside Lightning (feature extraction) call it themselves, after `.to(device)`.
+        Workers keep images uint8 so that they skip a float conversion per sample and move 4x fewer
+        bytes; the conversion runs once per batch where the batch already is."""
+        return {**batch, "image": normalize(batch["image"], self.mean, self.std)}
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        """`prepare_batch`, then mixup/cutmix/label smoothing (timm) on whole training batches, on the
+        device."""
+        batch = self.prepare_batch(batch)
+        if not any(self.mixup_args.values()) or self.trainer is None or not self.trainer.training:
+            return batch
+        if not self.num_classes:
+            raise UserError("mixup/cutmix/label_smoothing need num_classes: set data.init_args.num_classes")
+        if not (self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]):
+            # label smoothing alone: timm's Mixup asserts that one of its alphas is set
+            smoothing = self.mixup_args["label_smoothing"]
+            batch["target"] = mixup_target(batch["label"], self.num_classes, smoothing=smoothing)
+            return batch
+        if self._mixup is None:
+            self._mixup = Mixup(**self.mixup_args, num_classes=self.num_classes)
+        batch["image"], batch["target"] = self._mixup(batch["image"], batch["label"])
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training stream's position: with (seed, epoch) and the batches consumed, every worker's
+        stream is determined."""
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.seed, self.epoch = state_dict["seed"], state_dict["epoch"]
+
+
+class LogSkippedSamples(pl.Callback):
+    """Logs `data/skipped_{train,val,test}`: bad samples dropped by the data pipeline, summed over
+    batches and ranks (the pipeline also logs each one as a warning with its key and shard)."""
+
+    def _log(self, pl_module: pl.LightningModule, batch: Any, stage: str) -> None:
+        if isinstance(batch, dict) and "skipped" in batch:
+            pl_module.log(
+                f"data/skipped_{stage}",
+                batch["skipped"].float(),
+                reduce_fx="sum",
+                on_step=False,
+                on_epoch=True,
+                sync_dist=True,
+                batch_size=1,
+            )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._log(pl_module, batch, "train")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._log(pl_module, batch, "val")
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._log(pl_module, batch, "test")

@@ -1,0 +1,1 @@
+"""Evaluation of checkpoints: loading, frozen features, few-shot, k-NN, suites and comparison reports."""

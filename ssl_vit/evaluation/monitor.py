@@ -1,0 +1,108 @@
+"""`FewShotMonitor`: the ViT paper's few-shot probe as a live signal during pretraining.
+
+The ViT paper tracks 5-shot linear accuracy during pretraining because fine-tuning every checkpoint
+is too costly (sec 4.1 "Metrics"); big_vision runs its `fewshot_lsr` evaluator every N steps.
+
+    trainer:
+      callbacks:
+        - class_path: ssl_vit.evaluation.monitor.FewShotMonitor
+          init_args:
+            train_urls: data/shards/digits/train-{000000..000004}.tar
+            test_urls: data/shards/digits/val-{000000..000003}.tar
+            every_n_steps: 500
+"""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+
+from ssl_vit.evaluation.features import FeatureKind, extract_features
+from ssl_vit.evaluation.fewshot import fewshot_accuracy
+
+
+class FewShotMonitor(pl.Callback):
+    """Every `every_n_steps` optimizer steps and at the end of training, extract frozen features of
+    `pl_module.backbone` on a small labelled set and log `fewshot/{shots}shot` (mean accuracy over
+    seeds, in [0, 1]) to the trainer's loggers.
+
+    Args:
+        train_urls: shards the support sets are sampled from.
+        test_urls: shards the accuracy is measured on.
+        every_n_steps: evaluation interval in optimizer steps.
+        shots, seeds, ridge, classes: as in `ssl_vit.evaluation.fewshot.fewshot_accuracy`.
+        feature: which frozen feature (`ssl_vit.evaluation.features`).
+        image_size: evaluation resolution; by default the backbone's.
+        batch_size: images per forward pass.
+
+    Every rank extracts its share of both sets and all ranks get the same scores; rank zero logs them.
+    The scores go straight to the loggers (`pl_module.log` is not allowed in `on_train_end`), so they
+    are not in `trainer.callback_metrics` and a checkpoint callback cannot monitor them.
+    """
+
+    def __init__(
+        self,
+        train_urls: str | list[str],
+        test_urls: str | list[str],
+        every_n_steps: int = 1000,
+        shots: tuple[int, ...] = (1, 5, 10),
+        seeds: tuple[int, ...] = (0, 1, 2),
+        ridge: float = 1024.0,
+        classes: list[int] | None = None,
+        feature: FeatureKind = "cls",
+        image_size: int | None = None,
+        batch_size: int = 64,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.train_urls, self.test_urls = train_urls, test_urls
+        self.every_n_steps = every_n_steps
+        self.shots, self.seeds, self.ridge, self.classes = tuple(shots), tuple(seeds), ridge, classes
+        self.feature, self.image_size, self.batch_size = feature, image_size, batch_size
+        self._last_step: int | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Built here, not in __init__: the process group exists by now, so the exact passes below are
+        # split by rank (ShardDataModule reads it from torch.distributed when no trainer is attached).
+        from ssl_vit.data import ShardDataModule
+
+        self.datamodule = ShardDataModule(
+            train_urls=self.train_urls,
+            val_urls=self.test_urls,
+            image_size=self.image_size or pl_module.backbone.patch_embed.img_size[0],
+            batch_size=self.batch_size,
+            # decoding a small set in the training process: no worker processes to start every time
+            num_workers=0,
+            train_preset="eval",
+            # an exact pass does not use the training epoch length; setting it spares the manifest lookup
+            train_batches=1,
+        )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step and trainer.global_step % self.every_n_steps == 0:
+            self._evaluate(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluate(trainer, pl_module)
+
+    def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Once per optimizer step: with gradient accumulation several batches share a global step, and
+        # training may end on a step that was just evaluated.
+        if trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        train, test = (
+            extract_features(
+                pl_module.backbone,
+                self.datamodule.exact_dataloader(split),
+                self.feature,
+                prepare=self.datamodule.prepare_batch,
+            )
+            for split in ("train", "val")
+        )
+        accuracy = fewshot_accuracy(
+            train.x, train.y, test.x, test.y, self.shots, self.seeds, self.ridge, self.classes
+        )
+        if trainer.is_global_zero:
+            metrics = {f"fewshot/{shots}shot": mean for shots, (mean, _) in accuracy.items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)

@@ -1,0 +1,137 @@
+"""The protocols a suite runs, one function per kind: (protocol, features, ...) -> (scores, details).
+
+Frozen-feature protocols (few-shot, k-NN) share one exact pass per split and feature kind; trained
+protocols (linear probe, fine-tuning) run the Lightning tasks on the suite's data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ssl_vit.evaluation.features import Features, extract_features
+from ssl_vit.evaluation.fewshot import fewshot_accuracy
+from ssl_vit.evaluation.knn import knn_accuracy
+
+# ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
+DATA_KEYS = ("image_size", "batch_size", "num_workers", "mean", "std", "eval_crop_pct", "num_classes", "seed")
+
+
+class FeatureCache:
+    """Frozen features of the suite's train and test splits, extracted once per feature kind."""
+
+    def __init__(self, backbone, data: dict[str, Any]) -> None:
+        from ssl_vit.data import ShardDataModule
+
+        self.backbone = backbone
+        self.datamodule = ShardDataModule(
+            train_urls=data["train_urls"],
+            test_urls=data["test_urls"],
+            **{k: v for k, v in data.items() if k in DATA_KEYS},
+        )
+        self._cache: dict[tuple[str, str], Features] = {}
+
+    def get(self, split: str, feature: str) -> Features:
+        if (split, feature) not in self._cache:
+            loader = self.datamodule.exact_dataloader(split)
+            prepare = getattr(self.datamodule, "prepare_batch", None)
+            self._cache[split, feature] = extract_features(
+                self.backbone, loader, feature=feature, prepare=prepare
+            )
+        return self._cache[split, feature]
+
+    @property
+    def num_classes(self) -> int:
+        return self.datamodule.num_classes or int(self.get("train", "cls").y.max()) + 1
+
+
+def _restrict(features: Features, classes: list[int] | None) -> Features:
+    if classes is None:
+        return features
+    keep = torch.isin(features.y, torch.tensor(classes))
+    return Features(
+        features.x[keep], features.y[keep], [k for k, m in zip(features.keys, keep.tolist()) if m]
+    )
+
+
+def fewshot(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+    train, test = features.get("train", protocol.feature), features.get("test", protocol.feature)
+    accuracy = fewshot_accuracy(
+        train.x,
+        train.y,
+        test.x,
+        test.y,
+        shots=tuple(protocol.shots),
+        seeds=tuple(protocol.seeds),
+        ridge=protocol.ridge,
+        classes=protocol.classes,
+    )
+    scores = {f"{protocol.name}_{shots}shot": mean for shots, (mean, _) in accuracy.items()}
+    return scores, {str(shots): {"mean": mean, "std": std} for shots, (mean, std) in accuracy.items()}
+
+
+def knn(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+    train = _restrict(features.get("train", protocol.feature), protocol.classes)
+    test = _restrict(features.get("test", protocol.feature), protocol.classes)
+    accuracy = knn_accuracy(train.x, train.y, test.x, test.y, k=protocol.k, temperature=protocol.temperature)
+    return {protocol.name: accuracy}, {"train_samples": len(train.y), "test_samples": len(test.y)}
+
+
+def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+    from ssl_vit.tasks import LinearProbe
+
+    num_classes = features.num_classes
+    model = LinearProbe(
+        backbone=config,
+        init_from=source,
+        num_classes=num_classes,
+        feature=protocol.feature,
+        lrs=list(protocol.lrs),
+        batch_norm=protocol.batch_norm,
+        optimizer=lambda params: torch.optim.SGD(params, lr=protocol.lrs[0], momentum=0.9),
+    )
+    metrics = _train(model, protocol, suite)
+    return {protocol.name: metrics["val/accuracy"]}, {"best_lr": metrics.get("val/best_lr"), **metrics}
+
+
+def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+    from ssl_vit.tasks import FineTune
+
+    model = FineTune(
+        backbone=config,
+        init_from=source,
+        num_classes=features.num_classes,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=protocol.lr, weight_decay=0.05),
+    )
+    metrics = _train(model, protocol, suite)
+    return {protocol.name: metrics["val/accuracy"]}, metrics
+
+
+def _train(model, protocol, suite) -> dict[str, float]:
+    """Train `model` on the suite's train split for `protocol.epochs`, validate on its test split."""
+    import pytorch_lightning as pl
+
+    from ssl_vit.data import ShardDataModule
+
+    data = suite.datasets[protocol.dataset]
+    datamodule = ShardDataModule(
+        train_urls=data["train_urls"],
+        val_urls=data["test_urls"],
+        classes=protocol.classes,
+        train_preset="pretrain",
+        crop_scale=(0.6, 1.0),
+        **{k: v for k, v in data.items() if k in DATA_KEYS},
+    )
+    trainer = pl.Trainer(
+        accelerator="auto",
+        devices=1,
+        max_epochs=protocol.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=datamodule)
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}

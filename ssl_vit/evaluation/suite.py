@@ -1,0 +1,148 @@
+"""Evaluation suites: a YAML file naming the data and the protocols, run on one checkpoint.
+
+```yaml
+backbone: {variant: S/4, img_size: 32, width: 64, depth: 4, heads: 4}  # for `scratch` and plain weights
+data:                      # ShardDataModule arguments; train = probe/support set, test = evaluation set
+  train_urls: data/shards/digits/train-{000000..000004}.tar
+  test_urls: data/shards/digits/val-{000000..000003}.tar
+  image_size: 32
+# or several datasets by name (`datasets: {cifar10: {...}, pets: {...}}`), each protocol naming its
+# `dataset:` (default: the first)
+protocols:
+  - {name: fewshot, kind: fewshot, shots: [1, 5, 10, 25], seeds: [0, 1, 2]}
+  - {name: fewshot_heldout, kind: fewshot, classes: [5, 6, 7, 8, 9]}
+  - {name: knn, kind: knn, k: 20}
+  - {name: linear, kind: linear_probe, epochs: 10, lrs: [0.01, 0.1]}
+  - {name: finetune, kind: finetune, epochs: 5, lr: 1.0e-3}
+```
+
+Every protocol is explicit and logged with its result (feature, shots, seeds, lrs...), so two
+checkpoints are always compared under the same written-down protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ssl_vit.errors import UserError
+from ssl_vit.models.vit import ViTConfig
+
+Kind = Literal["fewshot", "knn", "linear_probe", "finetune"]
+KINDS = ("fewshot", "knn", "linear_probe", "finetune")
+
+
+@dataclass
+class Protocol:
+    name: str
+    kind: Kind
+    dataset: str | None = None  # a key of the suite's datasets; None: the first
+    feature: Literal["cls", "mean", "lastk"] = "cls"
+    classes: list[int] | None = None  # restrict support and test sets to these classes
+    # fewshot (ViT paper / big_vision: ridge to {-1, 1}^K, lambda 1024)
+    shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    ridge: float = 1024.0
+    # knn (DINO's weighted vote)
+    k: int = 20
+    temperature: float = 0.07
+    # linear_probe / finetune (trained with Lightning on the suite's data)
+    epochs: int = 10
+    lrs: list[float] = field(default_factory=lambda: [0.01, 0.03, 0.1, 0.3])
+    lr: float = 1e-3
+    batch_norm: bool = True
+
+
+@dataclass
+class Suite:
+    backbone: ViTConfig
+    datasets: dict[str, dict[str, Any]]  # name -> ShardDataModule arguments
+    protocols: list[Protocol]
+    path: str = ""
+
+    def columns(self) -> list[str]:
+        """Result columns, in the order the report shows them."""
+        names = []
+        for p in self.protocols:
+            names += [f"{p.name}_{s}shot" for s in p.shots] if p.kind == "fewshot" else [p.name]
+        return names
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Parse and check a suite file; every problem is a one-line UserError naming the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"suite {path} does not exist; see recipes/eval/ for examples")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"suite {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(raw, dict) or "protocols" not in raw or ("data" in raw) == ("datasets" in raw):
+        raise UserError(f"suite {path} needs 'protocols' and one of 'data' or 'datasets' (and 'backbone')")
+    backbone = _build(ViTConfig, raw.get("backbone") or {}, f"{path}: backbone")
+    protocols = [_build(Protocol, p, f"{path}: protocol {i}") for i, p in enumerate(raw["protocols"])]
+    for p in protocols:
+        if p.kind not in KINDS:
+            raise UserError(f"{path}: protocol {p.name!r} has kind {p.kind!r}; valid: {', '.join(KINDS)}")
+    names = [p.name for p in protocols]
+    if len(set(names)) != len(names):
+        raise UserError(f"{path}: protocol names must be unique, got {names}")
+    datasets = raw["datasets"] if "datasets" in raw else {"data": raw["data"]}
+    for name, data in datasets.items():
+        for key in ("train_urls", "test_urls"):
+            if not (data or {}).get(key):
+                raise UserError(f"{path}: {name}.{key} is missing (train: probe/support, test: evaluation)")
+    for p in protocols:
+        p.dataset = p.dataset or next(iter(datasets))
+        if p.dataset not in datasets:
+            valid = ", ".join(datasets)
+            raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
+    return Suite(backbone, datasets, protocols, str(path))
+
+
+def _build(cls, values: dict, where: str):
+    known = {f.name for f in fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise UserError(f"{where}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    try:
+        return cls(**values)
+    except TypeError as err:
+        raise UserError(f"{where}: {err}") from None
+
+
+def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run every protocol of `suite` on the checkpoint `source`; returns (and writes to
+    out_dir/results.json) {"checkpoint", "backbone", "results": {column: accuracy}, "protocols", ...}."""
+    from ssl_vit.evaluation import protocols as run
+    from ssl_vit.evaluation.checkpoints import load_backbone
+
+    start = time.time()
+    backbone, config = load_backbone(source, suite.backbone)
+    results: dict[str, float] = {}
+    details: dict[str, Any] = {}
+    features = {name: run.FeatureCache(backbone, data) for name, data in suite.datasets.items()}
+    for protocol in suite.protocols:
+        run_protocol = getattr(run, protocol.kind)
+        scores, detail = run_protocol(protocol, features[protocol.dataset], source, config, suite)
+        results.update(scores)
+        details[protocol.name] = detail
+    record = {
+        "checkpoint": source,
+        "backbone": asdict(config),
+        "results": results,
+        "details": details,
+        "protocols": [asdict(p) for p in suite.protocols],
+        "suite": suite.path,
+        "seconds": round(time.time() - start, 1),
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record

@@ -1,0 +1,116 @@
+"""`ssl-vit info`: parameters and forward FLOPs of every variant, and of MAE's encoder + decoder.
+
+FLOPs are counted by torch's own `FlopCounterMode` on the meta device (shapes only, no memory, no
+time): matmuls, convolutions and attention, as 2 x multiply-adds, the convention of the MAE and ViT
+papers' FLOP figures. Element-wise ops (norms, GELU) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NamedTuple
+
+from ssl_vit.errors import UserError
+
+META = "meta"
+
+
+class Cost(NamedTuple):
+    params: int
+    flops: int  # forward FLOPs for one image
+
+
+def _count_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def vit_cost(variant: str, img_size: int = 224) -> Cost:
+    """Parameters (no head) and forward FLOPs per image of the plain backbone."""
+    import torch
+
+    from ssl_vit.models.vit import build_vit
+
+    vit = build_vit(variant, img_size, device=META)
+    images = torch.empty(1, 3, img_size, img_size, device=META)
+    return Cost(sum(p.numel() for p in vit.parameters()), _count_flops(lambda: vit(images)))
+
+
+def mae_cost(
+    variant: str,
+    img_size: int = 224,
+    mask_ratio: float = 0.75,
+    decoder_dim: int = 512,
+    decoder_depth: int = 8,
+) -> Cost:
+    """Parameters and forward FLOPs per image of MAE: the encoder on the visible tokens only, the
+    decoder on all of them (He et al. 2021, sec 3)."""
+    import torch
+
+    from ssl_vit.models.heads import MAEDecoder
+    from ssl_vit.models.vit import build_vit
+
+    vit = build_vit(variant, img_size, device=META)
+    pixels = vit.pixels_per_token**2 * 3
+    with torch.device(META):
+        decoder = MAEDecoder(vit.embed_dim, vit.grid_size, pixels, dim=decoder_dim, depth=decoder_depth)
+    num_patches = vit.grid_size[0] * vit.grid_size[1]
+    num_keep = num_patches - round(mask_ratio * num_patches)
+    images = torch.empty(1, 3, img_size, img_size, device=META)
+    idx_keep = torch.arange(num_keep, device=META).unsqueeze(0)
+
+    def forward():
+        decoder(vit.encode(vit.embed_patches(images), idx_keep), idx_keep)
+
+    params = sum(p.numel() for m in (vit, decoder) for p in m.parameters())
+    return Cost(params, _count_flops(forward))
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("info", help="parameters and GFLOPs of the ViT variants and of MAE")
+    parser.add_argument("--img-size", type=int, default=224, help="input resolution (default 224)")
+    parser.add_argument(
+        "--variants", nargs="+", metavar="VARIANT", help="default: Ti/16 S/16 B/16 ... R50+B/16"
+    )
+    parser.add_argument("--mask-ratio", type=float, default=0.75, help="MAE mask ratio (default 0.75)")
+    parser.add_argument("--decoder-dim", type=int, default=512)
+    parser.add_argument("--decoder-depth", type=int, default=8)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ssl_vit.models.vit import EXAMPLE_VARIANTS, parse_variant
+
+    args.variants = args.variants or list(EXAMPLE_VARIANTS)
+    for variant in args.variants:
+        try:
+            parse_variant(variant)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    table = Table(title=f"ViT variants at {args.img_size}px (forward, per image; FLOPs = 2 x MACs)")
+    for column in (
+        "variant",
+        "params (M)",
+        "GFLOPs",
+        f"MAE {args.mask_ratio:.0%} params (M)",
+        "MAE GFLOPs",
+        "supervised / MAE",
+    ):
+        table.add_column(column, justify="right")
+    for variant in args.variants:
+        vit = vit_cost(variant, args.img_size)
+        row = [variant, f"{vit.params / 1e6:.1f}", f"{vit.flops / 1e9:.1f}"]
+        if variant.startswith("R50+"):  # MAE masks patches of pixels; a ResNet stem sees them all.
+            row += ["-", "-", "-"]
+        else:
+            mae = mae_cost(variant, args.img_size, args.mask_ratio, args.decoder_dim, args.decoder_depth)
+            row += [f"{mae.params / 1e6:.1f}", f"{mae.flops / 1e9:.1f}", f"{vit.flops / mae.flops:.2f}x"]
+        table.add_row(*row)
+    Console().print(table)
+    return 0

@@ -1,0 +1,198 @@
+"""The one backbone: timm's `VisionTransformer`, built from a variant string, with token-level entry points.
+
+`ViT` subclasses timm's class only to add methods; it adds no parameters, so its state dict is exactly
+timm's (`patch_embed.proj.weight`, `blocks.0.attn.qkv.weight`, `cls_token`, `pos_embed`, ...) and
+weights move between ssl-vit and `timm.create_model` without a mapping table. Objectives (MPP, MAE,
+SimMIM) wrap it and own their own parameters, such as the learned `[mask]` embedding.
+
+Legend for tensor shapes: B batch, N patch tokens, K kept tokens, D width, P prefix ([class]) tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Literal, NamedTuple
+
+import torch
+from timm.models import checkpoint_seq
+from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
+from torch import Tensor
+
+# name -> (width, depth, heads, mlp_dim). B/L/H: ViT paper Table 1; Ti/S: DeiT; M: big_vision.
+VARIANTS: dict[str, tuple[int, int, int, int]] = {
+    "Ti": (192, 12, 3, 768),
+    "S": (384, 12, 6, 1536),
+    "M": (512, 12, 8, 2048),
+    "B": (768, 12, 12, 3072),
+    "L": (1024, 24, 16, 4096),
+    "H": (1280, 32, 16, 5120),
+}
+# The paper's hybrids: a ResNet-50 (v2, group norm, weight-standardised convs) whose stages up to
+# stride 16 (3, 4, 9 blocks) or stride 32 (3, 4, 6, 3) feed 1x1 "patches" to the transformer
+# (ViT paper sec 3.1 "Hybrid Architecture"; timm's vit_base_r50_s16_224 / vit_large_r50_s32_224).
+HYBRID_STAGES: dict[int, tuple[int, ...]] = {16: (3, 4, 9), 32: (3, 4, 6, 3)}
+_VARIANT_RE = re.compile(r"^(?:(?P<hybrid>R50)\+)?(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
+EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R50+B/16")
+
+
+class Variant(NamedTuple):
+    size: str
+    patch_size: int
+    hybrid: bool
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        return VARIANTS[self.size]
+
+
+def parse_variant(variant: str) -> Variant:
+    """`"B/16"` -> Variant("B", 16, hybrid=False); `"R50+B/16"` -> hybrid. ValueError lists the valid ones."""
+    match = _VARIANT_RE.match(variant.strip())
+    valid = f"valid: {{{','.join(VARIANTS)}}}/PATCH, e.g. {', '.join(EXAMPLE_VARIANTS)}"
+    if match is None or match["size"] not in VARIANTS or int(match["patch"]) < 1:
+        raise ValueError(f"unknown ViT variant {variant!r}; {valid}")
+    parsed = Variant(match["size"], int(match["patch"]), match["hybrid"] is not None)
+    if parsed.hybrid and parsed.patch_size not in HYBRID_STAGES:
+        raise ValueError(f"hybrid {variant!r} needs a ResNet stride of {sorted(HYBRID_STAGES)}; {valid}")
+    return parsed
+
+
+class Tokens(NamedTuple):
+    """Named outputs of `ViT.encode`."""
+
+    cls: Tensor | None  # (B, D) final-norm [class] token; None without one
+    patches: Tensor  # (B, N or K, D) final-norm patch tokens, in the order they were given
+    pooled: Tensor  # (B, D) what timm's head would see: [class] token or normalised mean of patches
+
+
+class ViT(VisionTransformer):
+    """timm's VisionTransformer plus the entry points masked pretraining needs.
+
+    - `embed_patches(images)`: patch embeddings before position embeddings, where the ViT paper
+      corrupts them (sec 4.6) and SimMIM puts its mask token.
+    - `encode(patch_tokens, idx_keep=None)`: position embeddings, optional gathering of a subset of
+      tokens (MAE: only those run through the blocks), [class] token, blocks, final norm.
+    """
+
+    def __init__(self, *, variant: str, **timm_kwargs) -> None:
+        super().__init__(**timm_kwargs)
+        self.variant = variant
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return tuple(self.patch_embed.grid_size)
+
+    @property
+    def pixels_per_token(self) -> int:
+        """Pixels per side of one token: the patch size, or the ResNet stride for hybrids."""
+        return self.patch_embed.feat_ratio(as_scalar=True)
+
+    def embed_patches(self, images: Tensor) -> Tensor:
+        """images: (B, 3, H, W) -> patch embeddings (B, N, D), no position embeddings yet."""
+        return self.patch_embed(images)
+
+    def encode(
+        self,
+        patch_tokens: Tensor,
+        idx_keep: Tensor | None = None,
+        mask: Tensor | None = None,
+        mask_token: Tensor | None = None,
+    ) -> Tokens:
+        """patch_tokens: (B, N, D) from `embed_patches`, possibly already corrupted (ViT-paper MPP
+        replaces embeddings before position embeddings are added, appendix B.1.2).
+
+        idx_keep: (B, K) int64: only those K tokens (plus [class]) run through the blocks, each with its
+        own position embedding (MAE, He et al. 2021 sec 3: "the encoder is applied only on visible patches").
+        mask: (B, N) bool with mask_token (D,): masked patches are replaced by the learned token before
+        position embeddings are added, and all N run through the blocks (SimMIM, Xie et al. 2022 sec 3.1).
+        """
+        if mask is not None:
+            patch_tokens = torch.where(mask.unsqueeze(-1), mask_token.to(patch_tokens.dtype), patch_tokens)
+        prefix_pos, patch_pos = (
+            self.pos_embed[:, : self.num_prefix_tokens],
+            self.pos_embed[:, self.num_prefix_tokens :],
+        )
+        x = patch_tokens + patch_pos  # (B, N, D)
+        if idx_keep is not None:
+            x = torch.gather(x, 1, idx_keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, K, D)
+        if self.cls_token is not None:
+            x = torch.cat([(self.cls_token + prefix_pos).expand(x.shape[0], -1, -1), x], dim=1)  # (B, P+K, D)
+        x = self.norm_pre(self.pos_drop(x))
+        x = checkpoint_seq(self.blocks, x) if self.grad_checkpointing else self.blocks(x)
+        x = self.norm(x)
+        return Tokens(
+            cls=x[:, 0] if self.cls_token is not None else None,
+            patches=x[:, self.num_prefix_tokens :],
+            pooled=self.forward_head(x, pre_logits=True),
+        )
+
+    def forward_tokens(self, images: Tensor) -> Tokens:
+        """images: (B, 3, H, W) -> all named outputs of the plain (uncorrupted) forward."""
+        return self.encode(self.embed_patches(images))
+
+
+def build_vit(
+    variant: str,
+    img_size: int = 224,
+    *,
+    pooling: Literal["cls", "gap"] = "cls",
+    width: int | None = None,
+    depth: int | None = None,
+    heads: int | None = None,
+    mlp_dim: int | None = None,
+    num_classes: int = 0,
+    **timm_kwargs,
+) -> ViT:
+    """Build a ViT from a variant string (`"B/16"`, `"R50+B/16"`, ...).
+
+    width/depth/heads/mlp_dim override the table (tiny test models); `pooling` is the paper's
+    `[class]` token or global average pooling (no [class] token, ViT paper appendix D.3). Other keyword
+    arguments go to timm's VisionTransformer (`drop_path_rate`, `device`, ...).
+    """
+    parsed = parse_variant(variant)
+    if pooling not in ("cls", "gap"):
+        raise ValueError(f"unknown pooling {pooling!r}; valid: 'cls', 'gap'")
+    base_width, base_depth, base_heads, base_mlp = parsed.dims
+    width, depth, heads = width or base_width, depth or base_depth, heads or base_heads
+    mlp_dim = mlp_dim or (base_mlp * width // base_width)
+    if width % heads:
+        raise ValueError(f"width {width} is not divisible by heads {heads}; pick heads that divide it")
+    kwargs = dict(
+        img_size=img_size,
+        patch_size=parsed.patch_size,
+        embed_dim=width,
+        depth=depth,
+        num_heads=heads,
+        mlp_ratio=mlp_dim / width,
+        num_classes=num_classes,
+        class_token=pooling == "cls",
+        global_pool="token" if pooling == "cls" else "avg",
+    )
+    if parsed.hybrid:
+        device = timm_kwargs.get("device")
+        backbone = _resnetv2(HYBRID_STAGES[parsed.patch_size], device=device)
+        kwargs.update(patch_size=1, embed_layer=partial(HybridEmbed, backbone=backbone))
+    return ViT(variant=variant, **{**kwargs, **timm_kwargs})
+
+
+@dataclass
+class ViTConfig:
+    """What a task needs to build its backbone, as plain values: LightningCLI exposes each field
+    (`--model.backbone.variant S/16`), and checkpoints store it as hyperparameters, so a backbone can
+    be rebuilt from any ssl-vit checkpoint."""
+
+    variant: str = "B/16"
+    img_size: int = 224
+    pooling: Literal["cls", "gap"] = "cls"
+    width: int | None = None
+    depth: int | None = None
+    heads: int | None = None
+    mlp_dim: int | None = None
+    drop_path_rate: float = 0.0
+
+    def build(self) -> ViT:
+        fields = asdict(self)
+        return build_vit(fields.pop("variant"), fields.pop("img_size"), **fields)

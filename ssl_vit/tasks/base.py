@@ -1,0 +1,148 @@
+"""What every ssl-vit task shares: the backbone under `backbone.` (timm's key names), hyperparameters
+that rebuild it, optimizer groups and schedule, lr scaling by global batch, throughput."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.throughput import get_available_flops
+from pytorch_lightning.cli import OptimizerCallable
+from torch import Tensor
+from torch.utils.flop_counter import FlopCounterMode
+
+from ssl_vit.errors import UserError
+from ssl_vit.models.vit import ViTConfig, parse_variant
+from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
+
+RGB = tuple[float, float, float]
+
+
+class BackboneTask(pl.LightningModule):
+    """Base of the Lightning tasks. Subclasses build their heads; their `forward(images)` is the
+    compute of one training step without the loss (what the FLOPs are counted on).
+
+    Args:
+        backbone: the ViT to build; stored as plain hyperparameters so any checkpoint rebuilds it.
+        optimizer: e.g. `torch.optim.AdamW` with its init args (LightningCLI `OptimizerCallable`).
+        lr_scheduler: called with (optimizer, total optimizer steps), e.g. `WarmupDecay`.
+        lr_reference_batch: when set, the optimizer's lr is per this many images and is scaled by
+            global batch / lr_reference_batch (MAE: lr = base_lr x batch / 256).
+        mean, std: the input normalisation of the data, to recover [0, 1] pixels for targets/pictures.
+    """
+
+    def __init__(
+        self,
+        backbone: ViTConfig,
+        optimizer: OptimizerCallable,
+        lr_scheduler: SchedulerCallable,
+        lr_reference_batch: int | None,
+        mean: RGB,
+        std: RGB,
+        hparams: dict,
+    ) -> None:
+        super().__init__()
+        # Plain values only: checkpoints must load with torch.load(weights_only=True).
+        self.save_hyperparameters(
+            {
+                "backbone": asdict(backbone),
+                "patch_size": parse_variant(backbone.variant).patch_size,
+                "lr_reference_batch": lr_reference_batch,
+                "mean": list(mean),
+                "std": list(std),
+                **hparams,
+            }
+        )
+        self.backbone = backbone.build()
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
+        self.flops_per_image: int | None = None
+
+    def unnormalize(self, images: Tensor) -> Tensor:
+        """Model inputs (B, 3, H, W) -> pixels in [0, 1]."""
+        return (images * self.std + self.mean).clamp(0, 1)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names (fnmatch patterns) without weight decay beyond the 1-D ones."""
+        return {f"backbone.{name}" for name in self.backbone.no_weight_decay()}
+
+    def global_batch_size(self) -> int:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or not hasattr(datamodule, "batch_size"):
+            raise UserError("lr_reference_batch needs a datamodule with a batch_size to scale the lr by")
+        return datamodule.batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def param_groups(self) -> list[dict]:
+        """What the optimizer gets: weight-decay groups by default; tasks override it (a probe's heads,
+        fine-tuning's layer-decay groups). A group may carry its own `lr` and an `lr_scale`."""
+        return weight_decay_groups(self, self.no_weight_decay())
+
+    def configure_optimizers(self):
+        """Each group's lr (its own, or the optimizer's) is scaled by global batch / lr_reference_batch
+        when set, then by the group's `lr_scale` (timm's layer decay: timm's schedulers apply it, torch's
+        and ours do not, so it is applied here once and the schedule multiplies the result)."""
+        optimizer = self.optimizer_factory(self.param_groups())
+        reference = self.hparams.lr_reference_batch
+        scale = self.global_batch_size() / reference if reference else 1.0
+        for group in optimizer.param_groups:
+            group["lr"] *= scale * group.get("lr_scale", 1.0)
+            group["initial_lr"] = group["lr"]
+        scheduler = self.scheduler_factory(optimizer, int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def measure_flops(self, images: Tensor) -> None:
+        """Training FLOPs per image (3 x forward: backward costs about twice the forward), counted once
+        by torch's FlopCounterMode on a one-image batch of the task's `forward`, for the model-FLOP
+        utilisation."""
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            self(images[:1])
+        self.flops_per_image = 3 * counter.get_total_flops()
+
+
+class Throughput(pl.Callback):
+    """Logs images/s (global), tokens/s and model-FLOP utilisation every `log_every_n_steps`.
+
+    Lightning's ThroughputMonitor synchronises the GPU after every step to time it; here the clock is
+    read (and the device synchronised) only when a value is logged (DESIGN.md section 5).
+    """
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._images = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._start is None:
+            if pl_module.flops_per_image is None:
+                pl_module.measure_flops(batch["image"])
+            self._sync(pl_module)
+            self._start, self._images = time.perf_counter(), 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._images += batch["image"].shape[0]
+        if (trainer.global_step % trainer.log_every_n_steps) or trainer.fit_loop._should_accumulate():
+            return
+        self._sync(pl_module)
+        now = time.perf_counter()
+        per_second = self._images * trainer.world_size / max(now - self._start, 1e-9)
+        metrics = {"perf/images_per_s": per_second}
+        tokens = getattr(pl_module, "tokens_per_image", None)
+        if tokens:
+            metrics["perf/tokens_per_s"] = per_second * tokens
+        peak = get_available_flops(pl_module.device, _compute_dtype(trainer))
+        if peak and pl_module.flops_per_image:
+            metrics["perf/mfu"] = per_second * pl_module.flops_per_image / (peak * trainer.world_size)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        self._start, self._images = now, 0
+
+    @staticmethod
+    def _sync(pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+
+def _compute_dtype(trainer) -> torch.dtype:
+    precision = str(trainer.precision)
+    return torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32

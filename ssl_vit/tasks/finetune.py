@@ -1,0 +1,148 @@
+"""Fine-tuning a pretrained backbone with a new zero-initialised head: the ViT paper's transfer protocol
+(sec 3.2, appendix B.1.1) and MAE's (appendix A.1), as presets.
+
+Legend: B batch, D width, K classes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pytorch_lightning.cli import OptimizerCallable
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.optim import param_groups_layer_decay
+from torch import Tensor, nn
+
+from ssl_vit.evaluation.checkpoints import load_backbone
+from ssl_vit.models.vit import ViTConfig, parse_variant
+from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.linear_probe import Feature, check_feature, pool
+from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
+from ssl_vit.tasks.supervised import SupervisedPretraining
+
+Preset = Literal["vit_paper", "mae"]
+Loss = Literal["softmax", "sigmoid"]
+
+# What a preset sets among the task's own choices; any explicit argument overrides it. The optimizer,
+# schedule, gradient clipping and data augmentation of a preset are injected by LightningCLI and live
+# in its recipe (recipes/finetune/).
+PRESETS: dict[str, dict] = {
+    # ViT paper sec 3.2: the [class] token into one zero-initialised linear layer, no layer decay.
+    "vit_paper": dict(feature="cls", layer_decay=None, loss="softmax"),
+    # MAE appendix A.1 (Table 9): global average pooling + fc_norm; layer decay by size (mae_layer_decay).
+    "mae": dict(feature="mean", loss="softmax"),
+}
+DEFAULTS = dict(feature="cls", layer_decay=None, loss="softmax")
+
+
+def mae_layer_decay(variant: str) -> float:
+    """MAE's layer decay by model size (appendix A.1: 0.65 for ViT-B; 0.75 for ViT-L and ViT-H)."""
+    return 0.75 if parse_variant(variant).size in ("L", "H") else 0.65
+
+
+def resolve_choices(preset: str | None, variant: str, feature, layer_decay, loss) -> dict:
+    """Fill unset choices from the preset (else DEFAULTS) and check them."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    base = {**DEFAULTS, **PRESETS.get(preset, {})}
+    if preset == "mae":
+        base["layer_decay"] = mae_layer_decay(variant)
+    given = dict(feature=feature, layer_decay=layer_decay, loss=loss)
+    choices = {key: base[key] if value is None else value for key, value in given.items()}
+    if choices["layer_decay"] is not None and not 0 < choices["layer_decay"] <= 1:
+        raise ValueError(f"layer_decay must be in (0, 1] (1: off), got {choices['layer_decay']}")
+    return choices
+
+
+class FineTune(SupervisedPretraining):
+    """Supervised training of a pretrained backbone under a new zero-initialised head (the loss, soft
+    mixup/cutmix targets and validation accuracy are `SupervisedPretraining`'s).
+
+    Higher-resolution fine-tuning is `data.image_size` (linked into `backbone.img_size`) above the
+    checkpoint's: the patch size is kept and the position embeddings are interpolated in 2-D when the
+    checkpoint is loaded (ViT paper sec 3.2; `load_backbone`).
+
+    Presets (each sets only what this class owns; the rest is its recipe in recipes/finetune/):
+    - `vit_paper`: [class] token, softmax, no layer decay. Recipe: SGD momentum 0.9, no weight decay,
+      gradient clipping at global norm 1 (`trainer.gradient_clip_val`), cosine decay, lr from
+      {0.003, 0.01, 0.03, 0.06}, batch 512, usually at 384 px.
+    - `mae`: global average pooling of the patch tokens + a LayerNorm (`fc_norm`), layer decay 0.65
+      (B and smaller) / 0.75 (L, H), softmax. Recipe: AdamW (0.9, 0.999), base lr 5e-4 x batch / 256
+      (`lr_reference_batch: 256`), weight decay 0.05, drop path 0.1 (`backbone.drop_path_rate`), mixup
+      0.8 / cutmix 1.0 / label smoothing 0.1 and RandAugment (data), 5 warmup epochs, 100 epochs (B) /
+      50 (L).
+
+    Args:
+        init_from: a Lightning .ckpt of any ssl-vit task, an exported .safetensors, `timm:NAME` or
+            `scratch`; its architecture must match `backbone`, whose img_size and drop_path_rate win.
+        num_classes: classes of the new head (linked from the data).
+        preset: `vit_paper` or `mae`; fills the choices below that are left unset.
+        feature: `cls`, the [class] token, or `mean`, the average of the patch tokens followed by a new
+            LayerNorm (MAE's `global_pool` with `fc_norm`; MAE also drops the backbone's final norm, we
+            keep it so the backbone's keys stay timm's).
+        layer_decay: layer-wise lr decay (BEiT, MAE): `blocks.i` of L gets lr x layer_decay^(L - i), patch
+            and position embeddings and [class] token x layer_decay^(L + 1), final norm and head x 1 (timm's
+            `param_groups_layer_decay`; the scale multiplies each group's lr once, after the scaling by
+            global batch, because our schedule does not read timm's `lr_scale`). None or 1: off.
+        loss, head_bias_init: as in `SupervisedPretraining` (`softmax` unless set).
+    """
+
+    def __init__(
+        self,
+        backbone: ViTConfig,
+        num_classes: int,
+        init_from: str = "scratch",
+        preset: Preset | None = None,
+        feature: Feature | None = None,
+        layer_decay: float | None = None,
+        loss: Loss | None = None,
+        head_bias_init: float | None = None,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: SchedulerCallable = WarmupDecay,
+        lr_reference_batch: int | None = None,
+        mean: RGB = IMAGENET_DEFAULT_MEAN,
+        std: RGB = IMAGENET_DEFAULT_STD,
+    ) -> None:
+        choices = resolve_choices(preset, backbone.variant, feature, layer_decay, loss)
+        loaded, config = load_backbone(init_from, backbone)
+        check_feature(choices["feature"], loaded)
+        super().__init__(
+            config, num_classes, loss=choices["loss"], head_bias_init=head_bias_init, optimizer=optimizer,
+            lr_scheduler=lr_scheduler, lr_reference_batch=lr_reference_batch, mean=mean, std=std,
+        )  # fmt: skip
+        self.save_hyperparameters({**self.hparams, "init_from": init_from, "preset": preset, **choices})
+        self.backbone = loaded
+        self.feature, self.layer_decay = choices["feature"], choices["layer_decay"]
+        # A gap backbone's pooled output already ends in timm's fc_norm.
+        with_fc_norm = self.feature == "mean" and loaded.cls_token is not None
+        self.fc_norm = nn.LayerNorm(loaded.embed_dim, eps=1e-6) if with_fc_norm else nn.Identity()
+
+    def forward(self, images: Tensor) -> Tensor:
+        """images: (B, 3, H, W) -> logits (B, K)."""
+        features = pool(self.backbone.forward_tokens(images), self.feature, self.backbone)  # (B, D)
+        return self.head(self.fc_norm(features))
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Layer ids for timm's `param_groups_layer_decay`, numbered as MAE's util/lr_decay.py does:
+        embeddings and [class] token 0, `blocks.i` i + 1, all after the blocks (final norm, fc_norm,
+        head; unmatched, so timm puts them last) the top layer at scale 1. timm's own ViT matcher would
+        merge the final norm into the last block's layer, one decay step away from MAE's numbers."""
+        return dict(stem=r"^backbone\.(?:cls_token|reg_token|pos_embed|patch_embed|norm_pre)",
+                    blocks=r"^backbone\.blocks\.(\d+)")  # fmt: skip
+
+    def param_groups(self) -> list[dict]:
+        """Weight-decay groups, split by layer with an `lr_scale` each when layer decay is on."""
+        if self.layer_decay in (None, 1.0):
+            return weight_decay_groups(self, self.no_weight_decay())
+        # Weight decay off for 1-D parameters and no_weight_decay(), as in weight_decay_groups.
+        groups = param_groups_layer_decay(
+            self, weight_decay=1.0, no_weight_decay_list=self.no_weight_decay(), layer_decay=self.layer_decay
+        )
+        for group in groups:
+            if group["weight_decay"]:
+                del group["weight_decay"]  # decaying groups take the optimizer's configured value
+        return groups
+
+
+__all__ = ["PRESETS", "FineTune", "mae_layer_decay"]

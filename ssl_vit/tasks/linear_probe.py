@@ -1,0 +1,169 @@
+"""Linear probing: a frozen backbone and linear heads on its features, several learning rates at once.
+
+Legend: B batch, D width, K classes, H heads (one per learning rate).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.cli import OptimizerCallable
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch import Tensor, nn
+from torch.optim import SGD, Optimizer
+from torch.utils.flop_counter import FlopCounterMode
+from torchmetrics.classification import MulticlassAccuracy
+
+from ssl_vit.evaluation.checkpoints import load_backbone
+from ssl_vit.models.heads import zero_linear
+from ssl_vit.models.vit import Tokens, ViT, ViTConfig
+from ssl_vit.tasks.base import RGB, BackboneTask
+from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
+
+Feature = Literal["cls", "mean"]
+
+
+def check_feature(feature: str, backbone: ViT) -> None:
+    if feature not in ("cls", "mean"):
+        raise ValueError(f"unknown feature {feature!r}; valid: 'cls', 'mean'")
+    if feature == "cls" and backbone.cls_token is None:
+        raise ValueError("feature 'cls' needs a backbone with a [class] token; this one pools by 'gap': use "
+                         "'mean'")
+
+
+def pool(tokens: Tokens, feature: Feature, backbone: ViT) -> Tensor:
+    """The (B, D) feature of an image: the final-norm [class] token, or the mean of the final-norm patch
+    tokens. A `gap` backbone has no final norm on its tokens; its own pooled output (mean, then timm's
+    fc_norm) is the mean feature it was trained with."""
+    if feature == "cls":
+        return tokens.cls
+    return tokens.pooled if backbone.cls_token is None else tokens.patches.mean(1)
+
+
+def sgd_momentum(params) -> Optimizer:
+    """The default probe optimizer: SGD, momentum 0.9, no weight decay (each head's lr is set per group)."""
+    return SGD(params, lr=0.1, momentum=0.9, weight_decay=0.0)
+
+
+class LinearProbe(BackboneTask):
+    """Linear classifiers on frozen features (ViT paper's linear evaluation; MAE sec 4 / appendix A.2).
+
+    The backbone is loaded from `init_from`, frozen (`requires_grad=False`, outside the optimizer) and kept
+    in eval mode even while training, so drop path never acts; its features are computed once per batch
+    without gradients and fed to one zero-initialised linear head per learning rate, so a whole lr sweep
+    costs one backbone forward.
+
+    Args:
+        init_from: a Lightning .ckpt of any ssl-vit task, an exported .safetensors, `timm:NAME` or
+            `scratch`; `backbone` says the architecture it must have and the image size.
+        num_classes: classes of the heads (linked from the data).
+        feature: `cls`, the [class] token (MAE's probe), or `mean` of the patch tokens.
+        batch_norm: BatchNorm without affine parameters before the heads (MAE's protocol: it normalises
+            the features, so one lr grid suits every checkpoint).
+        lrs: one head per learning rate. They override the optimizer's own lr (each head is one param
+            group with its lr) and are per `lr_reference_batch` images when that is set (MAE: base lr 0.1,
+            lr = base x batch / 256). Metrics are named by these values: `val/accuracy_lr0.1`.
+        optimizer: SGD with momentum 0.9 and no weight decay by default; MAE's LARS is
+            `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's LARS adapts only with weight
+            decay otherwise, MAE's always does).
+    Validation logs `val/accuracy_lr{lr}` per head, `val/accuracy` (the best head) and `val/best_lr`.
+    """
+
+    def __init__(
+        self,
+        backbone: ViTConfig,
+        num_classes: int,
+        init_from: str = "scratch",
+        feature: Feature = "cls",
+        batch_norm: bool = True,
+        lrs: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
+        optimizer: OptimizerCallable = sgd_momentum,
+        lr_scheduler: SchedulerCallable = WarmupDecay,
+        lr_reference_batch: int | None = None,
+        mean: RGB = IMAGENET_DEFAULT_MEAN,
+        std: RGB = IMAGENET_DEFAULT_STD,
+    ) -> None:
+        lrs = [float(lr) for lr in lrs]
+        if not lrs or len(set(lrs)) != len(lrs) or min(lrs) <= 0:
+            raise ValueError(f"lrs must be distinct positive learning rates, got {lrs}")
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be positive, got {num_classes}")
+        loaded, config = load_backbone(init_from, backbone)
+        check_feature(feature, loaded)
+        super().__init__(
+            config, optimizer, lr_scheduler, lr_reference_batch, mean, std,
+            hparams=dict(num_classes=num_classes, init_from=init_from, feature=feature, batch_norm=batch_norm,
+                         lrs=lrs),
+        )  # fmt: skip
+        self.backbone = loaded.requires_grad_(False).eval()
+        self.feature, self.lrs = feature, lrs
+        width = self.backbone.embed_dim
+        # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.
+        self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()
+        self.heads = nn.ModuleList(zero_linear(width, num_classes) for _ in lrs)
+        self.val_accuracy = nn.ModuleList(
+            MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
+        )
+        self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
+
+    def train(self, mode: bool = True) -> LinearProbe:
+        """Lightning puts the module in train mode every epoch; the frozen backbone stays in eval mode."""
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    @torch.no_grad()
+    def features(self, images: Tensor) -> Tensor:
+        """images: (B, 3, H, W) -> frozen features (B, D), no graph."""
+        return pool(self.backbone.forward_tokens(images), self.feature, self.backbone)
+
+    def classify(self, features: Tensor) -> Tensor:
+        """features: (B, D) -> logits of every head (H, B, K)."""
+        features = self.norm(features)
+        return torch.stack([head(features) for head in self.heads])
+
+    def forward(self, images: Tensor) -> Tensor:
+        """images: (B, 3, H, W) -> logits (H, B, K)."""
+        return self.classify(self.features(images))
+
+    def forward_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Sum over heads of each head's mean cross-entropy, so each head's gradient is its own loss's."""
+        heads = logits.shape[0]
+        return heads * F.cross_entropy(logits.flatten(0, 1), labels.repeat(heads), ignore_index=-1)
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        loss = self.forward_loss(self(batch["image"]), batch["label"])
+        size = batch["image"].shape[0]
+        self.log("train/loss", loss / len(self.heads), on_step=True, prog_bar=True, batch_size=size)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        for metric, logits in zip(self.val_accuracy, self(batch["image"])):
+            metric.update(logits, batch["label"])
+
+    def on_validation_epoch_end(self) -> None:
+        # compute() gathers every rank's counts, so each sample counts once across ranks.
+        accuracies = torch.stack([metric.compute() for metric in self.val_accuracy])
+        for lr, accuracy, metric in zip(self.lrs, accuracies, self.val_accuracy):
+            self.log(f"val/accuracy_lr{lr:g}", accuracy)
+            metric.reset()
+        best = accuracies.argmax()
+        self.log("val/accuracy", accuracies[best], prog_bar=True)
+        self.log("val/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
+
+    def param_groups(self) -> list[dict]:
+        """One group per head, with that head's lr; the frozen backbone is in none."""
+        return [{"params": list(head.parameters()), "lr": lr} for head, lr in zip(self.heads, self.lrs)]
+
+    def measure_flops(self, images: Tensor) -> None:
+        """Training FLOPs per image: one forward of the frozen backbone, forward and backward (3x) of the
+        heads (2 D K each)."""
+        with FlopCounterMode(display=False) as counter:
+            self.features(images[:1])
+        heads = sum(2 * head.in_features * head.out_features for head in self.heads)
+        self.flops_per_image = counter.get_total_flops() + 3 * heads
+
+
+__all__ = ["Feature", "LinearProbe", "pool", "sgd_momentum"]

@@ -1,0 +1,37 @@
+"""Shared test fixtures. Sub-areas keep their own fixtures next to their tests."""
+
+import pytest
+from cli_helpers import run_cli, skip_or_fail  # noqa: F401  (skip_or_fail: re-exported for older imports)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def digits_shards(tmp_path_factory):
+    """The bundled digits as shards, written once per session by the CLI: train (5 shards) and val (4)."""
+    out = tmp_path_factory.mktemp("digits")
+    run_cli("data", "convert", "digits", str(out), "--split", "train", "--shard-size", "300", "--no-progress")
+    run_cli("data", "convert", "digits", str(out), "--split", "val", "--shard-size", "100", "--no-progress")
+    return out
+
+
+@pytest.fixture(scope="session")
+def digits_batch():
+    """16 real digit images as a normalised model batch (B, 3, 32, 32), ImageNet mean/std."""
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    digits = load_digits()
+    pixels = torch.tensor(digits.images[:16], dtype=torch.float32)[:, None] / 16
+    pixels = F.interpolate(pixels, size=32, mode="bilinear").clamp(0, 1)
+    pixels = pixels * torch.tensor([1.0, 0.6, 0.3]).view(1, 3, 1, 1)  # some colour, so colour classes vary
+    mean, std = (
+        torch.tensor(IMAGENET_DEFAULT_MEAN).view(1, 3, 1, 1),
+        torch.tensor(IMAGENET_DEFAULT_STD).view(1, 3, 1, 1),
+    )
+    return {"image": (pixels - mean) / std, "label": torch.tensor(digits.target[:16])}

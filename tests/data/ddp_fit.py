@@ -1,0 +1,91 @@
+"""A 2-process DDP `fit` (CPU, gloo) on ShardDataModule, run by test_ddp_fit.py as
+`python ddp_fit.py TRAIN_URLS VAL_URLS OUT`.
+
+Lightning's DDP launcher re-runs this script for rank 1. Each rank writes OUT/rankN.json with the
+training batches it ran per epoch, the validation keys it saw and the synced metrics.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+import torchmetrics
+
+from ssl_vit.data import LogSkippedSamples, ShardDataModule
+
+TRAIN_BATCHES = 4
+
+
+class PooledLinear(pl.LightningModule):
+    """A linear layer on mean-pooled pixels: just enough model to step DDP."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+        self.val_samples = torchmetrics.SumMetric()
+        self.train_batches: list[int] = []
+        self.val_keys: list[str] = []
+
+    def forward(self, images):
+        return self.head(images.mean(dim=(2, 3)))
+
+    def on_train_epoch_start(self):
+        self.train_batches.append(0)
+
+    def training_step(self, batch, batch_idx):
+        self.train_batches[-1] += 1
+        return F.cross_entropy(self(batch["image"]), batch["label"])
+
+    def validation_step(self, batch, batch_idx):
+        self.val_samples.update(torch.tensor(float(len(batch["key"]))))
+        self.log("val/samples", self.val_samples, on_epoch=True, batch_size=len(batch["key"]))
+        self.val_keys.extend(batch["key"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main(urls: str, val_urls: str, out: str) -> None:
+    pl.seed_everything(0, verbose=False)
+    dm = ShardDataModule(
+        train_urls=urls,
+        val_urls=val_urls,
+        batch_size=3,
+        num_workers=2,
+        image_size=16,
+        eval_crop_pct=1.0,
+        train_batches=TRAIN_BATCHES,
+        shuffle_buffer=8,
+    )
+    model = PooledLinear(num_classes=10)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[LogSkippedSamples()],
+    )
+    trainer.fit(model, datamodule=dm)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    Path(out, f"rank{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "train_batches": model.train_batches,
+                "val_keys": model.val_keys,
+                "metrics": metrics,
+                "world_size": trainer.world_size,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,40 @@
+"""A 2-process DDP `fit` on unequal shards completes; every rank steps the configured batches."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_helpers import free_port, write_broken_shard, write_shards
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_process_ddp_fit_on_unequal_shards(tmp_path):
+    train_urls, _ = write_shards(tmp_path / "train", [7, 2, 5], prefix="train")
+    val_urls, val_keys = write_shards(tmp_path / "val", [4, 1, 6], prefix="val", seed=1)
+    good, bad = write_broken_shard(tmp_path / "val" / "val-000003.tar", np.random.default_rng(2))
+    val_urls = val_urls.replace("000002}", "000003}")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "ddp_fit.py"), train_urls, val_urls, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert r["train_batches"] == [4, 4]  # both epochs, both ranks: lockstep
+        # metrics sync across ranks and count each validation sample once; skips are a metric too
+        assert r["metrics"]["val/samples"] == len(val_keys) + len(good)
+        assert r["metrics"]["data/skipped_val"] == bad
+    seen = Counter(k for r in ranks for k in r["val_keys"])
+    assert sorted(seen) == sorted(val_keys + good) and set(seen.values()) == {2}  # once per epoch

@@ -1,0 +1,163 @@
+"""`ssl-vit evaluate` and `ssl-vit compare` end to end, on digits shards and tiny checkpoints."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import yaml
+
+from ssl_vit.errors import UserError
+from ssl_vit.evaluation.commands import parse_checkpoints
+from ssl_vit.evaluation.suite import load_suite
+from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
+
+
+def save(model, path):
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(digits_shards, tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    torch.manual_seed(0)
+    config = ViTConfig(**BACKBONE)
+    ckpts = {
+        "mpp": save(MaskedPatchPretraining(config, preset="vit_mpp"), root / "mpp.ckpt"),
+        "sup": save(SupervisedPretraining(config, num_classes=10), root / "sup.ckpt"),
+    }
+    broken = root / "broken.ckpt"
+    broken.write_bytes(b"this is not a checkpoint")
+    ckpts["broken"] = str(broken)
+    suite = {
+        "backbone": BACKBONE,
+        "data": {
+            "train_urls": str(digits_shards / "train-{000000..000004}.tar"),
+            "test_urls": str(digits_shards / "val-{000000..000003}.tar"),
+            "image_size": 32,
+            "batch_size": 128,
+            "num_workers": 0,
+        },
+        "protocols": [
+            {"name": "fewshot", "kind": "fewshot", "shots": [1, 5], "seeds": [0, 1]},
+            {"name": "heldout", "kind": "fewshot", "shots": [5], "seeds": [0], "classes": [5, 6, 7, 8, 9]},
+            {"name": "knn", "kind": "knn", "k": 5},
+            {"name": "linear", "kind": "linear_probe", "epochs": 1, "lrs": [0.1, 0.3]},
+        ],
+    }
+    (root / "suite.yaml").write_text(yaml.safe_dump(suite))
+    return root, ckpts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup, cli):
+    root, ckpts = setup
+    out = root / "out"
+    proc = cli(
+        "compare",
+        *[f"{k}={v}" for k, v in ckpts.items()],
+        "--scratch",
+        "--suite",
+        str(root / "suite.yaml"),
+        "--out",
+        str(out),
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]  # one checkpoint failed
+    for name in (
+        "results.csv",
+        "results.md",
+        "fewshot.png",
+        "bars.png",
+        "mpp/results.json",
+        "broken/error.txt",
+    ):
+        assert (out / name).is_file(), name
+    rows = {row["name"]: row for row in csv.DictReader((out / "results.csv").open())}
+    assert list(rows) == ["mpp", "sup", "broken", "scratch"]
+    columns = ["fewshot_1shot", "fewshot_5shot", "heldout_5shot", "knn", "linear"]
+    for name in ("mpp", "sup", "scratch"):
+        assert rows[name]["error"] == ""
+        assert all(0.0 <= float(rows[name][c]) <= 1.0 for c in columns), rows[name]
+    assert "not a checkpoint" in rows["broken"]["error"] and rows["broken"]["knn"] == ""
+    table = (out / "results.md").read_text()
+    assert "| broken | failed:" in table and table.count("**") >= 2 * len(columns)
+    assert list((out / "wandb").glob("offline-run-*"))
+    details = json.loads((out / "mpp/results.json").read_text())
+    assert details["protocols"][0]["shots"] == [1, 5] and "best_lr" in details["details"]["linear"]
+
+
+@pytest.mark.slow
+def test_evaluate_writes_results_json(setup, cli):
+    root, ckpts = setup
+    suite = yaml.safe_load((root / "suite.yaml").read_text())
+    suite["protocols"] = suite["protocols"][:3]  # the frozen-feature ones
+    (root / "frozen.yaml").write_text(yaml.safe_dump(suite))
+    cli("evaluate", ckpts["sup"], "--suite", str(root / "frozen.yaml"), "--out", str(root / "eval"))
+    record = json.loads((root / "eval/results.json").read_text())
+    assert set(record["results"]) == {"fewshot_1shot", "fewshot_5shot", "heldout_5shot", "knn"}
+    assert record["backbone"]["variant"] == "S/8"
+
+
+def test_bad_suites_and_arguments_are_one_line_errors(tmp_path, cli):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump(
+            {"data": {"train_urls": "a", "test_urls": "b"}, "protocols": [{"name": "x", "kind": "magic"}]}
+        )
+    )
+    with pytest.raises(UserError, match="valid: fewshot, knn, linear_probe, finetune"):
+        load_suite(bad)
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"train_urls": "a", "test_urls": "b"},
+                "protocols": [{"name": "x", "kind": "knn", "neighbours": 3}],
+            }
+        )
+    )
+    with pytest.raises(UserError, match="unknown keys \\['neighbours'\\]"):
+        load_suite(bad)
+    with pytest.raises(UserError, match="NAME=CKPT"):
+        parse_checkpoints(["runs/a.ckpt"], scratch=False)
+    assert parse_checkpoints(["a=x.ckpt"], scratch=True) == {"a": "x.ckpt", "scratch": "scratch"}
+    proc = cli(
+        "evaluate", "scratch", "--suite", str(tmp_path / "missing.yaml"), "--out", str(tmp_path), check=False
+    )
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_suites_with_several_datasets_route_each_protocol(tmp_path):
+    data = {"train_urls": "a-{0..1}.tar", "test_urls": "b.tar"}
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump({
+        "datasets": {"cifar10": data, "pets": data},
+        "protocols": [
+            {"name": "c10", "kind": "knn"},
+            {"name": "pets_fs", "kind": "fewshot", "dataset": "pets"},
+        ],
+    }))  # fmt: skip
+    suite = load_suite(path)
+    assert [p.dataset for p in suite.protocols] == ["cifar10", "pets"]
+    assert suite.columns() == ["c10", "pets_fs_1shot", "pets_fs_5shot", "pets_fs_10shot", "pets_fs_25shot"]
+    path.write_text(yaml.safe_dump({"datasets": {"cifar10": data}, "protocols": [
+        {"name": "x", "kind": "knn", "dataset": "imagenet"}]}))  # fmt: skip
+    with pytest.raises(UserError, match="names dataset 'imagenet'; valid: cifar10"):
+        load_suite(path)
+
+
+@pytest.mark.parametrize("suite", sorted(ROOT.glob("recipes/eval/*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_suite_parses(suite):
+    parsed = load_suite(suite)
+    assert parsed.protocols and parsed.columns()
+    assert suite.read_text().startswith("# ssl-vit compare")

@@ -1,0 +1,180 @@
+"""`ssl-vit fit` the way users run it: recipes, the quickstart, two-node DDP through torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from cli_helpers import free_port
+
+from ssl_vit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if p.read_text().startswith("# ssl-vit fit"))
+
+
+def test_there_are_recipes_for_every_method():
+    names = {p.relative_to(ROOT / "recipes").as_posix() for p in RECIPES}
+    assert {
+        "quickstart/mpp.yaml",
+        "quickstart/supervised.yaml",
+        "vit_paper/mpp_b16.yaml",
+        "vit_paper/supervised_b16_in21k.yaml",
+        "mae/b16_in1k.yaml",
+        "mae/l16_in1k.yaml",
+        "simmim/b16_in1k.yaml",
+    } <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
+def test_every_recipe_parses_with_print_config(recipe, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(recipe), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "class_path: ssl_vit.tasks." in printed
+    # The image size is given once, by the data, and linked into the backbone.
+    assert "image_size:" in printed
+
+
+def quickstart_overrides(shards: Path) -> list[str]:
+    return [
+        "--data.init_args.train_urls",
+        str(shards / "train-{000000..000004}.tar"),
+        "--data.init_args.val_urls",
+        str(shards / "val-{000000..000003}.tar"),
+        "--data.init_args.num_workers",
+        "0",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["quickstart/mpp.yaml", "quickstart/supervised.yaml"])
+def test_quickstart_recipes_run_fast_dev_run(recipe, digits_shards, tmp_path, cli):
+    proc = cli(
+        "fit",
+        "--config",
+        str(ROOT / "recipes" / recipe),
+        *quickstart_overrides(digits_shards),
+        "--trainer.fast_dev_run",
+        "2",
+        "--trainer.default_root_dir",
+        str(tmp_path / "run"),
+        cwd=ROOT,
+    )
+    assert "fast_dev_run" in proc.stdout + proc.stderr
+
+
+def test_bad_recipe_value_is_a_clear_error(cli, tmp_path):
+    proc = cli(
+        "fit",
+        "--config",
+        str(ROOT / "recipes/quickstart/mpp.yaml"),
+        "--model.init_args.preset",
+        "beit",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        check=False,
+        cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    assert "beit" in proc.stderr and "vit_mpp" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_torchrun_two_nodes_ddp_fit_writes_one_checkpoint_and_one_wandb_run(digits_shards, tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = [
+        "fit",
+        "--config",
+        str(ROOT / "recipes/quickstart/mpp.yaml"),
+        *quickstart_overrides(digits_shards),
+        "--trainer.num_nodes",
+        "2",
+        "--trainer.devices",
+        "1",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.max_epochs",
+        "1",
+        "--data.init_args.train_batches",
+        "3",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.default_root_dir",
+        str(run_dir),
+        "--model.init_args.picture_every_n_steps",
+        "2",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--node_rank",
+                str(rank),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "-m",
+                "ssl_vit",
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-4000:]
+
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert "last.ckpt" in checkpoints and len(checkpoints) == 2  # last + the epoch's, written once (rank 0)
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    assert runs[0].name.endswith((run_dir / "wandb-run-id").read_text().strip())
+
+    # The checkpoint's backbone is timm's, loaded safely.
+    checkpoint = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True, map_location="cpu")
+    assert checkpoint["hyper_parameters"]["backbone"]["variant"] == "S/4"
+    assert checkpoint["hyper_parameters"]["patch_size"] == 4
+    backbone = {
+        k.removeprefix("backbone."): v
+        for k, v in checkpoint["state_dict"].items()
+        if k.startswith("backbone.")
+    }
+    vit = timm.create_model(
+        "vit_small_patch16_224", num_classes=0, img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=4
+    )
+    vit.load_state_dict(backbone, strict=True)
+
+    # The offline run holds the config and the metrics, read back with wandb's own reader.
+    summary = subprocess.run(
+        [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--summary", "--json", str(runs[0])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    summary = json.loads(summary)
+    text = json.dumps(summary)
+    for key in ("train/loss", "val/loss", "perf/images_per_s", "lr-AdamW"):
+        assert key in text, key
+    assert "S/4" in text and "vit_mpp" in text
