@@ -34,7 +34,7 @@ def test_unknown_variant_lists_the_valid_ones(bad):
         build_vit(bad)
 
 
-def _same_outputs(a, b, images):
+def assert_same_outputs(a, b, images):
     a.eval(), b.eval()
     with torch.no_grad():
         torch.testing.assert_close(a(images), b(images), rtol=0, atol=1e-6)
@@ -45,11 +45,11 @@ def test_b16_round_trips_with_timm_both_ways():
     ours = build_vit("B/16")
     theirs = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0)
     theirs.load_state_dict(ours.state_dict(), strict=True)
-    _same_outputs(ours, theirs, images)
+    assert_same_outputs(ours, theirs, images)
 
     theirs = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0)  # fresh weights
     ours.load_state_dict(theirs.state_dict(), strict=True)
-    _same_outputs(ours, theirs, images)
+    assert_same_outputs(ours, theirs, images)
 
 
 def test_gap_pooling_and_hybrid_match_timm_models():
@@ -67,14 +67,14 @@ def test_gap_pooling_and_hybrid_match_timm_models():
         global_pool="avg",
     )
     theirs.load_state_dict(gap.state_dict(), strict=True)
-    _same_outputs(gap, theirs, images)
+    assert_same_outputs(gap, theirs, images)
 
     hybrid = build_vit("R50+B/16", 64, **TINY)
     theirs = timm.create_model(
         "vit_base_r50_s16_224", img_size=64, embed_dim=64, depth=2, num_heads=2, num_classes=0
     )
     theirs.load_state_dict(hybrid.state_dict(), strict=True)
-    _same_outputs(hybrid, theirs, images)
+    assert_same_outputs(hybrid, theirs, images)
     assert hybrid.grid_size == (4, 4) and hybrid.pixels_per_token == 16
 
 

@@ -26,7 +26,7 @@ def lightning_ckpt(tmp_path_factory):
     return path, model
 
 
-def _same(a, b, size=32):
+def assert_same_backbone(a, b, size=32):
     images = torch.randn(2, 3, size, size)
     a.eval(), b.eval()
     torch.testing.assert_close(a.forward_tokens(images).pooled, b.forward_tokens(images).pooled)
@@ -36,7 +36,7 @@ def test_lightning_checkpoint_rebuilds_its_backbone(lightning_ckpt):
     path, model = lightning_ckpt
     vit, config = load_backbone(str(path))
     assert config == CONFIG
-    _same(vit, model.backbone)
+    assert_same_backbone(vit, model.backbone)
 
 
 def test_higher_resolution_resamples_position_embeddings(lightning_ckpt):
@@ -62,12 +62,12 @@ def test_exported_safetensors_with_and_without_metadata(lightning_ckpt, tmp_path
     save_file(state, tmp_path / "with.safetensors", metadata=config_metadata(CONFIG))
     vit, config = load_backbone(str(tmp_path / "with.safetensors"))
     assert config == CONFIG
-    _same(vit, model.backbone)
+    assert_same_backbone(vit, model.backbone)
     save_file(state, tmp_path / "plain.safetensors")
     with pytest.raises(UserError, match="carries no backbone config"):
         load_backbone(str(tmp_path / "plain.safetensors"))
     vit, _ = load_backbone(str(tmp_path / "plain.safetensors"), CONFIG)
-    _same(vit, model.backbone)
+    assert_same_backbone(vit, model.backbone)
 
 
 def test_scratch_builds_the_given_config():
