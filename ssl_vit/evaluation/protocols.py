@@ -92,7 +92,12 @@ def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tup
         optimizer=lambda params: torch.optim.SGD(params, lr=protocol.lrs[0], momentum=0.9),
     )
     metrics = _train(model, protocol, suite)
-    return {protocol.name: metrics["val/accuracy"]}, {"best_lr": metrics.get("val/best_lr"), **metrics}
+    detail = {
+        "best_lr": metrics.get("val/best_lr"),
+        "labels_per_class": _labels_per_class(features),
+        **metrics,
+    }
+    return {protocol.name: metrics["val/accuracy"]}, detail
 
 
 def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
@@ -105,7 +110,18 @@ def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[d
         optimizer=lambda params: torch.optim.AdamW(params, lr=protocol.lr, weight_decay=0.05),
     )
     metrics = _train(model, protocol, suite)
-    return {protocol.name: metrics["val/accuracy"]}, metrics
+    return {protocol.name: metrics["val/accuracy"]}, {
+        "labels_per_class": _labels_per_class(features),
+        **metrics,
+    }
+
+
+def _labels_per_class(features: FeatureCache) -> float:
+    """How many labelled training images per class a trained protocol saw (the x of its point on the
+    comparison plot)."""
+    labels = features.get("train", "cls" if features.backbone.cls_token is not None else "mean").y
+    labels = labels[labels >= 0]
+    return len(labels) / max(1, len(labels.unique()))
 
 
 def _train(model, protocol, suite) -> dict[str, float]:

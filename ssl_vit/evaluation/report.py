@@ -27,6 +27,7 @@ def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> l
         try:
             record = evaluate(source, suite, out / name)
             row.update(record["results"])
+            row["details"] = record["details"]
         except Exception as err:  # one broken checkpoint must not lose the others' results
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
             (out / name).mkdir(parents=True, exist_ok=True)
@@ -92,7 +93,7 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
             for marker, p in zip("s^", trained):
                 if protocol.classes is None and isinstance(row.get(p.name), float):
                     ax.scatter(
-                        [2 * max(protocol.shots)],
+                        [row["details"][p.name]["labels_per_class"]],
                         [100 * row[p.name]],
                         marker=marker,
                         color=line.get_color(),

@@ -64,6 +64,7 @@ class Suite:
     datasets: dict[str, dict[str, Any]]  # name -> ShardDataModule arguments
     protocols: list[Protocol]
     path: str = ""
+    seed: int = 0  # seeds scratch initialisation and the trained protocols, so reruns agree
 
     def columns(self) -> list[str]:
         """Result columns, in the order the report shows them."""
@@ -102,7 +103,7 @@ def load_suite(path: str | Path) -> Suite:
         if p.dataset not in datasets:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
-    return Suite(backbone, datasets, protocols, str(path))
+    return Suite(backbone, datasets, protocols, str(path), int(raw.get("seed", 0)))
 
 
 def _build(cls, values: dict, where: str):
@@ -119,10 +120,13 @@ def _build(cls, values: dict, where: str):
 def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> dict[str, Any]:
     """Run every protocol of `suite` on the checkpoint `source`; returns (and writes to
     out_dir/results.json) {"checkpoint", "backbone", "results": {column: accuracy}, "protocols", ...}."""
+    import pytorch_lightning as pl
+
     from ssl_vit.evaluation import protocols as run
     from ssl_vit.evaluation.checkpoints import load_backbone
 
     start = time.time()
+    pl.seed_everything(suite.seed, verbose=False)
     backbone, config = load_backbone(source, suite.backbone)
     results: dict[str, float] = {}
     details: dict[str, Any] = {}

@@ -161,3 +161,15 @@ def test_every_shipped_suite_parses(suite):
     parsed = load_suite(suite)
     assert parsed.protocols and parsed.columns()
     assert suite.read_text().startswith("# ssl-vit compare")
+
+
+@pytest.mark.slow
+def test_scratch_rows_are_reproducible(setup):
+    """The suite's seed fixes the scratch initialisation, so a rerun gives the same numbers."""
+    from ssl_vit.evaluation.suite import evaluate
+
+    root, _ = setup
+    suite = load_suite(root / "suite.yaml")
+    suite.protocols = [p for p in suite.protocols if p.kind == "knn"]
+    first, again = (evaluate("scratch", suite)["results"] for _ in range(2))
+    assert first == again
