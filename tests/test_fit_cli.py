@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from cli_helpers import free_port
+from cli_helpers import free_port, run_cli
 
 from ssl_vit.cli import main
 
@@ -154,7 +154,7 @@ def test_torchrun_two_nodes_ddp_fit_writes_one_checkpoint_and_one_wandb_run(digi
     # The checkpoint's backbone is timm's, loaded safely.
     checkpoint = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True, map_location="cpu")
     assert checkpoint["hyper_parameters"]["backbone"]["variant"] == "S/4"
-    assert checkpoint["hyper_parameters"]["patch_size"] == 4
+    assert checkpoint["hyper_parameters"]["_class_path"] == "ssl_vit.tasks.masked.MaskedPatchPretraining"
     backbone = {
         k.removeprefix("backbone."): v
         for k, v in checkpoint["state_dict"].items()
@@ -178,3 +178,12 @@ def test_torchrun_two_nodes_ddp_fit_writes_one_checkpoint_and_one_wandb_run(digi
     for key in ("train/loss", "val/loss", "perf/images_per_s", "lr-AdamW"):
         assert key in text, key
     assert "S/4" in text and "vit_mpp" in text
+
+    # `ssl-vit validate --ckpt_path` rebuilds the task from the checkpoint's hyperparameters.
+    recipe = str(ROOT / "recipes/quickstart/mpp.yaml")
+    proc = run_cli(
+        "validate", "--config", recipe, *quickstart_overrides(digits_shards),
+        "--ckpt_path", str(run_dir / "checkpoints/last.ckpt"), "--trainer.logger", "false",
+        "--trainer.default_root_dir", str(tmp_path / "validate"), cwd=ROOT,
+    )  # fmt: skip
+    assert "val/masked_accuracy" in proc.stdout

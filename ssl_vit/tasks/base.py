@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.errors import UserError
-from ssl_vit.models.vit import ViTConfig, parse_variant
+from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
 
 RGB = tuple[float, float, float]
@@ -44,11 +44,13 @@ class BackboneTask(pl.LightningModule):
         hparams: dict,
     ) -> None:
         super().__init__()
-        # Plain values only: checkpoints must load with torch.load(weights_only=True).
+        # Plain values only, so checkpoints load with torch.load(weights_only=True); and constructor
+        # arguments only, plus `_class_path` (LightningCLI's key), so `ssl-vit validate/test/fit
+        # --ckpt_path` can rebuild the task from them. The variant string ("B/16") carries the patch size.
         self.save_hyperparameters(
             {
+                "_class_path": f"{type(self).__module__}.{type(self).__name__}",
                 "backbone": asdict(backbone),
-                "patch_size": parse_variant(backbone.variant).patch_size,
                 "lr_reference_batch": lr_reference_batch,
                 "mean": list(mean),
                 "std": list(std),
