@@ -25,6 +25,19 @@ def _device(generator: torch.Generator | None, device: torch.device | str | None
     return generator.device if generator is not None else torch.device("cpu")
 
 
+def _rand(*shape: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """U[0, 1) of `shape` on `device`, drawn on the generator's own device: torch refuses a CPU
+    generator for CUDA tensors, and validation draws its fixed masks from a seeded CPU generator."""
+    source = device if generator is None else generator.device
+    return torch.rand(*shape, generator=generator, device=source).to(device)
+
+
+def _randint(high: int, shape, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """Like `_rand`, integers in [0, high)."""
+    source = device if generator is None else generator.device
+    return torch.randint(high, shape, generator=generator, device=source).to(device)
+
+
 def _count(ratio: float, total: int, name: str) -> int:
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {ratio}")
@@ -57,7 +70,7 @@ def random_keep(
     """
     device = _device(generator, device)
     num_masked = min(_count(mask_ratio, num_tokens, "mask_ratio"), num_tokens - 1)
-    noise = torch.rand(batch_size, num_tokens, generator=generator, device=device)
+    noise = _rand(batch_size, num_tokens, generator=generator, device=device)
     return _mask_first(noise.argsort(dim=1), num_masked)
 
 
@@ -119,7 +132,7 @@ def bert_corruption(
     num_mask = math.floor(mask_prob * num_corrupt + u)
     num_random = math.floor((mask_prob + random_prob) * num_corrupt + u) - num_mask
 
-    order = torch.rand(batch_size, num_tokens, generator=generator, device=device).argsort(dim=1)
+    order = _rand(batch_size, num_tokens, generator=generator, device=device).argsort(dim=1)
     corrupt = order[:, :num_corrupt]
     idx_mask, idx_random, idx_unchanged = (
         part.sort(dim=1).values
@@ -128,7 +141,7 @@ def bert_corruption(
 
     # Uniform over the batch's patches minus the slot itself: draw among B*N - 1, skip over own index.
     own = torch.arange(batch_size, device=device)[:, None] * num_tokens + idx_random
-    flat = torch.randint(batch_size * num_tokens - 1, own.shape, generator=generator, device=device)
+    flat = _randint(batch_size * num_tokens - 1, own.shape, generator=generator, device=device)
     flat = flat + (flat >= own).long()
     random_source = torch.stack([flat // num_tokens, flat % num_tokens], dim=-1)
     return BertCorruption(corrupt.sort(dim=1).values, idx_mask, idx_random, idx_unchanged, random_source)
@@ -175,7 +188,7 @@ def block_mask(
     num_blocks = max(1, math.ceil(num_masked / min_block))
 
     def uniform(low: float, high: float) -> Tensor:  # [B, blocks, 1, 1], ready to broadcast over the grid
-        u = torch.rand(batch_size, num_blocks, 1, 1, generator=generator, device=device)
+        u = _rand(batch_size, num_blocks, 1, 1, generator=generator, device=device)
         return low + (high - low) * u
 
     area = uniform(min_block, max(min_block, max_block))
@@ -192,7 +205,7 @@ def block_mask(
     # rank = index of the first covering block + distance to its centre (< 1/2); uncovered: blocks + U[0, 1).
     first = inside.flatten(2).int().argmax(dim=1)  # [B, N]
     dist = (dy.square() + dx.square()).flatten(2).gather(1, first[:, None]).squeeze(1)
-    top_up = num_blocks + torch.rand(batch_size, height * width, generator=generator, device=device)
+    top_up = num_blocks + _rand(batch_size, height * width, generator=generator, device=device)
     rank = torch.where(inside.flatten(2).any(dim=1), first + dist, top_up)
     return _mask_first(rank.argsort(dim=1), num_masked)
 
@@ -217,7 +230,7 @@ def simmim_mask(
     device = _device(generator, device)
     num_cells = (height // s) * (width // s)
     masked_cells = _count(mask_ratio, num_cells, "mask_ratio")
-    noise = torch.rand(batch_size, num_cells, generator=generator, device=device)
+    noise = _rand(batch_size, num_cells, generator=generator, device=device)
     cells = indices_to_mask(noise.argsort(dim=1)[:, :masked_cells], num_cells)
     masked = repeat(cells, "b (h w) -> b (h s1 w s2)", w=width // s, s1=s, s2=s)
     return _mask_first(masked.int().argsort(dim=1, descending=True, stable=True), masked_cells * s * s)

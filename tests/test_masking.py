@@ -159,3 +159,29 @@ def test_simmim_mask_needs_a_divisible_grid():
 def test_bad_ratio_is_a_value_error():
     with pytest.raises(ValueError, match="mask_ratio"):
         random_keep(2, 10, 1.5)
+
+
+@pytest.mark.parametrize("name", ["random_keep", "bert", "block", "simmim"])
+def test_a_cpu_generator_draws_masks_for_another_device(name, monkeypatch):
+    """Validation seeds masks with a CPU generator while the batch lives on the GPU; torch refuses a
+    generator of another device. Emulate that check (there is no GPU here) on the `meta` device."""
+    import ssl_vit.masking as masking
+
+    def strict(fn):
+        def call(*args, generator=None, device=None, **kwargs):
+            if generator is not None and torch.device(device) != generator.device:
+                raise RuntimeError(f"Expected a '{torch.device(device).type}' device type for generator")
+            return fn(*args, generator=generator, device=device, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(masking.torch, "rand", strict(torch.rand))
+    monkeypatch.setattr(masking.torch, "randint", strict(torch.randint))
+    fn = {
+        "random_keep": lambda: random_keep(2, 16, generator=gen(), device="meta"),
+        "bert": lambda: bert_corruption(2, 16, generator=gen(), device="meta"),
+        "block": lambda: block_mask(2, (4, 4), generator=gen(), device="meta"),
+        "simmim": lambda: simmim_mask(2, (4, 4), generator=gen(), device="meta"),
+    }[name]
+    out = fn()
+    assert all(t.device.type == "meta" for t in out)
