@@ -73,12 +73,13 @@ class SupervisedPretraining(BackboneTask):
             if target is not None:
                 return F.cross_entropy(logits, target)
             return F.cross_entropy(logits, labels, ignore_index=-1)
+        # Sum over classes, mean over labelled images: big_vision's sigmoid_xent. Unlabelled (-1) images
+        # are weighted out rather than indexed out: boolean indexing would sync the host every step.
+        weight = (labels >= 0).to(logits.dtype)
         if target is None:
-            keep = labels >= 0
-            logits, labels = logits[keep], labels[keep]
-            target = F.one_hot(labels, self.num_classes).to(logits.dtype)
-        # Sum over classes, mean over images: big_vision's sigmoid_xent.
-        return F.binary_cross_entropy_with_logits(logits, target, reduction="sum") / max(1, logits.shape[0])
+            target = F.one_hot(labels.clamp(min=0), self.num_classes).to(logits.dtype)
+        per_image = F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1)
+        return (per_image * weight).sum() / weight.sum().clamp(min=1)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss = self.forward_loss(self(batch["image"]), batch)

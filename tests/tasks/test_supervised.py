@@ -44,6 +44,10 @@ def test_soft_targets_and_unlabelled_samples(digits_batch):
     hard = model.forward_loss(logits, {"label": labels})
     expected = torch.nn.functional.cross_entropy(logits[[0, 2]], labels[[0, 2]])
     torch.testing.assert_close(hard, expected)  # -1 (unlabelled) samples carry no loss
+    sigmoid = SupervisedPretraining(BACKBONE, num_classes=10, loss="sigmoid")
+    onehot = torch.nn.functional.one_hot(labels[[0, 2]], 10).float()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits[[0, 2]], onehot, reduction="sum") / 2
+    torch.testing.assert_close(sigmoid.forward_loss(logits, {"label": labels}), bce)
     soft = torch.softmax(torch.randn(4, 10), -1)
     torch.testing.assert_close(
         model.forward_loss(logits, {"label": labels, "target": soft}),
