@@ -35,15 +35,18 @@ class FeatureCache:
     def get(self, split: str, feature: str) -> Features:
         if (split, feature) not in self._cache:
             loader = self.datamodule.exact_dataloader(split)
-            prepare = getattr(self.datamodule, "prepare_batch", None)
             self._cache[split, feature] = extract_features(
-                self.backbone, loader, feature=feature, prepare=prepare
+                self.backbone, loader, feature=feature, prepare=self.datamodule.prepare_batch
             )
         return self._cache[split, feature]
 
-    @property
-    def num_classes(self) -> int:
-        return self.datamodule.num_classes or int(self.get("train", "cls").y.max()) + 1
+    def labels(self, split: str, feature: str) -> torch.Tensor:
+        """Labels of a split: they do not depend on the feature, so any pass already made serves."""
+        done = [found.y for (name, _), found in self._cache.items() if name == split]
+        return done[0] if done else self.get(split, feature).y
+
+    def num_classes(self, feature: str) -> int:
+        return self.datamodule.num_classes or int(self.labels("train", feature).max()) + 1
 
 
 def _restrict(features: Features, classes: list[int] | None) -> Features:
@@ -81,7 +84,7 @@ def knn(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, 
 def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
     from ssl_vit.tasks import LinearProbe
 
-    num_classes = features.num_classes
+    num_classes = features.num_classes(protocol.feature)
     model = LinearProbe(
         backbone=config,
         init_from=source,
@@ -94,7 +97,7 @@ def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tup
     metrics = _train(model, protocol, suite)
     detail = {
         "best_lr": metrics.get("val/best_lr"),
-        "labels_per_class": _labels_per_class(features),
+        "labels_per_class": _labels_per_class(features, protocol.feature),
         **metrics,
     }
     return {protocol.name: metrics["val/accuracy"]}, detail
@@ -106,20 +109,20 @@ def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[d
     model = FineTune(
         backbone=config,
         init_from=source,
-        num_classes=features.num_classes,
+        num_classes=features.num_classes(protocol.feature),
         optimizer=lambda params: torch.optim.AdamW(params, lr=protocol.lr, weight_decay=0.05),
     )
     metrics = _train(model, protocol, suite)
     return {protocol.name: metrics["val/accuracy"]}, {
-        "labels_per_class": _labels_per_class(features),
+        "labels_per_class": _labels_per_class(features, protocol.feature),
         **metrics,
     }
 
 
-def _labels_per_class(features: FeatureCache) -> float:
+def _labels_per_class(features: FeatureCache, feature: str) -> float:
     """How many labelled training images per class a trained protocol saw (the x of its point on the
     comparison plot)."""
-    labels = features.get("train", "cls" if features.backbone.cls_token is not None else "mean").y
+    labels = features.labels("train", feature)
     labels = labels[labels >= 0]
     return len(labels) / max(1, len(labels.unique()))
 

@@ -173,3 +173,20 @@ def test_scratch_rows_are_reproducible(setup):
     suite.protocols = [p for p in suite.protocols if p.kind == "knn"]
     first, again = (evaluate("scratch", suite)["results"] for _ in range(2))
     assert first == again
+
+
+def test_labels_reuse_any_feature_pass_of_the_split(digits_shards, monkeypatch):
+    """Trained protocols ask for the labels only: they must not cost another pass over the data."""
+    from ssl_vit.evaluation import protocols
+
+    calls = []
+    real = protocols.extract_features
+    monkeypatch.setattr(
+        protocols, "extract_features", lambda *a, **k: calls.append(k["feature"]) or real(*a, **k)
+    )
+    data = {"train_urls": str(digits_shards / "val-{000000..000003}.tar"), "test_urls": "unused",
+            "image_size": 32, "batch_size": 128, "num_workers": 0}  # fmt: skip
+    cache = protocols.FeatureCache(ViTConfig(**BACKBONE).build(), data)
+    features = cache.get("train", "mean")
+    assert torch.equal(cache.labels("train", "cls"), features.y) and cache.num_classes("cls") == 10
+    assert calls == ["mean"]
