@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.errors import UserError
+from ssl_vit.evaluation.checkpoints import load_backbone
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
 
@@ -26,6 +27,9 @@ class BackboneTask(pl.LightningModule):
 
     Args:
         backbone: the ViT to build; stored as plain hyperparameters so any checkpoint rebuilds it.
+        init_from: its starting weights: a Lightning .ckpt of any ssl-vit task, an exported
+            .safetensors, `timm:NAME` or `scratch` (`ssl_vit.evaluation.checkpoints.load_backbone`;
+            the architecture must match `backbone`, position embeddings follow its img_size).
         optimizer: e.g. `torch.optim.AdamW` with its init args (LightningCLI `OptimizerCallable`).
         lr_scheduler: called with (optimizer, total optimizer steps), e.g. `WarmupDecay`.
         lr_reference_batch: when set, the optimizer's lr is per this many images and is scaled by
@@ -36,6 +40,7 @@ class BackboneTask(pl.LightningModule):
     def __init__(
         self,
         backbone: ViTConfig,
+        init_from: str,
         optimizer: OptimizerCallable,
         lr_scheduler: SchedulerCallable,
         lr_reference_batch: int | None,
@@ -44,6 +49,8 @@ class BackboneTask(pl.LightningModule):
         hparams: dict,
     ) -> None:
         super().__init__()
+        # The backbone's weights: a checkpoint of any kind, or `scratch` (random init of `backbone`).
+        self.backbone, backbone = load_backbone(init_from, backbone)
         # Plain values only, so checkpoints load with torch.load(weights_only=True); and constructor
         # arguments only, plus `_class_path` (LightningCLI's key), so `ssl-vit validate/test/fit
         # --ckpt_path` can rebuild the task from them. The variant string ("B/16") carries the patch size.
@@ -51,13 +58,13 @@ class BackboneTask(pl.LightningModule):
             {
                 "_class_path": f"{type(self).__module__}.{type(self).__name__}",
                 "backbone": asdict(backbone),
+                "init_from": init_from,
                 "lr_reference_batch": lr_reference_batch,
                 "mean": list(mean),
                 "std": list(std),
                 **hparams,
             }
         )
-        self.backbone = backbone.build()
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)

@@ -14,7 +14,6 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.optim import param_groups_layer_decay
 from torch import Tensor, nn
 
-from ssl_vit.evaluation.checkpoints import load_backbone
 from ssl_vit.models.vit import ViTConfig, parse_variant
 from ssl_vit.tasks.base import RGB
 from ssl_vit.tasks.linear_probe import Feature, check_feature, pool
@@ -105,18 +104,17 @@ class FineTune(SupervisedPretraining):
         std: RGB = IMAGENET_DEFAULT_STD,
     ) -> None:
         choices = resolve_choices(preset, backbone.variant, feature, layer_decay, loss)
-        loaded, config = load_backbone(init_from, backbone)
-        check_feature(choices["feature"], loaded)
         super().__init__(
-            config, num_classes, loss=choices["loss"], head_bias_init=head_bias_init, optimizer=optimizer,
-            lr_scheduler=lr_scheduler, lr_reference_batch=lr_reference_batch, mean=mean, std=std,
+            backbone, num_classes, loss=choices["loss"], init_from=init_from, head_bias_init=head_bias_init,
+            optimizer=optimizer, lr_scheduler=lr_scheduler, lr_reference_batch=lr_reference_batch, mean=mean,
+            std=std,
         )  # fmt: skip
-        self.save_hyperparameters({**self.hparams, "init_from": init_from, "preset": preset, **choices})
-        self.backbone = loaded
+        check_feature(choices["feature"], self.backbone)
+        self.save_hyperparameters({**self.hparams, "preset": preset, **choices})  # both saved and logged copy
         self.feature, self.layer_decay = choices["feature"], choices["layer_decay"]
         # A gap backbone's pooled output already ends in timm's fc_norm.
-        with_fc_norm = self.feature == "mean" and loaded.cls_token is not None
-        self.fc_norm = nn.LayerNorm(loaded.embed_dim, eps=1e-6) if with_fc_norm else nn.Identity()
+        with_fc_norm = self.feature == "mean" and self.backbone.cls_token is not None
+        self.fc_norm = nn.LayerNorm(self.backbone.embed_dim, eps=1e-6) if with_fc_norm else nn.Identity()
 
     def forward(self, images: Tensor) -> Tensor:
         """images: (B, 3, H, W) -> logits (B, K)."""

@@ -16,7 +16,6 @@ from torch.optim import SGD, Optimizer
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics.classification import MulticlassAccuracy
 
-from ssl_vit.evaluation.checkpoints import load_backbone
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import Tokens, ViT, ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask
@@ -90,14 +89,12 @@ class LinearProbe(BackboneTask):
             raise ValueError(f"lrs must be distinct positive learning rates, got {lrs}")
         if num_classes < 1:
             raise ValueError(f"num_classes must be positive, got {num_classes}")
-        loaded, config = load_backbone(init_from, backbone)
-        check_feature(feature, loaded)
         super().__init__(
-            config, optimizer, lr_scheduler, lr_reference_batch, mean, std,
-            hparams=dict(num_classes=num_classes, init_from=init_from, feature=feature, batch_norm=batch_norm,
-                         lrs=lrs),
+            backbone, init_from, optimizer, lr_scheduler, lr_reference_batch, mean, std,
+            hparams=dict(num_classes=num_classes, feature=feature, batch_norm=batch_norm, lrs=lrs),
         )  # fmt: skip
-        self.backbone = loaded.requires_grad_(False).eval()
+        check_feature(feature, self.backbone)
+        self.backbone.requires_grad_(False).eval()
         self.feature, self.lrs = feature, lrs
         width = self.backbone.embed_dim
         # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.

@@ -64,6 +64,7 @@ class MaskedPatchPretraining(BackboneTask):
         pixel_loss: `mse` or `l1` for pixel targets.
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only).
         picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never).
+        init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining.
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class MaskedPatchPretraining(BackboneTask):
         decoder_depth: int = 8,
         decoder_heads: int = 16,
         picture_every_n_steps: int = 500,
+        init_from: str = "scratch",
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
@@ -89,6 +91,7 @@ class MaskedPatchPretraining(BackboneTask):
         choices = resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss)
         super().__init__(
             backbone,
+            init_from,
             optimizer,
             lr_scheduler,
             lr_reference_batch,

@@ -26,6 +26,7 @@ class SupervisedPretraining(BackboneTask):
         loss: `softmax` cross-entropy, or `sigmoid` cross-entropy for multi-label sets (ViT paper on
             JFT). Soft targets (the datamodule's `target`: timm's mixup/cutmix/label smoothing, applied to
             whole batches on the device) are used when present, hard labels otherwise.
+        init_from: starting weights of the backbone (see `BackboneTask`), e.g. an SSL checkpoint.
         head_bias_init: initial bias of the zero-initialised head; default 0 for softmax and -log(K)
             for sigmoid, so the initial sigmoid loss is small (big_vision's `head_bias_init`).
     """
@@ -36,6 +37,7 @@ class SupervisedPretraining(BackboneTask):
         num_classes: int,
         loss: Literal["softmax", "sigmoid"] = "softmax",
         head_bias_init: float | None = None,
+        init_from: str = "scratch",
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
@@ -48,6 +50,7 @@ class SupervisedPretraining(BackboneTask):
             raise ValueError(f"num_classes must be positive, got {num_classes}")
         super().__init__(
             backbone,
+            init_from,
             optimizer,
             lr_scheduler,
             lr_reference_batch,

@@ -125,3 +125,11 @@ def test_mask_embedding_and_decoder_token_get_no_weight_decay():
         assert {"backbone.pos_embed", "backbone.cls_token", "backbone.norm.weight"} <= names
         assert ("mask_embedding" in names) or ("decoder.mask_token" in names)
         assert "backbone.blocks.0.attn.qkv.weight" not in names
+
+
+def test_pretraining_can_start_from_any_checkpoint(supervised_ckpt):
+    """`init_from` is the base task's: masked pretraining continues from a supervised checkpoint."""
+    path, weights = supervised_ckpt
+    model = task(preset="mae", init_from=str(path))
+    assert all(torch.equal(model.backbone.state_dict()[k], v) for k, v in weights.items())
+    assert model.hparams["init_from"] == str(path) and model.hparams["backbone"]["width"] == 64
