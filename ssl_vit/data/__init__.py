@@ -1,5 +1,7 @@
-"""Data: sources -> WebDataset shards (`writer`), the streaming pipeline (`pipeline`, `transforms`) and
-`ShardDataModule` (`datamodule`).
+"""Data: sources -> WebDataset shards (`writer`); the streaming pipeline, one job per module: `urls`
+(expansion, checks, manifests) -> `tar_reader` (tar members) -> `samples` (labels, images, skip
+counting) -> `stream` (training and exact-pass streams), with `transforms`; and `ShardDataModule`
+(`datamodule`).
 
 `ShardDataModule` is imported on first use so that `ssl-vit data convert` does not pay for Lightning.
 """

@@ -9,7 +9,7 @@
         image_size: 32
 
 Training reads a resampled stream with a fixed number of batches per rank per epoch; validation and
-test are exact passes (see `ssl_vit.data.pipeline`). Batches reach the model as dicts: `image` float
+test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float
 [B,3,H,W] (normalised; the DataLoaders give uint8, converted on the device by `prepare_batch`),
 `label` int64 [B] (-1 where unlabelled), `key` list[str], `skipped` (bad samples the batch's worker
 dropped since its previous batch), and during training with mixup/cutmix/label smoothing also
@@ -28,8 +28,9 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader
 
-from ssl_vit.data.pipeline import ShardStream, check_urls, expand, read_manifest
+from ssl_vit.data.stream import ShardStream
 from ssl_vit.data.transforms import Preset, build_transform, normalize
+from ssl_vit.data.urls import check_urls, expand, read_manifest
 from ssl_vit.errors import UserError
 
 log = logging.getLogger("ssl_vit.data")

@@ -11,16 +11,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from ssl_vit.data.pipeline import (
-    BadSample,
-    check_urls,
-    decode_image,
-    expand,
-    iter_samples,
-    parse_label,
-    read_manifest,
-)
+from ssl_vit.data.samples import BadSample, decode_image, parse_label
+from ssl_vit.data.stream import iter_samples
 from ssl_vit.data.transforms import decode
+from ssl_vit.data.urls import check_urls, expand, read_manifest
 
 
 @dataclass

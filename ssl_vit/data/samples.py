@@ -1,0 +1,98 @@
+"""Raw samples -> what training uses: the label, the image, and the count of samples that are skipped
+because they cannot be used (never fatal, never silent)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+import numpy as np
+from PIL import Image
+
+log = logging.getLogger("ssl_vit.data")
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy")
+MAX_SKIPS_IN_A_ROW = 1000
+T = TypeVar("T")
+
+
+class BadSample(Exception):
+    """A sample that cannot be used; the message names its key, shard and what is wrong."""
+
+
+def parse_label(sample: dict) -> int:
+    """The label from a `cls` member (ASCII integer) or a `json` member (its `label` or `cls` field);
+    -1 when there is neither."""
+    try:
+        if "cls" in sample:
+            label = int(sample["cls"].decode("ascii").strip())
+        elif "json" in sample:
+            meta = json.loads(sample["json"])
+            label = meta.get("label", meta.get("cls", -1)) if isinstance(meta, dict) else -1
+            label = int(label) if label is not None else -1
+        else:
+            return -1
+    except (ValueError, TypeError, UnicodeDecodeError) as err:
+        raise BadSample(f"label does not parse ({err})") from None
+    if label < -1:
+        raise BadSample(f"label {label} is negative")
+    return label
+
+
+def decode_image(sample: dict, transform: Callable[[Image.Image], T]) -> T:
+    """`transform` applied to the sample's first image member, opened but not decoded: the transform
+    decodes it (see `ssl_vit.data.transforms.decode`), so that a crop can choose the JPEG draft scale.
+    `npy` members are raw uint8 arrays. Anything the image bytes make PIL or numpy raise becomes a
+    BadSample."""
+    ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
+    if ext is None:
+        raise BadSample(f"no image member (one of {', '.join(IMAGE_MEMBERS)}); members: {_members(sample)}")
+    try:
+        if ext == "npy":
+            array = np.load(io.BytesIO(sample[ext]), allow_pickle=False)
+            if array.dtype != np.uint8 or array.ndim not in (2, 3):
+                raise ValueError(f"npy image must be uint8 (H, W[, C]), got {array.dtype} {array.shape}")
+            return transform(Image.fromarray(array))
+        return transform(Image.open(io.BytesIO(sample[ext])))
+    except Exception as err:
+        raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
+
+
+def _members(sample: dict) -> str:
+    return ", ".join(k for k in sample if not k.startswith("__")) or "none"
+
+
+class SkipCounter:
+    """webdataset exception handler that logs and counts instead of raising. Used for every stage of a
+    stream, so shard-level errors (unreadable shard, broken tar) are counted like bad samples.
+
+    A training stream that produces nothing but errors would spin forever on resampled shards; with
+    `limit`, that many consecutive failures raise instead. Exact passes are finite and never raise."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.pending = 0  # skipped since the last batch left this worker
+        self.in_a_row = 0
+
+    def __call__(self, exn: Exception) -> bool:
+        self.pending += 1
+        self.in_a_row += 1
+        log.warning("skipping bad sample: %s", " ".join(str(a) for a in exn.args if a is not None))
+        if self.limit and self.in_a_row >= self.limit:
+            raise RuntimeError(
+                f"{self.in_a_row} bad samples in a row (last: {exn}): "
+                "check the shards with `ssl-vit data inspect`"
+            ) from exn
+        return True
+
+    def passed(self, samples: Iterable[dict]) -> Iterator[dict]:
+        """Stage after decoding: every good sample ends a run of failures."""
+        for sample in samples:
+            self.in_a_row = 0
+            yield sample
+
+    def take(self) -> int:
+        n, self.pending = self.pending, 0
+        return n
