@@ -28,12 +28,18 @@ def wandb_opted_in() -> bool:
 
 
 class WandbLogger(LightningWandbLogger):
-    """Lightning's WandbLogger with two defaults a cluster job needs.
+    """Lightning's WandbLogger with the defaults a cluster job needs.
 
     - Offline unless `WANDB_MODE`, `WANDB_API_KEY` or a wandb login says otherwise (`wandb sync`
       uploads an offline run later).
-    - The run id is kept in `save_dir/wandb-run-id`: a job restarted in the same run directory (SLURM
-      requeue, resume from `last.ckpt`) continues the same W&B run instead of starting a new one.
+    - One W&B run per job: its id is kept in `save_dir/wandb-run-id`, and a job that resumes a
+      checkpoint (SLURM requeue, `--ckpt_path last`) continues that run. `ssl-vit fit` passes the
+      checkpoint's step as `resume_step`: the run is rewound to it (W&B's `resume_from`), so the steps a
+      killed job logged after its last checkpoint are not kept twice; the resumed job logs them again
+      (the same values, with exact resume). A job that starts afresh (`continue_run` false) starts a
+      new run.
+    - W&B's own step is the trainer's step (Lightning logs it only as `trainer/global_step`), so that
+      the rewind point and every chart's x axis are the same number.
     """
 
     def __init__(
@@ -44,10 +50,12 @@ class WandbLogger(LightningWandbLogger):
         id: str | None = None,  # noqa: A002 - wandb's own name for it
         offline: bool | None = None,
         log_model: bool = False,
+        continue_run: bool = True,
+        resume_step: int | None = None,
         **kwargs,
     ) -> None:
         id_file = Path(save_dir) / RUN_ID_FILE
-        if id is None and id_file.is_file():
+        if id is None and continue_run and id_file.is_file():
             id = id_file.read_text().strip()
         if id is None:
             id = uuid.uuid4().hex[:8]  # wandb's own ids are 8 lowercase alphanumerics too
@@ -55,6 +63,12 @@ class WandbLogger(LightningWandbLogger):
             id_file.parent.mkdir(parents=True, exist_ok=True)
             id_file.write_text(id + "\n")
         offline = (not wandb_opted_in()) if offline is None else offline
+        # LightningCLI passes every wandb.init option, unset ones as None: a resume option the user set
+        # wins; otherwise the run id decides.
+        chosen = {k: kwargs.pop(k) for k in ("resume", "resume_from", "fork_from") if k in kwargs}
+        resume = {k: v for k, v in chosen.items() if v is not None} or {"resume": "allow"}
+        if continue_run and resume_step is not None and not any(v is not None for v in chosen.values()):
+            resume = {"resume": None, "resume_from": f"{id}?_step={resume_step}"}  # Lightning sets resume
         super().__init__(
             save_dir=save_dir,
             project=project,
@@ -62,9 +76,17 @@ class WandbLogger(LightningWandbLogger):
             id=id,
             offline=offline,
             log_model=log_model,
-            resume="allow",
+            **resume,
             **kwargs,
         )
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step: int | None = None) -> None:
+        if step is None:
+            return super().log_metrics(metrics, step)
+        if self._prefix:
+            metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
+        self.experiment.log({**metrics, "trainer/global_step": step}, step=step)
 
 
 def log_picture(module, key: str, image: Tensor) -> None:

@@ -17,7 +17,8 @@ def add_parser(subparsers) -> None:
     convert.add_argument(
         "--split",
         default="train",
-        help="split name; selects the split for digits (train|val) and cifar (train|test)",
+        help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits "
+        "(train|val) and cifar (train|test)",
     )
     convert.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     convert.add_argument(
@@ -29,7 +30,11 @@ def add_parser(subparsers) -> None:
     )
     convert.add_argument("--quality", type=int, default=95, help="JPEG quality (default 95)")
     convert.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
-    convert.add_argument("--overwrite", action="store_true", help="replace an existing split in OUTDIR")
+    convert.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing split in OUTDIR (the old one stays until the new one is complete)",
+    )
     convert.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     convert.set_defaults(func=_convert)
 

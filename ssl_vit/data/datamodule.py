@@ -12,13 +12,15 @@ Training reads a resampled stream with a fixed number of batches per rank per ep
 test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float
 [B,3,H,W] (normalised; the DataLoaders give uint8, converted on the device by `prepare_batch`),
 `label` int64 [B] (-1 where unlabelled), `key` list[str], `skipped` (bad samples the batch's worker
-dropped since its previous batch), and during training with mixup/cutmix/label smoothing also
-`target` float [B,K] (timm's soft targets).
+dropped since its previous batch), during training `stream` (the position of the batch's worker, which
+makes the training DataLoader resumable mid-epoch: `EpochLoader`), and with mixup/cutmix/label
+smoothing also `target` float [B,K] (timm's soft targets).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +30,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader
 
-from ssl_vit.data.stream import ShardStream
+from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import Preset, build_transform, normalize
 from ssl_vit.data.urls import check_urls, expand, read_manifest
 from ssl_vit.errors import UserError
@@ -37,20 +39,55 @@ log = logging.getLogger("ssl_vit.data")
 
 
 class EpochLoader(DataLoader):
-    """A DataLoader that hands its stream the epoch before starting workers.
+    """The training DataLoader: hands its stream the epoch (and, once after a resume, where each worker
+    stands) before starting workers, and keeps track of the batches training consumed.
 
     With non-persistent workers the dataset is copied into fresh workers on every `iter()`, so this is
-    where the main process can tell them the epoch; Lightning only calls `set_epoch` on samplers, which
-    a DataLoader over an IterableDataset does not have.
+    where the main process can tell them; Lightning only calls `set_epoch` on samplers, which a
+    DataLoader over an IterableDataset does not have. What is tracked is the position of the batches
+    training consumed (`record`, called by the datamodule for every training batch), not of those
+    fetched: Lightning fetches one batch ahead.
     """
 
-    def __init__(self, stream: ShardStream, epoch: Callable[[], int], **kwargs):
-        super().__init__(stream, batch_size=None, persistent_workers=False, **kwargs)
-        self.epoch = epoch
+    def __init__(self, stream: ShardStream, start: Callable[[], tuple[int, ResumePlan | None]], **kwargs):
+        super().__init__(stream, batch_size=None, persistent_workers=False, **_loader_kwargs(), **kwargs)
+        self.start = start
+        self.epoch: int | None = None
+        self.consumed: dict[int, WorkerPosition] = {}
 
     def __iter__(self):
-        self.dataset.epoch = self.epoch()
+        epoch, plan = self.start()
+        self.dataset.epoch, self.dataset.resume = epoch, plan
+        self.epoch, self.consumed = epoch, dict(plan.workers) if plan else {}
         return super().__iter__()
+
+    def record(self, batch: dict) -> None:
+        """Note that training consumed `batch` (it carries its worker's position in `stream`)."""
+        worker, batches, segment, offset = (int(v) for v in batch["stream"])
+        self.consumed[worker] = WorkerPosition(batches, segment, offset)
+
+    def position(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "num_workers": max(1, self.num_workers),
+            "workers": {w: [p.batches, p.segment, p.offset] for w, p in self.consumed.items()},
+        }
+
+
+def _loader_kwargs() -> dict:
+    # A generator of its own: creating an iterator draws the workers' base seed from it rather than from
+    # the global torch RNG, which belongs to the model (masks, dropout) and is part of exact resume.
+    # The workers seed every random choice themselves (`ssl_vit.data.stream`).
+    return {"generator": torch.Generator().manual_seed(0), "worker_init_fn": _ignore_job_signals}
+
+
+def _ignore_job_signals(worker_id: int) -> None:
+    """SLURM signals every process of a job step, DataLoader workers included: SIGUSR1's and SIGTERM's
+    default action would kill a worker, and the main process's next fetch would fail before it could
+    save. The main process decides what a signal means (`ssl_vit.tasks.preemption`) and stops its
+    workers itself."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class ShardDataModule(pl.LightningDataModule):
@@ -71,6 +108,9 @@ class ShardDataModule(pl.LightningDataModule):
         train_batches: batches per rank per epoch; by default the manifest's sample count (after the
             class filter) divided by `batch_size * world_size`.
         shuffle_buffer: samples in the raw-bytes shuffle buffer of each training worker.
+        segment_shards: a training worker draws its shards in segments of this many, each shuffled on
+            its own; a resumed run re-reads (without decoding) at most one segment per worker to get
+            back to where it stopped (`ssl_vit.data.stream`).
         seed: seed of every training stream; the stream is a function of (seed, epoch, rank, worker).
         classes: keep only samples with these labels (labels are not renumbered).
         num_classes: overrides the manifest's class count.
@@ -96,6 +136,7 @@ class ShardDataModule(pl.LightningDataModule):
         eval_crop_pct: float = 0.875,
         train_batches: int | None = None,
         shuffle_buffer: int = 2000,
+        segment_shards: int = 4,
         seed: int = 0,
         classes: list[int] | None = None,
         num_classes: int | None = None,
@@ -111,6 +152,8 @@ class ShardDataModule(pl.LightningDataModule):
                 f"batch_size and image_size must be positive and num_workers >= 0, got "
                 f"{batch_size}, {image_size}, {num_workers}"
             )
+        if segment_shards <= 0:
+            raise ValueError(f"segment_shards must be positive, got {segment_shards}")
         if train_batches is not None and train_batches <= 0:
             raise ValueError(f"train_batches must be positive, got {train_batches}")
         if (mixup_alpha or cutmix_alpha) and train_preset != "supervised":
@@ -136,6 +179,9 @@ class ShardDataModule(pl.LightningDataModule):
         self.train_batches = train_batches
         self.batches_per_epoch: int | None = None  # per rank, known at setup
         self.shuffle_buffer = shuffle_buffer
+        self.segment_shards = segment_shards
+        self._train_loader: EpochLoader | None = None
+        self._resume: dict | None = None  # a restored position, used by the next training pass
         self.seed = seed
         self.classes = list(classes) if classes is not None else None
         self._num_classes = num_classes
@@ -231,9 +277,10 @@ class ShardDataModule(pl.LightningDataModule):
         if "train" not in self._urls:
             self.setup("fit")
         stream = self._stream("train", self.train_preset, batches_per_epoch=self.batches_per_epoch)
-        return EpochLoader(
-            stream, self._next_epoch, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
+        self._train_loader = EpochLoader(
+            stream, self._start_epoch, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
         )
+        return self._train_loader
 
     def val_dataloader(self) -> DataLoader | list:
         return self.exact_dataloader("val") if self.val_urls is not None else []
@@ -248,7 +295,11 @@ class ShardDataModule(pl.LightningDataModule):
             self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
         stream = self._stream(split, "eval", batches_per_epoch=None)
         return DataLoader(
-            stream, batch_size=None, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            **_loader_kwargs(),
         )
 
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
@@ -271,15 +322,43 @@ class ShardDataModule(pl.LightningDataModule):
             seed=self.seed,
             batches_per_epoch=batches_per_epoch,
             shuffle_buffer=self.shuffle_buffer,
+            segment_shards=self.segment_shards,
+            num_classes=self.num_classes,
         )
 
-    def _next_epoch(self) -> int:
-        """The epoch of the pass about to start: the trainer's when attached (restored with its
-        checkpoint), else a count of passes."""
-        if self.trainer is not None:
-            self.epoch = self.trainer.current_epoch
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return epoch
+    def _start_epoch(self) -> tuple[int, ResumePlan | None]:
+        """The epoch of the training pass about to start and, once after a resume, where each worker
+        stands in it. Without a resume: the trainer's epoch when attached, else a count of passes.
+
+        Lightning starts the first training iterator before it restores its loops (to count the steps
+        for the schedule), so after a resume the epoch comes from the restored position, not from the
+        trainer."""
+        saved, self._resume = self._resume, None
+        if saved is not None:
+            epoch, plan = self._plan(saved)
+        else:
+            epoch, plan = (self.trainer.current_epoch if self.trainer is not None else self.epoch), None
+        self.epoch = epoch + 1
+        return epoch, plan
+
+    def _plan(self, saved: dict) -> tuple[int, ResumePlan | None]:
+        ranks, workers_now = saved["ranks"], max(1, self.num_workers)
+        mine = ranks[self.rank] if len(ranks) == self.world_size else ranks[0]
+        epoch = mine["epoch"]
+        workers = {int(w): WorkerPosition(*p) for w, p in mine["workers"].items()}
+        consumed = sum(p.batches for p in workers.values())
+        if consumed >= self.batches_per_epoch:
+            return epoch + 1, None  # saved at the end of the epoch: the next one starts afresh
+        if len(ranks) != self.world_size or mine["num_workers"] != workers_now:
+            log.warning(
+                "exact resume needs the run's number of ranks and DataLoader workers (saved %d x %d, now "
+                "%d x %d): the rest of epoch %d reads new segments of the shards, so some samples of this "
+                "epoch may repeat",
+                len(ranks), mine["num_workers"], self.world_size, workers_now, epoch,
+            )  # fmt: skip
+            after = 1 + max((p.segment for p in workers.values()), default=0)
+            return epoch, ResumePlan({w: WorkerPosition(0, after, 0) for w in range(workers_now)})
+        return epoch, ResumePlan(workers, first=consumed % workers_now)
 
     def prepare_batch(self, batch: dict) -> dict:
         """A batch as the DataLoaders give it (`image` uint8 [B,3,H,W]) -> as the model takes it
@@ -295,7 +374,10 @@ class ShardDataModule(pl.LightningDataModule):
         """`prepare_batch`, then mixup/cutmix/label smoothing (timm) on whole training batches, on the
         device."""
         batch = self.prepare_batch(batch)
-        if not any(self.mixup_args.values()) or self.trainer is None or not self.trainer.training:
+        training = self.trainer is not None and self.trainer.training
+        if training and "stream" in batch and self._train_loader is not None:
+            self._train_loader.record(batch)
+        if not any(self.mixup_args.values()) or not training:
             return batch
         if not self.num_classes:
             raise UserError("mixup/cutmix/label_smoothing need num_classes: set data.init_args.num_classes")
@@ -310,12 +392,23 @@ class ShardDataModule(pl.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The training stream's position: with (seed, epoch) and the batches consumed, every worker's
-        stream is determined."""
-        return {"seed": self.seed, "epoch": self.epoch}
+        """The training stream's position: the seed, the next epoch, and where every rank's workers
+        stand in the current one (gathered: only rank 0 writes the checkpoint, every rank resumes from
+        it; Lightning builds the checkpoint on every rank, so the collective is matched)."""
+        state = {"seed": self.seed, "epoch": self.epoch}
+        if self._train_loader is not None and self._train_loader.epoch is not None:
+            local = self._train_loader.position()
+            ranks = [local]
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                ranks = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(ranks, local)
+            state["position"] = {"ranks": ranks}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restored by Lightning before it starts the first training iterator."""
         self.seed, self.epoch = state_dict["seed"], state_dict["epoch"]
+        self._resume = state_dict.get("position")
 
 
 class LogSkippedSamples(pl.Callback):

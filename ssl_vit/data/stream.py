@@ -8,35 +8,69 @@ Two kinds of stream (DESIGN.md section 4):
 
 Rank and world size are arguments of `ShardStream`, read by the datamodule in the main process: a
 DataLoader worker has no process group, so webdataset's own `split_by_node` would see rank 0 in every
-worker of every rank and duplicate the data. Every random choice is seeded from
-`(seed, epoch, rank, worker)`, so a stream's position is a function of those and of the batches
-consumed (what a checkpoint needs to resume it).
+worker of every rank and duplicate the data.
+
+A training stream can be resumed exactly where a checkpoint left it. Each worker's stream is cut into
+segments of `segment_shards` shards; a segment's shard draw and shuffle are seeded by
+`(seed, epoch, rank, worker, segment)`, and each sample's augmentation by its position
+`(segment, index)` in the shuffled segment. So a worker's position is three numbers (batches delivered,
+segment, samples of the segment consumed), carried by every batch in `stream`, and a resumed worker
+rebuilds its segment and skips the consumed samples before decoding them: resuming costs reading at
+most one segment's raw bytes per worker, never decoding them again.
 
 Bad samples (undecodable image, missing image member, unparsable label, unreadable shard) are skipped,
 logged with their key and shard, and counted; each batch carries in `skipped` how many its worker
 dropped since its previous batch, so the count reaches the main process and can be logged as a metric
-(`ssl_vit.data.datamodule.LogSkippedSamples`).
+(`ssl_vit.data.datamodule.LogSkippedSamples`). A stream that reads every one of its shards to the end
+without a usable sample fails with one line naming them, instead of spinning for ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import islice
+from dataclasses import dataclass
+from itertools import count, islice
 
 import numpy as np
 import torch
 import webdataset as wds
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
-from webdataset.utils import make_seed
 
 from ssl_vit.data import samples
 from ssl_vit.data.samples import BadSample, SkipCounter, decode_image, parse_label
 from ssl_vit.data.tar_reader import tar_samples
+from ssl_vit.errors import UserError
 
 log = logging.getLogger("ssl_vit.data")
+
+
+@dataclass(frozen=True)
+class WorkerPosition:
+    """Where one training worker's stream stands: `batches` it delivered that training consumed, and
+    the `offset` of the next sample in its shuffled `segment`."""
+
+    batches: int = 0
+    segment: int = 0
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How to continue a partly consumed epoch: each logical worker's position, and the rotation that
+    makes the DataLoader's round robin continue with the worker that was next (`first`)."""
+
+    workers: dict[int, WorkerPosition]
+    first: int = 0
+
+
+def stream_seed(*parts: int) -> int:
+    """A 63-bit seed mixing integers (numpy's SeedSequence: unlike webdataset's `make_seed`, nearby
+    tuples such as (0, 1, 0) and (0, 0, 31) do not collide, and nothing depends on PYTHONHASHSEED)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
 class ShardStream(IterableDataset):
@@ -44,7 +78,7 @@ class ShardStream(IterableDataset):
     otherwise an exact pass. Load it with `DataLoader(stream, batch_size=None, num_workers=...)`.
 
     The webdataset pipeline is built inside each worker (in `__iter__`), where the worker id is known;
-    `epoch` is set from the main process before each pass (see `EpochLoader`).
+    `epoch` and `resume` are set from the main process before each pass (see `EpochLoader`).
     """
 
     def __init__(
@@ -56,9 +90,11 @@ class ShardStream(IterableDataset):
         batch_size: int,
         transform: Callable[[Image.Image], torch.Tensor],
         classes: Sequence[int] | None = None,
+        num_classes: int | None = None,
         seed: int = 0,
         batches_per_epoch: int | None = None,
         shuffle_buffer: int = 1000,
+        segment_shards: int = 4,
     ):
         super().__init__()
         self.urls = list(urls)
@@ -66,10 +102,13 @@ class ShardStream(IterableDataset):
         self.batch_size = batch_size
         self.transform = transform
         self.classes = frozenset(classes) if classes is not None else None
+        self.num_classes = num_classes
         self.seed = seed
         self.batches_per_epoch = batches_per_epoch
         self.shuffle_buffer = shuffle_buffer
+        self.segment_shards = segment_shards
         self.epoch = 0
+        self.resume: ResumePlan | None = None
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
@@ -78,21 +117,15 @@ class ShardStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        seed = make_seed(self.seed, self.epoch, self.rank, worker)
-        if info is not None:
-            # Augmentations (torchvision, timm) draw from the global RNGs; in a worker process those are
-            # ours to seed, which makes a training stream a function of (seed, epoch, rank, worker).
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed)
+        physical, num_workers = (info.id, info.num_workers) if info else (0, 1)
         counter = SkipCounter(limit=samples.MAX_SKIPS_IN_A_ROW if self.batches_per_epoch else None)
-        stages = (
-            self._training_stages(seed, worker, num_workers, counter)
-            if self.batches_per_epoch
-            else self._exact_stages(counter)
-        )
-        for batch in wds.DataPipeline(*stages):
+        if self.batches_per_epoch:
+            first = self.resume.first if self.resume else 0
+            worker = (physical + first) % num_workers  # see ResumePlan
+            batches = self._training_batches(worker, num_workers, counter, in_worker=info is not None)
+        else:
+            batches = wds.DataPipeline(*self._exact_stages(counter))
+        for batch in batches:
             batch["skipped"] = torch.tensor(counter.take())
             yield batch
         if counter.pending:
@@ -100,38 +133,132 @@ class ShardStream(IterableDataset):
                 "%d bad samples at the end of a stream with no batch left to report them", counter.pending
             )
 
-    def _training_stages(self, seed: int, worker: int, num_workers: int, counter: SkipCounter) -> list:
-        # This worker's share of the rank's batches; the DataLoader interleaves workers and moves on when
-        # one is done, so the rank yields exactly batches_per_epoch.
+    # --- training ---------------------------------------------------------------------------------
+
+    def share(self, worker: int, num_workers: int) -> int:
+        """Batches of this rank's epoch that `worker` delivers: the DataLoader takes one batch from each
+        worker in turn and moves on when one is done, so the rank yields exactly batches_per_epoch."""
         n = self.batches_per_epoch
-        share = n // num_workers + (worker < n % num_workers)
-        return [
-            # an endless, seeded draw of shards, different for every (epoch, rank, worker)
-            wds.ResampledShards(self.urls, seed=seed, worker_seed=lambda: 0, deterministic=True),
-            *tar_samples(counter),
+        return n // num_workers + (worker < n % num_workers)
+
+    def _training_batches(
+        self, worker: int, num_workers: int, counter: SkipCounter, in_worker: bool
+    ) -> Iterator[dict]:
+        start = self.resume.workers.get(worker, WorkerPosition()) if self.resume else WorkerPosition()
+        base = (self.seed, self.epoch, self.rank, worker)
+        samples_ = self._segments(base, start, counter)
+        decoded = (
+            out
+            for sample in samples_
+            if (out := self._decode_seeded(sample, base, counter, in_worker)) is not None
+        )
+        batches = wds.batched(self.batch_size, collation_fn=self.collate, partial=False)(
+            counter.passed(decoded)
+        )
+        for done, batch in enumerate(islice(batches, self.share(worker, num_workers) - start.batches), 1):
+            segment, offset = batch.pop("last_position")
+            batch["stream"] = (worker, start.batches + done, segment, offset)
+            yield batch
+
+    def _segments(self, base: tuple, start: WorkerPosition, counter: SkipCounter) -> Iterator[dict]:
+        """Raw samples (label parsed and filtered, image still bytes) of segments start.segment, ...,
+        each shuffled on its own, with `__position__` = (segment, index) added; the first
+        `start.offset` samples of the first segment are skipped before anything is decoded."""
+        dry = DryShards(self.urls)
+        for segment in count(start.segment):
+            draw = random.Random(stream_seed(*base, segment, 0))
+            shards = [{"url": url} for url in draw.choices(self.urls, k=self.segment_shards)]
+            raw = dry.source(shards)
+            for stage in tar_samples(counter):
+                raw = stage(raw)
+            raw = dry.passed(self._labelled(raw, counter))
             # shuffle raw bytes before decoding: cheap to buffer, and decoding is the expensive part
-            wds.shuffle(self.shuffle_buffer, initial=min(self.shuffle_buffer, 100), seed=seed),
-            wds.map(self.decode, handler=counter),
-            counter.passed,
-            wds.batched(self.batch_size, collation_fn=self.collate, partial=False),
-            lambda batches: islice(batches, share),
-        ]
+            shuffle = wds.shuffle(
+                self.shuffle_buffer,
+                initial=min(self.shuffle_buffer, 100),
+                seed=stream_seed(*base, segment, 1),
+            )
+            shuffled = shuffle(iter(raw))
+            skip = start.offset if segment == start.segment else 0
+            for index, sample in enumerate(shuffled):
+                if index >= skip:
+                    sample["__position__"] = (segment, index)
+                    yield sample
+
+    def _decode_seeded(self, sample: dict, base: tuple, counter: SkipCounter, in_worker: bool) -> dict | None:
+        """Decode and augment one sample with the global RNGs seeded by its position, so that a resumed
+        stream augments it exactly as the uninterrupted one did. Torchvision and timm transforms draw
+        from the global RNGs (they take no generator); outside a worker those belong to the training
+        loop, so they are saved and restored around the sample."""
+        segment, index = sample["__position__"]
+        with _seeded_rngs(stream_seed(*base, segment, index + 2), restore=not in_worker):
+            try:
+                out = self.decode(sample)
+            except BadSample as err:
+                counter(err)
+                return None
+        out["__position__"] = (segment, index + 1)
+        return out
+
+    def _labelled(self, raw: Iterable[dict], counter: SkipCounter) -> Iterator[dict]:
+        """Stage: parse labels before the shuffle; drop samples the class filter rejects (cheaply,
+        before they take buffer space) and count those whose label is unusable."""
+        for sample in raw:
+            try:
+                label = self.label_of(sample)
+            except BadSample as err:
+                counter(err)
+                continue
+            if self.classes is None or label in self.classes:
+                sample["__label__"] = label
+                yield sample
+
+    # --- exact pass --------------------------------------------------------------------------------
 
     def _exact_stages(self, counter: SkipCounter) -> list:
+        dry = DryShards(self.urls)
         return [
             wds.SimpleShardList(self.urls),
             lambda shards: islice(shards, self.rank, None, self.world_size),  # rank from the main process
             wds.split_by_worker,
+            lambda shards: dry.source(shards, exhaustive=True),
             *tar_samples(counter),
+            lambda raw: dry.passed(self._labelled(raw, counter)),
             wds.map(self.decode, handler=counter),
             counter.passed,
             wds.batched(self.batch_size, collation_fn=self.collate, partial=True),
         ]
 
-    def collate(self, samples: list[dict]) -> dict:
+    # --- samples and batches -----------------------------------------------------------------------
+
+    def label_of(self, sample: dict) -> int:
+        """The sample's label; BadSample naming its key and shard when it does not parse. A label beyond
+        `num_classes` is not a bad sample but a wrong configuration: a UserError."""
+        try:
+            label = parse_label(sample)
+        except BadSample as err:
+            raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
+        if self.num_classes is not None and label >= self.num_classes:
+            raise UserError(
+                f"sample {sample.get('__key__')} in {sample.get('__url__')} has label {label}, beyond "
+                f"num_classes {self.num_classes}: set data.init_args.num_classes to the number of classes "
+                "of the shards (their manifest's num_classes), or re-convert them"
+            )
+        return label
+
+    def decode(self, sample: dict) -> dict:
+        """Raw sample (label parsed by `_labelled`) -> `{"__key__", "image", "label"}`. Raises BadSample
+        for an image that cannot be used."""
+        try:
+            image = decode_image(sample, self.transform)
+        except BadSample as err:
+            raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
+        return {"__key__": sample["__key__"], "image": image, "label": sample["__label__"]}
+
+    def collate(self, samples_: list[dict]) -> dict:
         """Samples -> batch: `image` [B,3,H,W] uint8, `label` [B] int64, `key` list[str]. The datamodule
         turns `image` into normalised floats on the device (`ShardDataModule.prepare_batch`)."""
-        images = [s["image"] for s in samples]
+        images = [s["image"] for s in samples_]
         # The transforms give channel-first views of HWC pixels (`transforms.to_uint8_tensor`): stack
         # the HWC memory (one plain copy per image) rather than transpose every image into CHW; the
         # batch is then a channels-last [B,3,H,W] view, made contiguous by `normalize` on the device.
@@ -145,23 +272,71 @@ class ShardStream(IterableDataset):
             storage = images[0]._typed_storage()._new_shared(len(images) * images[0].numel())
             out = images[0].new(storage).resize_(len(images), *images[0].shape)
         stacked = torch.stack(images, out=out)
-        return {
+        batch = {
             "image": stacked.permute(0, 3, 1, 2) if hwc else stacked,
-            "label": torch.tensor([s["label"] for s in samples], dtype=torch.int64),
-            "key": [s["__key__"] for s in samples],
+            "label": torch.tensor([s["label"] for s in samples_], dtype=torch.int64),
+            "key": [s["__key__"] for s in samples_],
         }
+        if "__position__" in samples_[-1]:
+            batch["last_position"] = samples_[-1]["__position__"]
+        return batch
 
-    def decode(self, sample: dict) -> dict | None:
-        """Raw sample -> `{"__key__", "image", "label"}`; None (dropped, not an error) when the class
-        filter rejects its label. Raises BadSample for anything unusable."""
-        try:
-            label = parse_label(sample)
-            if self.classes is not None and label not in self.classes:
-                return None
-            image = decode_image(sample, self.transform)
-        except BadSample as err:
-            raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
-        return {"image": image, "label": label}
+
+class DryShards:
+    """Fails a stream that reads every one of its shards to the end without a sample passing the label
+    stage (empty tars, a class filter that keeps nothing, labels all broken): a resampled training
+    stream would otherwise spin for ever, and an exact pass would silently deliver nothing."""
+
+    def __init__(self, urls: Sequence[str]):
+        self.urls = set(urls)
+        self.since: set[str] = set()  # shards read since the last sample that passed
+
+    def source(self, shards: Iterable[dict | str], exhaustive: bool = False) -> Iterator[dict]:
+        """Stage: hands shards to the opener; asked for the next one, the previous one has been read
+        to its end. `exhaustive`: a finite list (exact pass) that must yield something."""
+        handed = []
+        for shard in shards:
+            self._check()
+            url = shard["url"] if isinstance(shard, dict) else shard
+            self.since.add(url)
+            handed.append(url)
+            yield {"url": url}
+        if exhaustive and handed and self.since >= set(handed):
+            self._fail(handed)
+        self._check()
+
+    def passed(self, raw: Iterable[dict]) -> Iterator[dict]:
+        for sample in raw:
+            self.since.clear()
+            yield sample
+
+    def _check(self) -> None:
+        if self.since and self.since >= self.urls:
+            self._fail(sorted(self.urls))
+
+    def _fail(self, urls: list[str]) -> None:
+        shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+        raise UserError(
+            f"no usable sample in a whole pass over {len(urls)} shard(s) ({shown}): they are empty, or the "
+            "class filter (data.init_args.classes) keeps none of their labels; check them with "
+            "`ssl-vit data inspect`"
+        )
+
+
+@contextlib.contextmanager
+def _seeded_rngs(seed: int, restore: bool):
+    """The global torch, numpy and Python RNGs seeded with `seed`; with `restore`, put back afterwards."""
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if restore else None
+    torch.default_generator.manual_seed(seed)  # the CPU generator only: CUDA's belongs to the model
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            torch.set_rng_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
 
 
 def iter_samples(urls: Iterable[str], handler: Callable[[Exception], bool]) -> Iterator[dict]:

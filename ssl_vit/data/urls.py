@@ -99,7 +99,10 @@ def check_urls(urls: Sequence[str], what: str) -> None:
 
 
 def read_manifest(first_url: str) -> dict | None:
-    """The manifest `{split}.json` next to shards named `{split}-NNNNNN.tar`, or None if there is none."""
+    """The manifest `{split}.json` next to shards named `{split}-NNNNNN.tar`, or None if there is none.
+
+    A manifest that exists but is not JSON, or whose keys have the wrong types, is a UserError naming
+    the file and the key: the readers size epochs and count classes from it."""
     match = re.match(r"^(.*)-\d+\.tar$", first_url)
     if not match or urlparse(first_url).scheme == "pipe":
         return None
@@ -107,13 +110,77 @@ def read_manifest(first_url: str) -> dict | None:
     try:
         path = _local_path(url)
         if path is not None:
-            return json.loads(path.read_text()) if path.is_file() else None
-        if urlparse(url).scheme in ("http", "https"):
+            if not path.is_file():
+                return None
+            text = path.read_bytes()
+        elif urlparse(url).scheme in ("http", "https"):
             with urllib.request.urlopen(url, timeout=15) as f:
-                return json.loads(f.read())
-        import fsspec
+                text = f.read()
+        else:
+            import fsspec
 
-        with fsspec.open(url, "rb") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError, ImportError):
+            with fsspec.open(url, "rb") as f:
+                text = f.read()
+    except (OSError, ImportError):
         return None
+    try:
+        manifest = json.loads(text)
+    except ValueError as err:
+        raise UserError(
+            f"manifest {url} is not JSON ({err}): re-run `ssl-vit data convert`, or delete it and set "
+            "data.init_args.train_batches and num_classes"
+        ) from None
+    check_manifest(manifest, url)
+    return manifest
+
+
+def check_manifest(manifest: object, where: str) -> None:
+    """Raise a one-line UserError naming `where` and the key when `manifest` does not have the types
+    data/README.md documents (the keys ssl-vit reads are required; the others are checked when present)."""
+    fix = "fix the file or re-run `ssl-vit data convert`"
+    if not isinstance(manifest, dict):
+        raise UserError(f"manifest {where} is a JSON {type(manifest).__name__}, not an object: {fix}")
+
+    missing = object()
+
+    def bad(key: str, should: str, element: str = "", value: object = missing) -> UserError:
+        value = manifest.get(key, missing) if value is missing else value
+        text = "missing" if value is missing else repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        return UserError(f"manifest {where}: {key!r}{element} is {text}, it should be {should}: {fix}")
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key in ("num_samples", "num_classes"):
+        if not count(manifest.get(key)):
+            raise bad(key, "a non-negative integer")
+    for key in ("version", "skipped"):
+        if key in manifest and not count(manifest[key]):
+            raise bad(key, "a non-negative integer")
+    for key in ("source", "split", "image_format"):
+        if key in manifest and not isinstance(manifest[key], str):
+            raise bad(key, "a string")
+    size = manifest.get("image_size")
+    if size is not None and not (isinstance(size, list) and len(size) == 2 and all(map(count, size))):
+        raise bad("image_size", "[height, width] or null")
+    names = manifest.get("class_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise bad("class_names", "a list of strings")
+    counts = manifest.get("class_counts", {})
+    if not isinstance(counts, dict):
+        raise bad("class_counts", 'an object of label -> count, such as {"0": 150, "1": 148}')
+    for label, n in counts.items():
+        if not re.fullmatch(r"-?\d+", label):
+            raise bad("class_counts", f'keyed by labels such as "0" or "-1", not {label!r}')
+        if not count(n):
+            raise bad("class_counts", "a non-negative integer", f"[{label!r}]", n)
+    shards = manifest.get("shards")
+    shard = '{"url": NAME, "num_samples": COUNT}'
+    if not isinstance(shards, list):
+        raise bad("shards", f"a list of {shard}")
+    for i, entry in enumerate(shards):
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("url"), str) and count(entry.get("num_samples"))
+        ):
+            raise bad("shards", shard, f"[{i}]", entry)

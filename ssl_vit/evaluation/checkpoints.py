@@ -62,7 +62,7 @@ def _read_lightning(path: Path) -> tuple[dict, ViTConfig | None]:
         raise UserError(
             f"{path} is not a checkpoint torch can load safely ({type(err).__name__}); give {SOURCES}"
         ) from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise UserError(f"{path} is not a Lightning checkpoint (no state_dict); give {SOURCES}")
     state = {
         k.removeprefix("backbone."): v
@@ -71,8 +71,9 @@ def _read_lightning(path: Path) -> tuple[dict, ViTConfig | None]:
     }
     if not state:
         raise UserError(f"{path} has no backbone.* weights: not an ssl-vit checkpoint")
-    saved = checkpoint.get("hyper_parameters", {}).get("backbone")
-    return state, ViTConfig(**saved) if saved else None
+    hparams = checkpoint.get("hyper_parameters") or {}
+    saved = hparams.get("backbone") if isinstance(hparams, dict) else None
+    return state, ViTConfig.from_dict(saved, f"{path}: hyper_parameters.backbone") if saved else None
 
 
 def _read_safetensors(path: Path) -> tuple[dict, ViTConfig | None]:
@@ -85,7 +86,16 @@ def _read_safetensors(path: Path) -> tuple[dict, ViTConfig | None]:
     except (SafetensorError, OSError) as err:
         raise UserError(f"{path} is not a readable .safetensors file ({err}); give {SOURCES}") from None
     saved = metadata.get(METADATA_KEY)
-    return state, ViTConfig(**json.loads(saved)) if saved else None
+    if not saved:
+        return state, None
+    try:
+        values = json.loads(saved)
+    except ValueError as err:
+        raise UserError(
+            f"{path}: metadata {METADATA_KEY!r} is not JSON ({err}): re-export the file with ssl-vit, or "
+            "drop that metadata and set the backbone in the suite"
+        ) from None
+    return state, ViTConfig.from_dict(values, f"{path}: metadata {METADATA_KEY!r}")
 
 
 def _describe(config: ViTConfig) -> dict:

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import yaml
 
 from ssl_vit.errors import UserError
+from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.models.vit import ViTConfig
 
 Kind = Literal["fewshot", "knn", "linear_probe", "finetune"]
@@ -85,7 +86,10 @@ def load_suite(path: str | Path) -> Suite:
         raise UserError(f"suite {path} is not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(raw, dict) or "protocols" not in raw or ("data" in raw) == ("datasets" in raw):
         raise UserError(f"suite {path} needs 'protocols' and one of 'data' or 'datasets' (and 'backbone')")
-    backbone = _build(ViTConfig, raw.get("backbone") or {}, f"{path}: backbone")
+    _check_keys(raw, SUITE_KEYS, f"{path}")
+    backbone = ViTConfig.from_dict(raw.get("backbone") or {}, f"{path}: backbone")
+    if not isinstance(raw["protocols"], list) or not raw["protocols"]:
+        raise UserError(f"{path}: protocols should be a non-empty list of {{name: ..., kind: ...}} mappings")
     protocols = [_build(Protocol, p, f"{path}: protocol {i}") for i, p in enumerate(raw["protocols"])]
     for p in protocols:
         if p.kind not in KINDS:
@@ -94,23 +98,49 @@ def load_suite(path: str | Path) -> Suite:
     if len(set(names)) != len(names):
         raise UserError(f"{path}: protocol names must be unique, got {names}")
     datasets = raw["datasets"] if "datasets" in raw else {"data": raw["data"]}
+    if not isinstance(datasets, dict) or not datasets:
+        raise UserError(
+            f"{path}: datasets should map names to data blocks, e.g. {{cifar10: {{train_urls: ...}}}}"
+        )
+    data_keys = ("train_urls", "test_urls", *DATA_KEYS)
     for name, data in datasets.items():
+        where = f"{path}: {name}" if "datasets" in raw else f"{path}: data"
+        if not isinstance(data, dict):
+            raise UserError(
+                f"{where} is a {type(data).__name__}, not a mapping: give keys among {', '.join(data_keys)}"
+            )
+        _check_keys(data, data_keys, where)
         for key in ("train_urls", "test_urls"):
-            if not (data or {}).get(key):
+            if not data.get(key):
                 raise UserError(f"{path}: {name}.{key} is missing (train: probe/support, test: evaluation)")
     for p in protocols:
         p.dataset = p.dataset or next(iter(datasets))
         if p.dataset not in datasets:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
-    return Suite(backbone, datasets, protocols, str(path), int(raw.get("seed", 0)))
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UserError(f"{path}: seed is {seed!r}: it should be an integer")
+    return Suite(backbone, datasets, protocols, str(path), seed)
+
+
+# Top-level keys of a suite file; a data block's keys are train_urls, test_urls and protocols.DATA_KEYS.
+SUITE_KEYS = ("backbone", "data", "datasets", "protocols", "seed")
+
+
+def _check_keys(values: dict, known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(str(k) for k in values if k not in known)
+    if unknown:
+        raise UserError(f"{where}: unknown keys {unknown}: valid keys are {', '.join(known)}")
 
 
 def _build(cls, values: dict, where: str):
-    known = {f.name for f in fields(cls)}
-    unknown = set(values) - known
-    if unknown:
-        raise UserError(f"{where}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    known = tuple(f.name for f in fields(cls))
+    if not isinstance(values, dict):
+        raise UserError(
+            f"{where} is a {type(values).__name__}, not a mapping: give keys among {', '.join(known)}"
+        )
+    _check_keys(values, known, where)
     try:
         return cls(**values)
     except TypeError as err:

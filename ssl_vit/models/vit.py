@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from functools import partial
 from typing import Literal, NamedTuple
 
@@ -20,6 +21,8 @@ from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
 from torch import Tensor
+
+from ssl_vit.errors import BadValue
 
 # name -> (width, depth, heads, mlp_dim). B/L/H: ViT paper Table 1; Ti/S: DeiT; M: big_vision.
 VARIANTS: dict[str, tuple[int, int, int, int]] = {
@@ -49,14 +52,19 @@ class Variant(NamedTuple):
 
 
 def parse_variant(variant: str) -> Variant:
-    """`"B/16"` -> Variant("B", 16, hybrid=False); `"R50+B/16"` -> hybrid. ValueError lists the valid ones."""
-    match = _VARIANT_RE.match(variant.strip())
-    valid = f"valid: {{{','.join(VARIANTS)}}}/PATCH, e.g. {', '.join(EXAMPLE_VARIANTS)}"
+    """`"B/16"` -> Variant("B", 16, hybrid=False); `"R50+B/16"` -> hybrid.
+
+    A bad one raises `BadValue` (a UserError and a ValueError) naming the valid sizes: one line."""
+    match = _VARIANT_RE.match(variant.strip()) if isinstance(variant, str) else None
+    valid = (
+        f"give SIZE/PATCH with SIZE one of {', '.join(VARIANTS)} (hybrids: R50+SIZE/16 or R50+SIZE/32); "
+        f"valid: e.g. {', '.join(EXAMPLE_VARIANTS)}"
+    )
     if match is None or match["size"] not in VARIANTS or int(match["patch"]) < 1:
-        raise ValueError(f"unknown ViT variant {variant!r}; {valid}")
+        raise BadValue(f"unknown ViT variant {variant!r}: {valid}")
     parsed = Variant(match["size"], int(match["patch"]), match["hybrid"] is not None)
     if parsed.hybrid and parsed.patch_size not in HYBRID_STAGES:
-        raise ValueError(f"hybrid {variant!r} needs a ResNet stride of {sorted(HYBRID_STAGES)}; {valid}")
+        raise BadValue(f"hybrid {variant!r} needs a ResNet stride of {sorted(HYBRID_STAGES)}: {valid}")
     return parsed
 
 
@@ -154,12 +162,12 @@ def build_vit(
     """
     parsed = parse_variant(variant)
     if pooling not in ("cls", "gap"):
-        raise ValueError(f"unknown pooling {pooling!r}; valid: 'cls', 'gap'")
+        raise BadValue(f"unknown pooling {pooling!r}: give 'cls' or 'gap'")
     base_width, base_depth, base_heads, base_mlp = parsed.dims
     width, depth, heads = width or base_width, depth or base_depth, heads or base_heads
     mlp_dim = mlp_dim or (base_mlp * width // base_width)
     if width % heads:
-        raise ValueError(f"width {width} is not divisible by heads {heads}; pick heads that divide it")
+        raise BadValue(f"width {width} is not divisible by heads {heads}: pick heads that divide it")
     kwargs = dict(
         img_size=img_size,
         patch_size=parsed.patch_size,
@@ -196,3 +204,37 @@ class ViTConfig:
     def build(self) -> ViT:
         fields = asdict(self)
         return build_vit(fields.pop("variant"), fields.pop("img_size"), **fields)
+
+    @classmethod
+    def from_dict(cls, values: object, where: str) -> ViTConfig:
+        """A checked ViTConfig from plain values (a suite's `backbone:`, a checkpoint's saved config).
+
+        Every problem is one line (`BadValue`) naming `where`, the key and what it should be."""
+        known = [f.name for f in dataclass_fields(cls)]
+        if not isinstance(values, dict):
+            raise BadValue(
+                f"{where} is a {type(values).__name__}, not a mapping of backbone fields: "
+                f"give keys among {', '.join(known)}"
+            )
+        unknown = sorted(str(k) for k in values if k not in known)
+        if unknown:
+            raise BadValue(f"{where}: unknown keys {unknown}: valid keys are {', '.join(known)}")
+        config = cls(**values)
+        if not isinstance(config.variant, str):
+            raise BadValue(f"{where}: variant is {config.variant!r}, not a string: give e.g. 'S/16'")
+        try:
+            parse_variant(config.variant)
+        except BadValue as err:
+            raise BadValue(f"{where}: {err}") from None
+        for key in ("img_size", "width", "depth", "heads", "mlp_dim"):
+            value = getattr(config, key)
+            if (value is not None or key == "img_size") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise BadValue(f"{where}: {key} is {value!r}: it should be a positive integer")
+        if config.pooling not in ("cls", "gap"):
+            raise BadValue(f"{where}: pooling is {config.pooling!r}: it should be 'cls' or 'gap'")
+        rate = config.drop_path_rate
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
+            raise BadValue(f"{where}: drop_path_rate is {rate!r}: it should be a number in [0, 1)")
+        return config

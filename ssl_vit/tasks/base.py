@@ -106,7 +106,14 @@ class BackboneTask(pl.LightningModule):
         """Training FLOPs per image (3 x forward: backward costs about twice the forward), counted once
         by torch's FlopCounterMode on a one-image batch of the task's `forward`, for the model-FLOP
         utilisation."""
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        # The forward draws masks: on forked RNGs, so that counting (done again by a resumed run) leaves
+        # the run's random stream, which exact resume restores, untouched.
+        devices = [images.device] if images.device.type == "cuda" else []
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            FlopCounterMode(display=False) as counter,
+        ):
             self(images[:1])
         self.flops_per_image = 3 * counter.get_total_flops()
 

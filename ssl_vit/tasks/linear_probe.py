@@ -28,8 +28,9 @@ def check_feature(feature: str, backbone: ViT) -> None:
     if feature not in ("cls", "mean"):
         raise ValueError(f"unknown feature {feature!r}; valid: 'cls', 'mean'")
     if feature == "cls" and backbone.cls_token is None:
-        raise ValueError("feature 'cls' needs a backbone with a [class] token; this one pools by 'gap': use "
-                         "'mean'")
+        raise ValueError(
+            "feature 'cls' needs a backbone with a [class] token; this one pools by 'gap': use 'mean'"
+        )
 
 
 def pool(tokens: Tokens, feature: Feature, backbone: ViT) -> Tensor:

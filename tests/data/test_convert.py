@@ -4,7 +4,9 @@ import gzip
 import io
 import json
 import pickle
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import webdataset as wds
 from PIL import Image
 
 from ssl_vit.data.sources import open_source
-from ssl_vit.data.writer import convert
+from ssl_vit.data.writer import check_split_name, convert
 from ssl_vit.errors import UserError
 
 
@@ -269,3 +271,164 @@ def test_sources_that_do_not_parse(tmp_path):
     (tmp_path / "not.npz").write_bytes(buf.getvalue()[:10])
     with pytest.raises(UserError, match="does not parse as .npz"):
         open_source(f"npz:{tmp_path / 'not.npz'}", "train")
+
+
+# --- --overwrite replaces a split without ever losing it; --split is a plain name ------------------------
+
+# `ssl-vit data convert ARGS` with os.replace (or shutil.rmtree) failing with OSError, or the process dying
+# (os._exit, as a kill would), the first time it moves a file to (removes) a path ending in FAIL_ON.
+CONVERT_WITH_FAULT = """
+import os, shutil, sys
+fail_on, how = sys.argv[1], sys.argv[2]
+def faulty(real, target_arg):
+    def call(*args, **kwargs):
+        global fail_on
+        target = str(args[target_arg])
+        if fail_on and target.endswith(fail_on):
+            if how == "kill":
+                os._exit(9)
+            fail_on = None
+            raise OSError(28, "No space left on device (injected)", target)
+        return real(*args, **kwargs)
+    return call
+os.replace, shutil.rmtree = faulty(os.replace, 1), faulty(shutil.rmtree, 0)
+from ssl_vit.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def convert_with_fault(fail_on: str, how: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", CONVERT_WITH_FAULT, fail_on, how, "data", "convert", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def snapshot(directory: Path) -> dict[str, bytes | None]:
+    """Every entry of `directory` (hidden ones too): file bytes, None for a directory."""
+    return {p.name: p.read_bytes() if p.is_file() else None for p in sorted(directory.iterdir())}
+
+
+def assert_one_line_error(proc, *words: str) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("ssl-vit: error: "), proc.stderr
+    for word in words:
+        assert word in proc.stderr, proc.stderr
+    return proc.stderr.strip()
+
+
+def assert_inspect_passes(cli, outdir: Path, split: str, samples: int) -> None:
+    manifest = json.loads((outdir / f"{split}.json").read_text())
+    assert manifest["num_samples"] == samples
+    urls = [str(outdir / s["url"]) for s in manifest["shards"]]
+    proc = cli("data", "inspect", *urls)
+    assert f"{samples} good samples in {len(urls)} shards" in proc.stdout and "0 problems" in proc.stdout
+    shards = sorted(
+        p.name for p in outdir.iterdir() if re.fullmatch(rf"{split}-\d+\.tar", p.name) and p.is_file()
+    )
+    assert shards == sorted(s["url"] for s in manifest["shards"])  # no stray shard beside the manifest
+
+
+@pytest.fixture
+def old_split(tmp_path) -> tuple[Path, dict[str, bytes | None]]:
+    """OUTDIR holding split train: 30 samples in 3 shards, and split val, which must never be touched."""
+    convert("synthetic:30", tmp_path / "out", shard_size=10, progress=False)
+    convert("synthetic:7", tmp_path / "out", split="val", shard_size=10, progress=False)
+    return tmp_path / "out", snapshot(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "fail_on",
+    [".train.old/train-000001.tar", "out/train-000003.tar", "out/train.json"],
+    ids=["setting-old-aside", "between-new-shards", "final-manifest-move"],
+)
+def test_overwrite_that_fails_at_any_move_keeps_the_old_split(cli, old_split, fail_on):
+    """The new set (50 samples, 5 shards) replaces the old one (30, 3): a failure while the old files
+    are set aside, after some new shards went in under the old ones' names, or at the last move (the
+    manifest) leaves exactly the old split and its manifest, and nothing else."""
+    outdir, before = old_split
+    proc = convert_with_fault(
+        fail_on, "raise", "synthetic:50", str(outdir), "--shard-size", "10", "--overwrite"
+    )
+    assert_one_line_error(proc, "moving the new split 'train'", "injected", "the old split is kept")
+    assert snapshot(outdir) == before  # same files, same bytes; no .train.partial or .train.old left
+    assert_inspect_passes(cli, outdir, "train", 30)
+
+
+def test_a_directory_in_the_way_is_refused_before_anything_is_written(cli, old_split):
+    outdir, _ = old_split
+    (outdir / "train-000003.tar").mkdir()  # where the new set's 4th shard would go
+    before = snapshot(outdir)
+    proc = cli(
+        "data", "convert", "synthetic:50", str(outdir), "--shard-size", "10", "--overwrite", "--no-progress",
+        check=False,
+    )  # fmt: skip
+    assert_one_line_error(proc, f"{outdir / 'train-000003.tar'} is in the way", "move it out")
+    assert snapshot(outdir) == before
+    assert_inspect_passes(cli, outdir, "train", 30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill_on, survivor",
+    [("out/train-000003.tar", 30), ("out/train.json", 30), ("out/.train.old", 50)],
+    ids=["between-new-shards", "at-the-manifest", "deleting-the-old-set"],
+)
+def test_a_conversion_killed_mid_swap_is_finished_by_the_next_one(cli, old_split, kill_on, survivor):
+    """A kill leaves the old files in .train.old; the next conversion into OUTDIR first restores the old
+    split (new manifest not in yet) or keeps the new one (manifest in), then does its own work."""
+    outdir, before = old_split
+    proc = convert_with_fault(
+        kill_on, "kill", "synthetic:50", str(outdir), "--shard-size", "10", "--overwrite"
+    )
+    assert proc.returncode == 9, proc.stderr
+    assert (outdir / ".train.old").is_dir()
+
+    proc = cli("data", "convert", "synthetic:5", str(outdir), "--no-progress", check=False)
+    assert proc.returncode == 2 and "finished the interrupted conversion of split 'train'" in proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("ssl-vit: error: ") and "--overwrite" in proc.stderr
+    )
+    if survivor == 30:
+        assert snapshot(outdir) == before
+    assert not (outdir / ".train.old").exists() and not (outdir / ".train.partial").exists()
+    assert_inspect_passes(cli, outdir, "train", survivor)
+    assert_inspect_passes(cli, outdir, "val", 7)
+
+
+def test_overwrite_with_fewer_shards_leaves_no_stale_shard_and_other_splits_alone(cli, old_split):
+    outdir, before = old_split
+    (outdir / "train-extra-000000.tar").write_bytes(b"a split called train-extra")
+    cli("data", "convert", "synthetic:12", str(outdir), "--shard-size", "10", "--overwrite", "--no-progress")
+    assert_inspect_passes(cli, outdir, "train", 12)
+    after = snapshot(outdir)
+    assert sorted(after) == sorted(
+        [
+            "train-000000.tar",
+            "train-000001.tar",
+            "train.json",
+            "train-extra-000000.tar",
+            *[n for n in before if n.startswith("val")],
+        ]
+    )
+    assert {n: after[n] for n in before if n.startswith("val")} == {
+        n: before[n] for n in before if n.startswith("val")
+    }
+
+
+@pytest.mark.parametrize("split", ["../x", "a/b", "/tmp/x"])
+def test_split_must_be_a_plain_name(cli, tmp_path, split):
+    proc = cli("data", "convert", "synthetic:5", str(tmp_path / "out"), "--split", split, check=False)
+    assert_one_line_error(proc, f"--split {split!r} is not a plain name", "letters, digits")
+    assert list(tmp_path.iterdir()) == []  # not even OUTDIR
+
+
+def test_split_names_that_are_not_plain(tmp_path):
+    for split in (".hidden", "x/../../y", "..", "a..b", "", "tr ain", "x\\y", "val\n"):
+        with pytest.raises(UserError, match="is not a plain name"):
+            convert("synthetic:5", tmp_path / "out", split=split, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    for split in ("train", "val", "test-2", "in1k_train.v2"):
+        check_split_name(split)

@@ -1,0 +1,310 @@
+"""How ssl-vit writes and reads Lightning checkpoints.
+
+- `SafeCheckpointIO` saves atomically (temp file in the target's directory, fsync, `os.replace`) and
+  loads with `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
+- `LastLinkCheckpoint` makes `last.ckpt` a hard link to the newest checkpoint: no second write.
+
+Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so neither Lightning's
+`ckpt_path="last"` search nor a `*.ckpt` glob takes a half-written one for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any, Literal
+
+import torch
+from lightning_fabric.plugins import TorchCheckpointIO
+from lightning_fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from ssl_vit.errors import UserError
+
+TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")
+# Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
+# links (EPERM on FAT/some FUSE, ENOTSUP), a file at the link limit (EMLINK).
+NO_HARD_LINK = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's TorchCheckpointIO with atomic local saves and weights-only loads."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            # Remote targets (s3://, gs://, ...) keep Lightning's fs.transaction / multipart upload: an
+            # object store has no rename-over or fsync, and an upload is all-or-nothing already.
+            # storage_options: Lightning's TypeError, unchanged.
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        # Lightning's _atomic_save serialises to memory, then (fsspec transaction) writes a
+        # tempfile.mkstemp() file in $TMPDIR and shutil.move()s it onto the target: a rename only when
+        # $TMPDIR is on the same filesystem, else a copy written into the target in place (a kill leaves
+        # it truncated, and the full-size temp file in $TMPDIR); nothing is fsynced. Here the temp file is
+        # next to the target, synced, and renamed over it: the target is only ever a whole checkpoint.
+        target = _local(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        _write_atomically(target, lambda f: torch.save(checkpoint, f))
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        # `weights_only` is ignored: Lightning passes None by default, and its `_load` turns None into
+        # weights_only=False for http(s) URLs, i.e. unpickles whatever a server sends.
+        return load_checkpoint(path, map_location)
+
+
+def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
+    """A Lightning checkpoint (local path, fsspec or http(s) URL) read with `torch.load(weights_only=True)`;
+    a file that is missing, unreadable or needs code to unpickle is a UserError."""
+    text = str(path)
+    try:
+        if text.startswith(("http://", "https://")):
+            # Not torch.hub.load_state_dict_from_url: it caches by file name under ~/.cache/torch/hub, so
+            # a new checkpoint served under an old name would be ignored.
+            with tempfile.TemporaryDirectory(prefix="ssl-vit-ckpt-") as tmp:
+                local = os.path.join(tmp, "download.ckpt")
+                torch.hub.download_url_to_file(text, local, progress=False)
+                return torch.load(local, map_location=map_location, weights_only=True)
+        fs = get_filesystem(text)
+        if not fs.exists(text):
+            raise UserError(f"checkpoint {text} does not exist; give the path of a .ckpt file")
+        with fs.open(text, "rb") as f:
+            return torch.load(f, map_location=map_location, weights_only=True)
+    except UserError:
+        raise
+    except pickle.UnpicklingError as err:
+        raise refused(text, err) from None
+    except Exception as err:  # HTTP errors, truncated or non-zip files, permissions: one line each
+        raise UserError(
+            f"{text} is not a readable checkpoint ({type(err).__name__}: {_first_line(err)}); give a .ckpt "
+            "written by ssl-vit"
+        ) from None
+
+
+def refused(path: str, err: Exception) -> UserError:
+    """The one-line error for a checkpoint whose pickle names globals outside torch's weights-only set."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reason = next((line for line in lines if "GLOBAL" in line or "global" in line), _first_line(err))
+    return UserError(
+        f"{path} is not a checkpoint ssl-vit loads safely (it needs to run code to unpickle: "
+        f"{reason[:200]}); re-save it with weights only or give a checkpoint written by ssl-vit"
+    )
+
+
+def with_safe_io(plugins: Any) -> list:
+    """`trainer.plugins` with a SafeCheckpointIO: added when none is there, set as the base of a wrapping
+    IO (AsyncCheckpointIO) that has none; any other CheckpointIO is a UserError."""
+    from lightning_fabric.plugins import CheckpointIO
+    from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
+
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    ios = [p for p in plugins if isinstance(p, CheckpointIO)]
+    if not ios:
+        return [*plugins, SafeCheckpointIO()]
+    for io in ios:
+        while isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is not None:
+            io = io.checkpoint_io
+        if isinstance(io, _WrappingCheckpointIO):
+            io.checkpoint_io = SafeCheckpointIO()  # else the strategy would give it a TorchCheckpointIO
+        elif not isinstance(io, SafeCheckpointIO):
+            raise UserError(
+                f"trainer.plugins holds {type(io).__name__}, but ssl-vit reads and writes checkpoints with "
+                "ssl_vit.tasks.checkpointing.SafeCheckpointIO (atomic saves, weights-only loads); remove it, "
+                "or subclass SafeCheckpointIO"
+            )
+    return plugins
+
+
+class LastLinkCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint whose `last.ckpt` is a hard link to the newest checkpoint.
+
+    `save_last="link"` (the default here) in Lightning removes `last.ckpt` and then makes a symlink: a
+    kill between the two leaves no last.ckpt, and the symlink dangles once the checkpoint it points to is
+    rotated away (save_top_k). A hard link is put in place by `os.replace` and keeps the data alive on
+    its own. `save_last=True` (a second full write) is used where links cannot help: a monitored metric
+    (Lightning would link last.ckpt to the best checkpoint, not the newest state) and remote dirpaths.
+    """
+
+    def __init__(self, *args: Any, save_last: bool | Literal["link"] | None = "link", **kwargs: Any) -> None:
+        super().__init__(*args, save_last=save_last, **kwargs)
+        if self.save_last == "link" and self.monitor is not None:
+            # With a monitor, Lightning links last.ckpt to the last *top-k* checkpoint, which can be
+            # older than the current state; `ckpt_path="last"` must resume from the newest state.
+            self.save_last = True
+
+    @property
+    def state_key(self) -> str:
+        # Lightning keys callback state by class name; ModelCheckpoint's keeps the state of checkpoints
+        # written before this class existed (best/last paths) restorable, and vice versa.
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        link = self.save_last == "link"
+        if link:
+            # Lightning raises for save_last="link" on a remote dirpath, which is only known after
+            # resolving it in setup; there, a full copy (save_last=True) is the fallback.
+            self.save_last = True
+        super().setup(trainer, pl_module, stage)
+        if link and _is_local_file_protocol(self.dirpath):
+            self.save_last = "link"
+        if stage == "fit" and trainer.is_global_zero and _is_local_file_protocol(self.dirpath):
+            # Only a fit owns its checkpoint directory (a validate may run beside a fit that is saving).
+            remove_stale_temp_files(_local(self.dirpath))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if getattr(self, "_linked_as", None):
+            state["last_model_path"] = self._linked_as
+        return state
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        # Lightning sets last_model_path in _save_last_checkpoint, after the periodic checkpoint was
+        # written; with "link" that checkpoint *is* last.ckpt, so its state would name the previous (or
+        # no) last path, and a run resumed from it would link last-v1.ckpt next and keep the old one.
+        self._linked_as = None
+        if self.save_last == "link" and self.save_top_k != 0:
+            last = self._last_path(trainer)
+            if os.path.abspath(last) != os.path.abspath(filepath):
+                self._linked_as = last
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        finally:
+            self._linked_as = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # With step- or time-based saving, Lightning saves nothing at the end of training and writes
+        # last.ckpt there only if nothing was saved at all: the steps after the last periodic save would
+        # be missing from last.ckpt. The final state is saved here (periodic checkpoint + last).
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            if self.monitor is None and self.save_top_k != 0:
+                self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        super().on_train_end(trainer, pl_module)
+
+    def _last_path(self, trainer) -> str:
+        """The name _save_last_checkpoint will give the link (Lightning's version counter included)."""
+        candidates = self._monitor_candidates(trainer)
+        filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST)
+        if self._enable_version_counter:
+            version = self.STARTING_VERSION
+            while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
+                filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST, ver=version)
+                version += 1
+        return filepath
+
+    def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
+        # Lightning's is a staticmethod called as self._link_checkpoint(trainer, filepath, linkpath).
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            if os.path.isdir(filepath):
+                # Sharded (directory) checkpoints cannot be hard-linked: Lightning's symlink.
+                ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+                return
+            link_atomically(filepath, linkpath)
+        trainer.strategy.barrier()
+
+
+def link_atomically(source: str, target: str) -> None:
+    """`target` becomes a hard link to `source` (a copy where hard links are impossible), atomically."""
+    directory = os.path.dirname(os.path.abspath(target))
+    if os.path.exists(target) and os.path.samefile(source, target):
+        # Lightning relinks at epoch/validation end without a new checkpoint; and rename(2) of one hard
+        # link onto another of the same file does nothing, which would leave the temporary name behind.
+        return
+    temp = _temp_path(target)
+    try:
+        try:
+            os.link(source, temp)
+        except OSError as err:
+            if err.errno not in NO_HARD_LINK:
+                raise
+            with suppress(FileNotFoundError):
+                os.unlink(temp)
+            with open(source, "rb") as src, _create(temp) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+        os.replace(temp, target)
+    finally:
+        # Gone after the rename; left after a failure, or after a race made `target` another link of
+        # `source` (rename(2) between two links of one file does nothing).
+        with suppress(FileNotFoundError):
+            os.unlink(temp)
+    _fsync_directory(directory)
+
+
+def remove_stale_temp_files(directory: str) -> list[str]:
+    """Temporary files a killed save left in `directory` (saves of this run have not started)."""
+    if not os.path.isdir(directory):
+        return []
+    stale = [name for name in os.listdir(directory) if TEMP_NAME.match(name)]
+    for name in stale:
+        with suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    return stale
+
+
+def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
+    directory = os.path.dirname(os.path.abspath(target))
+    temp = _temp_path(target)  # same directory, so same filesystem: os.replace is a rename
+    try:
+        with _create(temp) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(temp, target)
+    finally:
+        with suppress(FileNotFoundError):  # a failed save leaves the previous checkpoint untouched
+            os.unlink(temp)
+    _fsync_directory(directory)  # and the rename itself survives a power loss
+
+
+def _create(path: str):
+    # O_EXCL: never write through an existing name; mode 0o666 & ~umask, like the file Lightning writes
+    # (tempfile.mkstemp would make it 0o600).
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
+
+
+def _temp_path(target: str) -> str:
+    directory, name = os.path.split(os.path.abspath(target))
+    return os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms without directory handles (Windows): the rename is done, nothing to sync
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (FUSE, NFS) refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _local(path: _PATH) -> str:
+    text = str(path)
+    return text.removeprefix("file://") if text.startswith("file://") else text
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0][:200] if lines else type(err).__name__
+
+
+__all__ = [
+    "LastLinkCheckpoint", "SafeCheckpointIO", "link_atomically", "load_checkpoint", "refused",
+    "remove_stale_temp_files", "with_safe_io",
+]  # fmt: skip

@@ -1,0 +1,100 @@
+"""Preemption: SIGTERM, and SLURM's requeue signal (SIGUSR1, sent `--signal=USR1@SECONDS` before the
+time limit or by `scancel --signal=USR1`), make every rank save `last.ckpt` at the same step boundary;
+then the job stops, and after SIGUSR1 under SLURM it is requeued and resumes from that checkpoint.
+
+Lightning does most of this and is wired rather than rewritten: its signal connector turns SIGTERM into
+a `SIGTERMException` that every rank raises at the same step (the flag is broadcast from rank 0 before
+each batch), its checkpoint connector saves and restores, and `--ckpt_path last` finds the newest
+`last*.ckpt`. Only SLURM's requeue handler is replaced: Lightning's saves `hpc_ckpt_N.ckpt` from
+inside the signal handler, i.e. at whatever point of the step the signal lands (between backward and
+the optimizer update, or with a batch fetched but not trained on), on each rank at a different point,
+and a checkpoint there cannot resume exactly. Here the requeue signal only raises the same flag as
+SIGTERM; the save happens when the step is over, and rank 0 then runs `scontrol requeue`.
+
+Lightning installs its own SIGUSR1 handler only where none is installed yet, so this one, installed at
+`setup`, takes its place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytorch_lightning as pl
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger("ssl_vit")
+REQUEUE_SIGNAL = signal.SIGUSR1  # Lightning's SLURMEnvironment default
+
+
+class Preemption(pl.Callback):
+    """Saves a resumable `last.ckpt` when the job is told to stop, and requeues it under SLURM.
+
+    Every rank receives the signal from SLURM, but only rank 0's flag decides (Lightning broadcasts it),
+    so all ranks stop after the same step and save one consistent checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self.requeue_requested = False
+        self._previous = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and hasattr(signal, "SIGUSR1"):
+            self._previous = signal.signal(REQUEUE_SIGNAL, self._on_requeue_signal)
+        self.trainer = trainer
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(REQUEUE_SIGNAL, self._previous)
+            self._previous = None
+
+    def _on_requeue_signal(self, signum, frame) -> None:
+        log.info("received the requeue signal: saving at the end of this step")
+        self.requeue_requested = True
+        self._raise_stop_flag()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning clears its flag when it installs its handlers, after `setup`: a signal that came
+        # during start-up is raised again here.
+        if self.requeue_requested:
+            self._raise_stop_flag()
+
+    def _raise_stop_flag(self) -> None:
+        # The flag Lightning's own SIGTERM handler sets; its training loop checks it at every step.
+        self.trainer._signal_connector.received_sigterm = True
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return
+        path = Path(trainer.checkpoint_callback.dirpath or Path(trainer.default_root_dir) / "checkpoints")
+        path = path / "last.ckpt"
+        trainer.save_checkpoint(path)
+        what = "the requeue signal (SIGUSR1)" if self.requeue_requested else "SIGTERM"
+        message = f"stopped by {what} after step {trainer.global_step}; saved {path}"
+        job = slurm_job_id()
+        if self.requeue_requested and job and not trainer.is_global_zero:
+            message += f"; rank 0 requeues SLURM job {job}"
+        elif self.requeue_requested and job:
+            # Every rank has saved (save_checkpoint ends in a barrier): SLURM may now stop the job.
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            if result.returncode == 0:
+                message += f"; requeued SLURM job {job}: it resumes from there"
+            else:
+                message += f"; `scontrol requeue {job}` failed ({result.stderr.strip()[:200]})"
+        else:
+            message += ": resume with the same command and --ckpt_path last"
+        exception.args = (message,)
+        exception.requeued = self.requeue_requested and job is not None
+
+
+def slurm_job_id() -> str | None:
+    """The id `scontrol requeue` takes: the array job's `JOBID_TASK` for array jobs (as Lightning)."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job:
+        return f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")

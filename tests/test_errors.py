@@ -1,0 +1,332 @@
+"""Every mistake a user can make on the command line ends as one line, `ssl-vit: error: WHAT: FIX`, a
+non-zero exit, and nothing written: checked through the CLI, as users run it."""
+
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from cli_helpers import run_cli
+from safetensors.torch import save_file
+
+from ssl_vit.cli import check_ckpt_path, ckpt_path_argument, user_error_message
+from ssl_vit.data.urls import check_manifest
+from ssl_vit.errors import BadValue, UserError
+from ssl_vit.evaluation.checkpoints import config_metadata
+from ssl_vit.models.vit import ViTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
+# Lightning logs the seed (an info line) before any model is built; nothing else may be on stderr.
+NOISE = re.compile(r"Seed set to \d+")
+
+
+def error_line(proc, *words: str) -> str:
+    """The one `ssl-vit: error:` line of a failed command, after checking that it is the only output
+    on stderr (besides Lightning's seed line), that no traceback was shown and that it names `words`."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if not NOISE.fullmatch(line)]
+    assert len(lines) == 1 and lines[0].startswith("ssl-vit: error: "), proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+def fit(shards: Path, workdir: Path, *extra: str, check: bool = False):
+    """`ssl-vit fit` on the quickstart MPP recipe, one batch, run directory WORKDIR/run, cwd WORKDIR."""
+    return run_cli(
+        "fit", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
+        "--data.init_args.train_urls", str(shards / "train-{000000..000004}.tar"),
+        "--data.init_args.val_urls", str(shards / "val-{000000..000003}.tar"),
+        "--data.init_args.num_workers", "0",
+        "--trainer.fast_dev_run", "1",
+        "--trainer.default_root_dir", str(workdir / "run"),
+        *extra,
+        cwd=workdir, check=check,
+    )  # fmt: skip
+
+
+# --- fit ----------------------------------------------------------------------------------------------
+
+
+def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
+    # Raised in the task's constructor, where jsonargparse wraps it in its own ValueError.
+    proc = fit(digits_shards, tmp_path, "--model.init_args.backbone.variant", "X/16")
+    error_line(proc, "unknown ViT variant 'X/16'", "SIZE one of Ti, S, M, B, L, H", "B/16")
+    assert listing(tmp_path) == []
+
+
+def not_torch_zip(path: Path) -> None:
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("notes.txt", "a zip, but not one torch wrote")
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: p.write_bytes(bytes(range(256)) * 4), "not a checkpoint torch can load safely"),
+        (lambda p: p.write_text("epoch: 3\nloss: 0.1\n"), "not a checkpoint torch can load safely"),
+        (not_torch_zip, "not a checkpoint torch can load safely"),
+        (lambda p: torch.save({"weight": torch.zeros(2)}, p), "not a Lightning checkpoint (no state_dict)"),
+        (lambda p: p.mkdir(), "is not a file"),
+        (lambda p: None, "does not exist"),
+    ],
+    ids=["random-bytes", "text", "zip-not-torch", "torch-not-lightning", "directory", "missing"],
+)
+def test_fit_ckpt_path_that_is_not_a_checkpoint(digits_shards, tmp_path, make, words):
+    ckpt = tmp_path / "given" / "weights.ckpt"
+    ckpt.parent.mkdir()
+    make(ckpt)
+    before = listing(tmp_path)
+    for arg in (["--ckpt_path", str(ckpt)], [f"--ckpt_path={ckpt}"]):
+        proc = fit(digits_shards, tmp_path, *arg)
+        line = error_line(proc, f"--ckpt_path {ckpt}", words, "RUN/checkpoints/last.ckpt", "init_from")
+        assert listing(tmp_path) == before  # no run directory, no wandb files
+    assert line.startswith("ssl-vit: error: ") and "\n" not in line
+
+
+def test_check_ckpt_path_accepts_a_lightning_checkpoint(tmp_path):
+    from ssl_vit.tasks import MaskedPatchPretraining
+
+    model = MaskedPatchPretraining(ViTConfig(**TINY), preset="vit_mpp")
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(model)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    check_ckpt_path(tmp_path / "last.ckpt")
+    with pytest.raises(UserError, match="does not exist"):
+        check_ckpt_path(tmp_path / "nope.ckpt")
+
+
+def test_ckpt_path_argument_skips_keywords_and_urls():
+    assert ckpt_path_argument(["fit", "--ckpt_path", "a.ckpt"]) == "a.ckpt"
+    assert ckpt_path_argument(["fit", "--ckpt_path=a.ckpt", "--ckpt_path", "b.ckpt"]) == "b.ckpt"
+    for value in ("last", "best", "hpc", "null", "registry", "registry:model:v1", "s3://b/a.ckpt"):
+        assert ckpt_path_argument(["fit", "--ckpt_path", value]) is None, value
+    assert ckpt_path_argument(["fit", "--config", "x.yaml"]) is None
+    assert ckpt_path_argument(["fit", "--ckpt_path"]) is None  # jsonargparse reports the missing value
+
+
+def broken_copy(shards: Path, into: Path, split: str, edit) -> Path:
+    """A copy of the digits split SPLIT whose manifest went through `edit(manifest)`."""
+    into.mkdir()
+    for shard in shards.glob(f"{split}-*.tar"):
+        (into / shard.name).write_bytes(shard.read_bytes())
+    manifest = json.loads((shards / f"{split}.json").read_text())
+    text = edit(manifest)
+    (into / f"{split}.json").write_text(text if isinstance(text, str) else json.dumps(manifest))
+    return into
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "key, value",
+    [("num_samples", "40"), ("num_classes", 10.5)],
+)
+def test_fit_on_shards_whose_manifest_has_wrong_types(digits_shards, tmp_path, key, value):
+    shards = broken_copy(digits_shards, tmp_path / "shards", "train", lambda m: m.__setitem__(key, value))
+    for name in ("val-000000.tar", "val-000001.tar", "val-000002.tar", "val-000003.tar", "val.json"):
+        (shards / name).write_bytes((digits_shards / name).read_bytes())
+    before = listing(tmp_path)
+    proc = fit(shards, tmp_path)
+    error_line(proc, f"manifest {shards / 'train.json'}: {key!r} is {value!r}", "non-negative integer")
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda m: m.__setitem__("num_samples", "40"), "'num_samples' is '40', it should be a non-negative"),
+        (lambda m: m.__setitem__("shards", {"url": "val-000000.tar"}), "'shards' is {'url'"),
+        (
+            lambda m: m["shards"][1].pop("num_samples"),
+            "'shards'[1] is {'url': 'val-000001.tar'}, it should be",
+        ),
+        (
+            lambda m: m["class_counts"].__setitem__("3", "40"),
+            "'class_counts'['3'] is '40', it should be a non-",
+        ),
+        (lambda m: "{not json", "is not JSON"),
+    ],
+    ids=["num_samples-str", "shards-not-list", "shard-without-count", "class_count-str", "not-json"],
+)
+def test_inspect_shards_whose_manifest_is_broken(digits_shards, tmp_path, edit, words):
+    shards = broken_copy(digits_shards, tmp_path / "shards", "val", edit)
+    proc = run_cli("data", "inspect", str(shards / "val-{000000..000003}.tar"), check=False)
+    error_line(proc, f"manifest {shards / 'val.json'}", words)
+
+
+def test_check_manifest_names_the_key_and_the_type(digits_shards):
+    good = json.loads((digits_shards / "val.json").read_text())
+    check_manifest(good, "val.json")
+    for key, value in [
+        ("num_samples", -1),
+        ("num_samples", True),
+        ("num_classes", "10"),
+        ("num_classes", None),
+        ("class_names", "0123456789"),
+        ("class_counts", [28, 38]),
+        ("class_counts", {"three": 1}),
+        ("shards", [{"url": 3, "num_samples": 100}]),
+        ("image_size", [32]),
+        ("version", "1"),
+    ]:
+        with pytest.raises(
+            UserError, match=rf"^manifest val\.json: '{key}'(\[.+\])? is .*: fix the file or re-run"
+        ):
+            check_manifest({**good, key: value}, "val.json")
+    with pytest.raises(UserError, match="'shards' is missing"):
+        check_manifest({k: v for k, v in good.items() if k != "shards"}, "val.json")
+    with pytest.raises(UserError, match="a JSON list, not an object"):
+        check_manifest([good], "val.json")
+
+
+# `--trainer.logger false` fails today inside Lightning, at the start of training: the CLI's default
+# LearningRateMonitor raises MisconfigurationException("Cannot use `LearningRateMonitor` callback with
+# `Trainer` that has no logger.") from its on_train_start hook, after the run directory was made. This
+# test FAILS until `lightning_cli()` drops the LR monitor when the trainer has no logger (see the
+# proposed lines in the hand-over); it is not skipped on purpose.
+@pytest.mark.slow
+def test_fit_without_a_logger_runs(digits_shards, tmp_path):
+    proc = fit(digits_shards, tmp_path, "--trainer.logger", "false", check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ssl-vit: error" not in proc.stderr
+    assert not (tmp_path / "run" / "wandb").exists()
+
+
+# --- evaluate -------------------------------------------------------------------------------------------
+
+
+def write_suite(path: Path, shards: Path, **changes) -> Path:
+    suite = {
+        "backbone": dict(TINY),
+        "data": {
+            "train_urls": str(shards / "train-{000000..000004}.tar"),
+            "test_urls": str(shards / "val-{000000..000003}.tar"),
+            "image_size": 32,
+            "num_workers": 0,
+        },
+        "protocols": [{"name": "knn", "kind": "knn", "k": 5}],
+    }
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            suite[section][field] = value
+        else:
+            suite[section] = value
+    path.write_text(json.dumps(suite))  # JSON is YAML
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"backbone__variant": "X/16"}, ["backbone: unknown ViT variant 'X/16'", "SIZE one of Ti, S"]),
+        ({"data__shuffle": True}, ["data: unknown keys ['shuffle']", "valid keys are train_urls, test_urls"]),
+        ({"protocol": []}, ["unknown keys ['protocol']", "valid keys are backbone, data, datasets"]),
+        ({"backbone__patch": 8}, ["backbone: unknown keys ['patch']", "valid keys are variant, img_size"]),
+        ({"seed": "zero"}, ["seed is 'zero'", "integer"]),
+    ],
+    ids=["variant", "data-key", "top-level-key", "backbone-key", "seed"],
+)
+def test_evaluate_with_a_bad_suite(digits_shards, tmp_path, changes, words):
+    suite = write_suite(tmp_path / "suite.yaml", digits_shards, **changes)
+    proc = run_cli("evaluate", "scratch", "--suite", str(suite), "--out", str(tmp_path / "out"), check=False)
+    error_line(proc, str(suite), *words)
+    assert not (tmp_path / "out").exists()
+
+
+def safetensors_with(path: Path, metadata: dict | None) -> Path:
+    state = {k: v.contiguous() for k, v in ViTConfig(**TINY).build().state_dict().items()}
+    save_file(state, path, metadata=metadata)
+    return path
+
+
+GOOD_METADATA = json.loads(config_metadata(ViTConfig(**TINY))["ssl_vit.backbone"])
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (
+            lambda p: safetensors_with(p, {"ssl_vit.backbone": "{variant: S/8"}),
+            ["metadata 'ssl_vit.backbone' is not JSON", "re-export"],
+        ),
+        (
+            lambda p: safetensors_with(
+                p, {"ssl_vit.backbone": json.dumps({**GOOD_METADATA, "variant": "X/16"})}
+            ),
+            ["metadata 'ssl_vit.backbone': unknown ViT variant 'X/16'", "SIZE one of"],
+        ),
+        (
+            lambda p: safetensors_with(p, {"ssl_vit.backbone": json.dumps({**GOOD_METADATA, "colour": 1})}),
+            ["metadata 'ssl_vit.backbone': unknown keys ['colour']", "valid keys are variant"],
+        ),
+        (
+            lambda p: safetensors_with(p, {"ssl_vit.backbone": json.dumps({**GOOD_METADATA, "depth": "1"})}),
+            ["metadata 'ssl_vit.backbone': depth is '1'", "positive integer"],
+        ),
+        (lambda p: p.write_bytes(bytes(range(256)) * 4), ["not a checkpoint torch can load safely"]),
+        (lambda p: p.write_text("epoch: 3\n"), ["not a checkpoint torch can load safely"]),
+        (not_torch_zip, ["not a checkpoint torch can load safely"]),
+    ],
+    ids=["meta-not-json", "meta-variant", "meta-unknown-key", "meta-type", "random", "text", "zip"],
+)
+def test_evaluate_a_file_that_is_not_a_usable_checkpoint(digits_shards, tmp_path, make, words):
+    name = "weights.safetensors" if "meta" in words[0] else "weights.ckpt"
+    ckpt = tmp_path / name
+    make(ckpt)
+    suite = write_suite(tmp_path / "suite.yaml", digits_shards)
+    proc = run_cli("evaluate", str(ckpt), "--suite", str(suite), "--out", str(tmp_path / "out"), check=False)
+    error_line(proc, str(ckpt), *words)
+    assert not (tmp_path / "out").exists()
+
+
+# --- how main() finds the UserError behind what libraries raise ------------------------------------------
+
+
+class _Failing(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise UserError("shard x.tar is unreadable: re-run `ssl-vit data convert`")
+
+
+def test_a_dataloader_workers_user_error_is_its_last_line():
+    loader = torch.utils.data.DataLoader(_Failing(), num_workers=1)
+    with pytest.raises(UserError) as info:  # torch re-raises the worker's type, traceback in the message
+        next(iter(loader))
+    assert "Original Traceback" in str(info.value)
+    assert user_error_message(info.value) == "shard x.tar is unreadable: re-run `ssl-vit data convert`"
+
+
+def test_wrapped_user_errors_are_found_and_others_are_not():
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        try:
+            raise BadValue("unknown ViT variant 'Q/16': give SIZE/PATCH")
+        except ValueError as err:
+            raise MisconfigurationException("setup failed") from err
+    except MisconfigurationException as err:
+        assert user_error_message(err) == "unknown ViT variant 'Q/16': give SIZE/PATCH"
+
+    # jsonargparse's Union errors paste the message into their own, without the exception object.
+    UserError("width 7 is not divisible by heads 2: pick heads that divide it")
+    pasted = ValueError(
+        "Does not validate against any of the Union subtypes\nErrors:\n"
+        "  - width 7 is not divisible by heads 2: pick heads that divide it\nGiven value type: Namespace"
+    )
+    assert user_error_message(pasted) == "width 7 is not divisible by heads 2: pick heads that divide it"
+
+    assert user_error_message(KeyError(101)) is None
+    worker = "Caught KeyError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+    assert user_error_message(RuntimeError(worker + "KeyError: 3")) is None

@@ -1,0 +1,122 @@
+"""A killed or stopped `ssl-vit fit` resumes as if it had never stopped: same losses at the same steps,
+every sample of an epoch once, the schedule where it was, the same W&B run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from resume_helpers import ROOT, fit_args, read_steps
+
+ENV = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+
+
+def start_fit(args):
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **ENV}
+    return subprocess.Popen(
+        [sys.executable, "-m", "ssl_vit", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_step(record: Path, step: int, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if record.exists() and any(r["step"] >= step for r in read_steps(record)):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def checkpoint_step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"]
+
+
+def wandb_records(run_dir: Path) -> list[tuple[str, list[dict]]]:
+    """(offline run directory, its records) for each offline W&B run, read with wandb's own reader."""
+    wandb = Path(sys.executable).parent / "wandb"
+    out = []
+    for run in sorted((run_dir / "wandb").glob("offline-run-*")):
+        text = subprocess.run(
+            [str(wandb), "leet", "inspect", "--json", str(run)], capture_output=True, text=True, timeout=120
+        ).stdout
+        out.append((run.name, [json.loads(line) for line in text.splitlines() if line.startswith("{")]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(digits_shards, tmp_path):
+    # 3 epochs x 6 steps, checkpoints every 4 steps: the uninterrupted reference.
+    reference = tmp_path / "reference.jsonl"
+    run_cli(*fit_args(digits_shards, tmp_path / "reference", reference, epochs=3), cwd=ROOT, env=ENV)
+    expected = {r["step"]: r for r in read_steps(reference)}
+    assert sorted(expected) == list(range(1, 19))
+
+    # The same run, killed with SIGKILL at step 10 (last checkpoint: step 8), resumed with
+    # `--ckpt_path last`, stopped by SIGTERM at step 14, resumed again to the end.
+    run_dir, record = tmp_path / "run", tmp_path / "run.jsonl"
+    args = fit_args(digits_shards, run_dir, record, epochs=3)
+    proc = start_fit(args)
+    wait_for_step(record, 10, proc)
+    proc.kill()
+    proc.communicate()
+    killed_at = max(r["step"] for r in read_steps(record))
+    assert checkpoint_step(run_dir / "checkpoints/last.ckpt") == 8 < killed_at
+
+    proc = start_fit([*args, "--ckpt_path", "last"])
+    wait_for_step(record, 14, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    stopped = checkpoint_step(run_dir / "checkpoints/last.ckpt")
+    line = f"ssl-vit: stopped by SIGTERM after step {stopped}; saved {run_dir}/checkpoints/last.ckpt: resume"
+    assert line in err, err[-3000:]
+    assert stopped >= 14
+
+    run_cli(*args, "--ckpt_path", "last", cwd=ROOT, env=ENV)
+    steps = read_steps(record)
+    got = {}
+    for r in steps:  # a step run twice (after the kill) must have given the same result both times
+        if r["step"] in got:
+            assert abs(got[r["step"]]["loss"] - r["loss"]) < 1e-6, r["step"]
+        got[r["step"]] = r
+    assert sorted(got) == sorted(expected)
+    for step, want in expected.items():
+        assert abs(got[step]["loss"] - want["loss"]) < 1e-6, (step, got[step]["loss"], want["loss"])
+        assert got[step]["keys"] == want["keys"] and got[step]["lr"] == want["lr"], step
+    # The steps after the SIGTERM checkpoint were not run twice; those after the kill's were.
+    assert [r["step"] for r in steps].count(stopped + 1) == 1
+    assert [r["step"] for r in steps].count(killed_at) == 2
+    # Within each epoch every sample once (the stream draws with replacement across shards, so a key
+    # may come back in a later segment; within the uninterrupted run that is the reference).
+    for epoch in range(3):
+        keys = [k for r in got.values() if r["epoch"] == epoch for k in r["keys"]]
+        assert keys == [k for r in expected.values() if r["epoch"] == epoch for k in r["keys"]]
+    assert checkpoint_step(run_dir / "checkpoints/last.ckpt") == 18
+
+    # W&B: one run id across the three jobs; each resumed job rewinds the run to its checkpoint's step
+    # (W&B's resume_from), and its history steps are the trainer's, after that point only.
+    runs = wandb_records(run_dir)
+    run_id = (run_dir / "wandb-run-id").read_text().strip()
+    assert len(runs) == 3 and all(name.endswith(run_id) for name, _ in runs)
+    branch_points = []
+    for _, records in runs[1:]:
+        run = next(r["run"] for r in records if r["type"] == "run")
+        branch_points.append(run["branch_point"]["value"])
+        history = [r["history"]["item"] for r in records if r["type"] == "history"]
+        assert history and all(
+            h["_step"] == h["trainer/global_step"] > run["branch_point"]["value"] for h in history
+        )
+    assert branch_points == [8, stopped]
