@@ -8,11 +8,12 @@ registered by the module that owns the concept, so this file only dispatches.
 from __future__ import annotations
 
 import argparse
+import copy
 import signal
 import sys
 from pathlib import Path
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, user_error_message
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
@@ -44,7 +45,14 @@ def lightning_cli(argv: list[str]):
 
     from ssl_vit.data.datamodule import LogSkippedSamples
     from ssl_vit.tasks.base import Throughput
-    from ssl_vit.tasks.checkpointing import LastLinkCheckpoint, load_checkpoint, with_safe_io
+    from ssl_vit.tasks.checkpointing import (
+        LastLinkCheckpoint,
+        check_ckpt_path,
+        checkpoint_step,
+        local_ckpt_path,
+        resumed_checkpoint,
+        with_safe_io,
+    )
     from ssl_vit.tasks.nonfinite import NonFiniteGuard
     from ssl_vit.tasks.preemption import Preemption
     from ssl_vit.tasks.resume import RandomState
@@ -69,6 +77,9 @@ def lightning_cli(argv: list[str]):
                     "checkpoint.save_last": "link",
                     "checkpoint.filename": "step{step:07d}",
                     "checkpoint.auto_insert_metric_name": False,
+                    # A resumed run writes last.ckpt and a recomputed step's file again under their own
+                    # names (atomically), rather than next to them as last-v1.ckpt, stepN-v1.ckpt.
+                    "checkpoint.enable_version_counter": False,
                 }
             )
             # What a NaN or inf loss does: `nonfinite.policy` skip (up to `max_skips`) or stop.
@@ -88,15 +99,34 @@ def lightning_cli(argv: list[str]):
             return parser
 
         def _parse_ckpt_path(self) -> None:
-            # LightningCLI reads a local --ckpt_path's hyperparameters with torch.load(weights_only=True)
-            # and lets a refusal or a corrupt file through as a traceback; re-read it for the one-line error.
+            """LightningCLI rebuilds the model from a local checkpoint's hyperparameters, over the config.
+            Here first: the file is checked (one line if it is not a checkpoint that loads safely),
+            `last` is resolved as Lightning will resolve it so its model is rebuilt the same way, the
+            class it names must be an ssl-vit task (a checkpoint is data: it never chooses code to run),
+            and a model option given on the command line that the checkpoint overrides is refused."""
+            if not self.config.get("subcommand"):
+                return
+            config = self.config[self.config.subcommand]
+            given = config.get("ckpt_path")
+            path = resumed_checkpoint(given, checkpoint_dir(config)) if given == "last" else given
+            if path is None or local_ckpt_path(path) is None:
+                return  # nothing yet to resume, or a URL: the checkpoint IO checks it when loading
+            hparams = check_ckpt_path(path)
+            class_path = hparams.get("_class_path")
+            if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
+                raise UserError(
+                    f"--ckpt_path {path} names the model class {class_path!r}: ssl-vit only rebuilds its own "
+                    "tasks (ssl_vit.tasks.*) from a checkpoint; give a checkpoint written by ssl-vit"
+                )
+            before = copy.deepcopy(config.as_dict()) if hparams else None
+            config.ckpt_path = str(path)
             try:
                 super()._parse_ckpt_path()
-            except Exception:
-                ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
-                if ckpt_path:
-                    load_checkpoint(ckpt_path)  # raises the UserError when the file is the problem
-                raise
+            finally:
+                config = self.config[self.config.subcommand]
+                config.ckpt_path = given
+            if before is not None:
+                refuse_overridden_options(argv, before, config, path)
 
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand]
@@ -130,7 +160,10 @@ def lightning_cli(argv: list[str]):
             # A recipe's `trainer.plugins` replaces the default list (LightningCLI merges only callbacks
             # with trainer_defaults), so the checkpoint IO is (re)added here.
             plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
-            return super().instantiate_trainer(plugins=with_safe_io(plugins), **kwargs)
+            trainer = super().instantiate_trainer(plugins=with_safe_io(plugins), **kwargs)
+            if not trainer.loggers:  # --trainer.logger false: the LR monitor has nowhere to log, and raises
+                trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
+            return trainer
 
     return SslVitCLI(
         args=None if argv == sys.argv[1:] else argv,  # None: LightningCLI reads sys.argv itself
@@ -161,9 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
-            ckpt_path = ckpt_path_argument(argv)
-            if ckpt_path is not None:
-                check_ckpt_path(ckpt_path)
             lightning_cli(argv)
             return 0
         args = build_parser().parse_args(argv)
@@ -177,129 +207,46 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, raised on every rank at one step
             raise
-        # `ssl_vit.tasks.preemption` saved last.ckpt and wrote what happened into the exception.
-        print(f"ssl-vit: {stop}", file=sys.stderr)
+        # `ssl_vit.tasks.preemption` saved last.ckpt and wrote what happened into the exception (rank 0
+        # of a requeued job has printed it already: SLURM may stop the job any moment).
+        if str(stop):
+            print(f"ssl-vit: {stop}", file=sys.stderr)
         return 0 if getattr(stop, "requeued", False) else 128 + signal.SIGTERM
 
 
-def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint `--ckpt_path` makes this job continue from: `last` as Lightning resolves it (the
-    newest `last*.ckpt`; none yet: the job starts afresh), a local path as it is; None otherwise."""
-    if not ckpt_path:
-        return None
-    if str(ckpt_path) == "last":
-        found = sorted(checkpoint_dir.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
-        return found[-1] if found else None
-    return Path(ckpt_path) if "://" not in str(ckpt_path) else None
+def checkpoint_dir(config) -> Path:
+    """Where the run's ModelCheckpoint writes (as `SslVitCLI.before_instantiate_classes` sets it)."""
+    if config.checkpoint.dirpath:
+        return Path(config.checkpoint.dirpath)
+    return Path(config.trainer.default_root_dir or "runs/default") / "checkpoints"
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """The optimizer step a Lightning checkpoint was saved at (read lazily: tensors stay on disk)."""
-    import torch
-
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
-    except Exception:  # not ours to judge here: loading it for real reports what is wrong
-        return None
-
-
-# The worker's exception line at the end of a DataLoader re-raise: `ssl_vit.errors.UserError: MESSAGE`.
-_WORKER_LINE = r"(?P<name>[A-Za-z_][\w.]*): (?P<message>.*)"
-
-
-def user_error_message(err: BaseException) -> str | None:
-    """The one-line message of the UserError behind `err`, or None when there is none.
-
-    Finds it where libraries put it: `err` itself, its `__cause__`/`__context__` chain (jsonargparse
-    and Lightning re-raise constructor and hook errors, e.g. as MisconfigurationException), the last
-    line of a DataLoader worker's re-raised exception (`Caught UserError in DataLoader worker process
-    0. Original Traceback ...`), or, by its text, a recent UserError pasted into another exception's
-    message (jsonargparse's Union errors)."""
-    chain, seen, todo = [], set(), [err]
-    while todo:
-        exc = todo.pop(0)
-        if exc is None or id(exc) in seen:
+def refuse_overridden_options(argv: list[str], before: dict, config, path) -> None:
+    """A `--model...` option given on the command line whose value the checkpoint replaced: resuming
+    would silently train the checkpoint's model instead of the one asked for."""
+    after = config.as_dict()
+    for arg in argv:
+        if not arg.startswith("--model."):
             continue
-        seen.add(id(exc))
-        chain.append(exc)
-        todo += [exc.__cause__, None if exc.__suppress_context__ else exc.__context__]
-    for exc in chain:
-        text = str(exc)
-        worker = _worker_user_error(text) if "Original Traceback" in text else None
-        if worker is not None:
-            return worker
-        if isinstance(exc, UserError):
-            return text.strip().splitlines()[-1] if "Original Traceback" in text else text
-    texts = [str(exc) for exc in chain]
-    for message in reversed(UserError.recent):
-        if message and any(message in text for text in texts):
-            return message
-    return None
+        keys = arg[2:].split("=", 1)[0].split(".")
+        old, new = _lookup(before, keys), _lookup(after, keys)
+        if old is not _MISSING and old != new:
+            raise UserError(
+                f"--{'.'.join(keys)} {old} contradicts --ckpt_path {path}, whose model has {new}: drop the "
+                "option to resume that model, or start a new run from its weights with "
+                f"--model.init_args.init_from {path}"
+            )
 
 
-def _worker_user_error(text: str) -> str | None:
-    """The message of a DataLoader worker's UserError, from the traceback text torch re-raises."""
-    import re
-
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    match = re.fullmatch(_WORKER_LINE, lines[-1]) if lines else None
-    if match is None:
-        return None
-    module, _, name = match["name"].rpartition(".")
-    cls = getattr(sys.modules.get(module), name, None)
-    if isinstance(cls, type) and issubclass(cls, UserError):
-        return match["message"]
-    return None
+_MISSING = object()
 
 
-# --ckpt_path values Lightning resolves itself (a checkpoint of the run, the model registry).
-CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
-
-
-def ckpt_path_argument(argv: list[str]) -> str | None:
-    """The local file a `fit/validate/test` command line gives as `--ckpt_path X` (or `=X`; the last one
-    wins, as in any parser), or None for none, a keyword (last, best, ...) or a URL."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == "--ckpt_path" and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith("--ckpt_path="):
-            value = arg.partition("=")[2]
-    if not value or value.lower() in CKPT_KEYWORDS or value.lower().startswith("registry:") or "://" in value:
-        return None
-    return value
-
-
-def check_ckpt_path(path: str | Path) -> None:
-    """Raise a one-line UserError unless `path` is a Lightning checkpoint that loads with weights only.
-
-    For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
-    hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
-    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
-    import torch
-
-    path = Path(path)
-    fix = (
-        "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
-        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
-    )
-    if not path.exists():
-        raise UserError(f"--ckpt_path {path} does not exist: {fix}")
-    if not path.is_file():
-        raise UserError(f"--ckpt_path {path} is not a file: {fix}")
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
-        raise UserError(
-            f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
-        ) from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
-    if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
-        raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
+def _lookup(tree, keys: list[str]):
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return _MISSING
+        tree = tree[key]
+    return tree
 
 
 if __name__ == "__main__":

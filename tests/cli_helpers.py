@@ -1,29 +1,75 @@
 """Helpers tests import by name (a module called `conftest` is ambiguous: pytest loads several)."""
 
+import atexit
+import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 
 def run_cli(*args: str, cwd=None, env=None, timeout: float = 600, check: bool = True):
-    """Run `python -m ssl_vit ARGS` in a subprocess, the way a user runs the command."""
+    """Run `ssl-vit ARGS` as its own process, the way a user runs the command: a child forked by the
+    CLI fork server (`cli_server.py`, which pays for the imports once), with its own working
+    directory, environment, stdout, stderr and exit status. Returns a `subprocess.CompletedProcess`."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "ssl_vit", *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    server = _cli_server()
+    with tempfile.TemporaryDirectory(prefix="ssl-vit-cli-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        request = {
+            "argv": list(args),
+            "cwd": str(cwd or os.getcwd()),
+            "env": full_env,
+            "out": out,
+            "err": err,
+        }
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        pid = json.loads(server.stdout.readline())["pid"]
+        ready, _, _ = select.select([server.stdout], [], [], timeout)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            server.stdout.readline()
+            raise subprocess.TimeoutExpired(["ssl-vit", *args], timeout)
+        status = json.loads(server.stdout.readline())["status"]
+        proc = subprocess.CompletedProcess(
+            ["ssl-vit", *args],
+            status,
+            Path(out).read_text(errors="replace"),
+            Path(err).read_text(errors="replace"),
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"ssl-vit {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+_server: subprocess.Popen | None = None
+
+
+def _cli_server() -> subprocess.Popen:
+    """The fork server, started on first use and stopped when the test session ends."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("cli_server.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "WANDB_MODE": "offline"},
+        )
+        line = _server.stdout.readline()
+        if not line.startswith('{"ready"'):
+            raise RuntimeError(f"the CLI fork server did not start: {line!r}")
+        atexit.register(_server.kill)
+    return _server
 
 
 def skip_or_fail(reason: str):

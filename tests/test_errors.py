@@ -12,11 +12,11 @@ import torch
 from cli_helpers import run_cli
 from safetensors.torch import save_file
 
-from ssl_vit.cli import check_ckpt_path, ckpt_path_argument, user_error_message
 from ssl_vit.data.urls import check_manifest
-from ssl_vit.errors import BadValue, UserError
+from ssl_vit.errors import BadValue, UserError, user_error_message
 from ssl_vit.evaluation.checkpoints import config_metadata
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks.checkpointing import check_ckpt_path, local_ckpt_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
@@ -105,13 +105,10 @@ def test_check_ckpt_path_accepts_a_lightning_checkpoint(tmp_path):
         check_ckpt_path(tmp_path / "nope.ckpt")
 
 
-def test_ckpt_path_argument_skips_keywords_and_urls():
-    assert ckpt_path_argument(["fit", "--ckpt_path", "a.ckpt"]) == "a.ckpt"
-    assert ckpt_path_argument(["fit", "--ckpt_path=a.ckpt", "--ckpt_path", "b.ckpt"]) == "b.ckpt"
-    for value in ("last", "best", "hpc", "null", "registry", "registry:model:v1", "s3://b/a.ckpt"):
-        assert ckpt_path_argument(["fit", "--ckpt_path", value]) is None, value
-    assert ckpt_path_argument(["fit", "--config", "x.yaml"]) is None
-    assert ckpt_path_argument(["fit", "--ckpt_path"]) is None  # jsonargparse reports the missing value
+def test_local_ckpt_path_skips_keywords_and_urls():
+    assert local_ckpt_path("a.ckpt") == "a.ckpt"
+    for value in ("last", "best", "hpc", "null", "registry", "registry:model:v1", "s3://b/a.ckpt", None, ""):
+        assert local_ckpt_path(value) is None, value
 
 
 def broken_copy(shards: Path, into: Path, split: str, edit) -> Path:
@@ -188,11 +185,15 @@ def test_check_manifest_names_the_key_and_the_type(digits_shards):
         check_manifest([good], "val.json")
 
 
-# `--trainer.logger false` fails today inside Lightning, at the start of training: the CLI's default
-# LearningRateMonitor raises MisconfigurationException("Cannot use `LearningRateMonitor` callback with
-# `Trainer` that has no logger.") from its on_train_start hook, after the run directory was made. This
-# test FAILS until `lightning_cli()` drops the LR monitor when the trainer has no logger (see the
-# proposed lines in the hand-over); it is not skipped on purpose.
+def test_labels_beyond_num_classes(digits_shards, tmp_path):
+    proc = fit(digits_shards, tmp_path, "--data.init_args.num_classes", "5")
+    error_line(proc, "counts labels up to 9, beyond num_classes 5", "data.init_args.num_classes to at least")
+    assert listing(tmp_path) == []
+
+
+# `--trainer.logger false`: the CLI's default LearningRateMonitor raised MisconfigurationException
+# ("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger.") at the start of
+# training; without a logger it is left out.
 @pytest.mark.slow
 def test_fit_without_a_logger_runs(digits_shards, tmp_path):
     proc = fit(digits_shards, tmp_path, "--trainer.logger", "false", check=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+import yaml
 from cli_helpers import free_port, run_cli
 
 from ssl_vit.cli import main
@@ -40,6 +41,21 @@ def test_every_recipe_parses_with_print_config(recipe, capsys, monkeypatch):
     assert "class_path: ssl_vit.tasks." in printed
     # The image size is given once, by the data, and linked into the backbone.
     assert "image_size:" in printed
+
+
+PRETRAINING = [p for p in RECIPES if "Pretraining" in p.read_text()]
+
+
+@pytest.mark.parametrize("recipe", PRETRAINING, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
+def test_every_pretraining_recipe_checkpoints_by_steps_and_guards_nans(recipe, capsys, monkeypatch):
+    """A preemption loses minutes, not an epoch: the periodic checkpoint is step-based."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(recipe), "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["checkpoint"]["every_n_train_steps"] > 0
+    assert config["checkpoint"]["save_last"] == "link"
+    assert config["nonfinite"]["policy"] == "skip"
 
 
 def quickstart_overrides(shards: Path) -> list[str]:

@@ -25,6 +25,23 @@ def torchrun_fit(args, timeout=400):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def poisoned_fit(shards, tmp_path, steps: str, *options: str):
+    """2-rank fit of 8 steps, a checkpoint after each, rank 1's gradients NaN at global `steps`; returns
+    the run directory, the recorded steps and the one error line (every rank raises at the same step;
+    torchrun stops the other as soon as one exits, so one or two ranks get to print the same line)."""
+    run, record = tmp_path / "run", tmp_path / "steps.jsonl"
+    args = fit_args(
+        shards, run, record, "--checkpoint.every_n_train_steps", "1",
+        "--trainer.callbacks+=resume_helpers.PoisonGradients", "--trainer.callbacks.steps", steps,
+        "--trainer.callbacks.rank", "1", *options, epochs=1, batches=8,
+    )  # fmt: skip
+    proc = torchrun_fit(args)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
+    assert lines and len(set(lines)) == 1, proc.stderr[-4000:]
+    return run, read_steps(record), lines[0]
+
+
 def weights(path):
     state = torch.load(path, map_location="cpu", weights_only=True)
     return state["global_step"], state["state_dict"]
@@ -33,25 +50,14 @@ def weights(path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_nan_on_one_rank_is_skipped_then_stops_every_rank(digits_shards, tmp_path):
-    run, record = tmp_path / "run", tmp_path / "steps.jsonl"
-    # rank 1's gradients of steps 3 and 5 (0-based global steps) are NaN; one skip allowed
-    args = fit_args(
-        digits_shards, run, record,
-        "--checkpoint.every_n_train_steps", "1", "--checkpoint.save_top_k", "-1",
-        "--trainer.callbacks+=resume_helpers.PoisonGradients", "--trainer.callbacks.steps", "[3, 5]",
-        "--trainer.callbacks.rank", "1", "--nonfinite.policy", "skip", "--nonfinite.max_skips", "1",
-        epochs=1, batches=8,
+    # rank 1's gradients of global steps 3 and 5 are NaN; one skip allowed; every checkpoint kept
+    run, steps, line = poisoned_fit(
+        digits_shards, tmp_path, "[3, 5]", "--checkpoint.save_top_k", "-1",
+        "--nonfinite.policy", "skip", "--nonfinite.max_skips", "1",
     )  # fmt: skip
-    proc = torchrun_fit(args)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
-    # Every rank raises at the same step; torchrun stops the other as soon as one exits, so one or two
-    # ranks get to print their (identical) line.
-    assert lines and len(set(lines)) == 1, proc.stderr[-4000:]
-    assert "non-finite loss or gradients at step 5 after skipping 1 such steps" in lines[0]
-    assert f"last good checkpoint: {run}/checkpoints/last.ckpt" in lines[0]
+    assert "non-finite loss or gradients at step 5 after skipping 1 such steps" in line
+    assert f"last good checkpoint: {run}/checkpoints/last.ckpt" in line
     # Both ranks completed 5 optimizer steps and stopped together in the 6th (global step 5).
-    steps = read_steps(record)
     assert sorted({r["step"] for r in steps}) == [1, 2, 3, 4, 5] and len(steps) == 10
     # The 4th step (global step 3) was skipped on both ranks: its update was not applied.
     _, before = weights(run / "checkpoints/step0000003.ckpt")
@@ -66,23 +72,14 @@ def test_nan_on_one_rank_is_skipped_then_stops_every_rank(digits_shards, tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_policy_stop_stops_both_ranks_and_never_saves_the_nan(digits_shards, tmp_path):
-    run, record = tmp_path / "run", tmp_path / "steps.jsonl"
-    args = fit_args(
-        digits_shards, run, record,
-        "--checkpoint.every_n_train_steps", "1",
-        "--trainer.callbacks+=resume_helpers.PoisonGradients", "--trainer.callbacks.steps", "[2]",
-        "--trainer.callbacks.rank", "1", "--nonfinite.policy", "stop", "--nonfinite.check_every_n_steps", "4",
-        epochs=1, batches=8,
-    )  # fmt: skip
-    proc = torchrun_fit(args)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
-    assert lines and len(set(lines)) == 1, proc.stderr[-4000:]
-    assert "non-finite loss or gradients at step 2;" in lines[0]
+    run, steps, line = poisoned_fit(
+        digits_shards, tmp_path, "[2]", "--nonfinite.policy", "stop", "--nonfinite.check_every_n_steps", "4"
+    )
+    assert "non-finite loss or gradients at step 2;" in line
     # The NaN of global step 2 (rank 1's 3rd update) is found without a host sync per step, at the
     # save that follows it: nothing was written from it, last.ckpt holds the 2 steps before, finite.
     step, last = weights(run / "checkpoints/last.ckpt")
     assert step == 2
-    steps = read_steps(record)  # both ranks completed that 3rd step, and neither started a 4th
+    # both ranks completed that 3rd step, and neither started a 4th
     assert sorted(r["step"] for r in steps) == [1, 1, 2, 2, 3, 3]
     assert all(torch.isfinite(t).all() for t in last.values() if t.is_floating_point())

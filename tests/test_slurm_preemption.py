@@ -82,12 +82,12 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_losses(slurm_cluster, digit
     output = (tmp_path / "preempted.out").read_text()
     saved = torch.load(tmp_path / "preempted/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == 36
-    # one line per rank, both after the same step; rank 0's requeued the job
+    # Rank 0 says where it stopped, then requeues (SLURM then stops the job at once, so rank 1 may or
+    # may not get to print its line; if it does, it names the same step).
     lines = [ln for ln in output.splitlines() if ln.startswith("ssl-vit: stopped by the requeue signal")]
-    assert len(lines) == 2 and len({ln.split(";")[0] for ln in lines}) == 1, lines
-    stopped = int(lines[0].split("after step ")[1].split(";")[0])
-    assert any(ln.endswith(f"; requeued SLURM job {job}: it resumes from there") for ln in lines)
-    assert any(ln.endswith(f"; rank 0 requeues SLURM job {job}") for ln in lines)
+    rank0 = [ln for ln in lines if ln.endswith(f"; requeueing SLURM job {job}: it resumes from there")]
+    assert len(rank0) == 1 and len({ln.split(";")[0] for ln in lines}) == 1, lines
+    stopped = int(rank0[0].split("after step ")[1].split(";")[0])
     assert f"Restored all states from the checkpoint at {tmp_path}/preempted/checkpoints/last.ckpt" in output
     assert "restart 1" in output
 

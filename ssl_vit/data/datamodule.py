@@ -191,6 +191,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.rank, self.world_size = 0, 1
         self._urls: dict[str, list[str]] = {}
         self._mixup: Mixup | None = None
+        self._check_labels()
 
     # --- facts for linking (LightningCLI link_arguments) --------------------------------------------
 
@@ -206,6 +207,19 @@ class ShardDataModule(pl.LightningDataModule):
                         self._manifest = found
                         break
         return self._manifest
+
+    def _check_labels(self) -> None:
+        """Labels the manifest counts beyond `num_classes` would fail the first training step (an index
+        error in the loss): refused here, before anything runs. Shards without a manifest are checked
+        sample by sample by the stream."""
+        counts = (self.manifest or {}).get("class_counts") or {} if self._num_classes is not None else {}
+        beyond = sorted(int(label) for label in counts if int(label) >= self._num_classes)
+        if beyond:
+            raise UserError(
+                f"the shards' manifest counts labels up to {beyond[-1]}, beyond num_classes "
+                f"{self._num_classes}: set data.init_args.num_classes to at least {beyond[-1] + 1} (the "
+                "manifest's num_classes), or leave it unset"
+            )
 
     @property
     def num_classes(self) -> int | None:

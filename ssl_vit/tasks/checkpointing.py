@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from contextlib import suppress
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -308,3 +309,70 @@ __all__ = [
     "LastLinkCheckpoint", "SafeCheckpointIO", "link_atomically", "load_checkpoint", "refused",
     "remove_stale_temp_files", "with_safe_io",
 ]  # fmt: skip
+
+
+# --- --ckpt_path: which checkpoint a job resumes, checked before Lightning reads it -------------------
+
+
+def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
+    """The checkpoint `--ckpt_path` makes this job continue from: `last` as Lightning resolves it (the
+    newest `last*.ckpt`; none yet: the job starts afresh), a local path as it is; None otherwise."""
+    if not ckpt_path:
+        return None
+    if str(ckpt_path) == "last":
+        found = sorted(checkpoint_dir.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+        return found[-1] if found else None
+    return Path(ckpt_path) if "://" not in str(ckpt_path) else None
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a Lightning checkpoint was saved at (read lazily: tensors stay on disk)."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    except Exception:  # not ours to judge here: loading it for real reports what is wrong
+        return None
+
+
+# --ckpt_path values Lightning resolves itself (a checkpoint of the run, the model registry).
+CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
+
+
+def local_ckpt_path(value) -> str | None:
+    """`value` when it names a local checkpoint file for `--ckpt_path`; None for none, a keyword Lightning
+    resolves itself (last, best, ...) or a URL."""
+    value = str(value) if value is not None else ""
+    if not value or value.lower() in CKPT_KEYWORDS or value.lower().startswith("registry:") or "://" in value:
+        return None
+    return value
+
+
+def check_ckpt_path(path: str | Path) -> dict:
+    """The hyperparameters of the Lightning checkpoint `path`; a one-line UserError unless it is one
+    that loads with weights only.
+
+    For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
+    hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
+    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
+    path = Path(path)
+    fix = (
+        "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
+        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
+    )
+    if not path.exists():
+        raise UserError(f"--ckpt_path {path} does not exist: {fix}")
+    if not path.is_file():
+        raise UserError(f"--ckpt_path {path} is not a file: {fix}")
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
+        raise UserError(
+            f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
+        ) from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
+    if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
+        raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
+    return checkpoint.get("hyper_parameters", {})

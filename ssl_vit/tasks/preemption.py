@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -77,19 +78,26 @@ class Preemption(pl.Callback):
         what = "the requeue signal (SIGUSR1)" if self.requeue_requested else "SIGTERM"
         message = f"stopped by {what} after step {trainer.global_step}; saved {path}"
         job = slurm_job_id()
-        if self.requeue_requested and job and not trainer.is_global_zero:
-            message += f"; rank 0 requeues SLURM job {job}"
-        elif self.requeue_requested and job:
-            # Every rank has saved (save_checkpoint ends in a barrier): SLURM may now stop the job.
-            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-            if result.returncode == 0:
-                message += f"; requeued SLURM job {job}: it resumes from there"
-            else:
-                message += f"; `scontrol requeue {job}` failed ({result.stderr.strip()[:200]})"
-        else:
-            message += ": resume with the same command and --ckpt_path last"
-        exception.args = (message,)
         exception.requeued = self.requeue_requested and job is not None
+        if not exception.requeued:
+            message += ": resume with the same command and --ckpt_path last"
+        elif not trainer.is_global_zero:
+            message += f"; rank 0 requeues SLURM job {job}"
+        else:
+            # Every rank has saved (save_checkpoint ends in a barrier). `scontrol requeue` makes SLURM
+            # stop the job at once, so the line is printed before.
+            print(
+                f"ssl-vit: {message}; requeueing SLURM job {job}: it resumes from there",
+                file=sys.stderr,
+                flush=True,
+            )
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            message = (
+                ""
+                if result.returncode == 0
+                else f"`scontrol requeue {job}` failed: {result.stderr.strip()[:200]}"
+            )
+        exception.args = (message,)
 
 
 def slurm_job_id() -> str | None:
