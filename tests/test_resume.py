@@ -26,6 +26,7 @@ def start_fit(args):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its own process group, as a job step: signals reach its workers too
     )
 
 
@@ -65,7 +66,7 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(digits_shards
     assert sorted(expected) == list(range(1, 19))
 
     # The same run, killed with SIGKILL at step 10 (last checkpoint: step 8), resumed with
-    # `--ckpt_path last`, stopped by SIGTERM at step 14, resumed again to the end.
+    # `--ckpt_path last`, stopped by SIGTERM (sent to its workers too) at step 14, resumed to the end.
     run_dir, record = tmp_path / "run", tmp_path / "run.jsonl"
     args = fit_args(digits_shards, run_dir, record, epochs=3)
     proc = start_fit(args)
@@ -77,7 +78,7 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(digits_shards
 
     proc = start_fit([*args, "--ckpt_path", "last"])
     wait_for_step(record, 14, proc)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)  # the main process and its DataLoader workers, as SLURM does
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     stopped = checkpoint_step(run_dir / "checkpoints/last.ckpt")

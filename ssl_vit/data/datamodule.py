@@ -81,13 +81,20 @@ def _loader_kwargs() -> dict:
     return {"generator": torch.Generator().manual_seed(0), "worker_init_fn": _ignore_job_signals}
 
 
+# How long a DataLoader worker outlives a SIGTERM: long enough for its main process to finish the step
+# and save (it stops its workers itself), bounded so that a worker whose main process never stops it
+# (e.g. a leaked iterator at interpreter exit, which terminates daemonic children with SIGTERM) ends.
+WORKER_SIGTERM_GRACE_S = 60
+
+
 def _ignore_job_signals(worker_id: int) -> None:
-    """SLURM signals every process of a job step, DataLoader workers included: SIGUSR1's and SIGTERM's
-    default action would kill a worker, and the main process's next fetch would fail before it could
-    save. The main process decides what a signal means (`ssl_vit.tasks.preemption`) and stops its
-    workers itself."""
+    """SLURM signals every process of a job step, DataLoader workers included. A worker killed by
+    SIGUSR1 or SIGTERM would make the main process fail at once (torch raises from its SIGCHLD handler)
+    before it could save; the main process decides what the signal means (`ssl_vit.tasks.preemption`)
+    and stops its workers itself. So a worker ignores SIGUSR1, and ends WORKER_SIGTERM_GRACE_S seconds
+    after a SIGTERM (SIGALRM's default action) unless it was stopped before."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.alarm(WORKER_SIGTERM_GRACE_S))
 
 
 class ShardDataModule(pl.LightningDataModule):

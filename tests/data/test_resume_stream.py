@@ -1,5 +1,6 @@
 """The training DataLoader resumes mid-epoch exactly; streams that can never deliver fail with one line."""
 
+import gc
 import logging
 
 import pytest
@@ -120,6 +121,8 @@ def test_streams_that_can_never_deliver_fail_with_one_line(tmp_path, shards, num
         with pytest.raises(Exception, match="no usable sample in a whole pass over") as info:
             list(getattr(dm, loader)())
         assert "ssl-vit data inspect" in str(info.value)
+        del info  # its traceback holds the DataLoader iterator: free it, so the iterator stops its workers
+        gc.collect()
 
 
 def test_label_beyond_num_classes_is_a_configuration_error(shards):
