@@ -12,9 +12,9 @@ import torch
 from cli_helpers import run_cli
 from safetensors.torch import save_file
 
+from ssl_vit.checkpoints import config_metadata
 from ssl_vit.data.urls import check_manifest
 from ssl_vit.errors import BadValue, UserError, user_error_message
-from ssl_vit.evaluation.checkpoints import config_metadata
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.checkpointing import check_ckpt_path, local_ckpt_path
 

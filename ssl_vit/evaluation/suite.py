@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.models.vit import ViTConfig
@@ -153,7 +154,6 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> di
     import pytorch_lightning as pl
 
     from ssl_vit.evaluation import protocols as run
-    from ssl_vit.evaluation.checkpoints import load_backbone
 
     start = time.time()
     pl.seed_everything(suite.seed, verbose=False)

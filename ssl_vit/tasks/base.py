@@ -13,8 +13,8 @@ from pytorch_lightning.cli import OptimizerCallable
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
+from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.checkpoints import load_backbone
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
 
@@ -28,7 +28,7 @@ class BackboneTask(pl.LightningModule):
     Args:
         backbone: the ViT to build; stored as plain hyperparameters so any checkpoint rebuilds it.
         init_from: its starting weights: a Lightning .ckpt of any ssl-vit task, an exported
-            .safetensors, `timm:NAME` or `scratch` (`ssl_vit.evaluation.checkpoints.load_backbone`;
+            .safetensors, `timm:NAME` or `scratch` (`ssl_vit.checkpoints.load_backbone`;
             the architecture must match `backbone`, position embeddings follow its img_size).
         optimizer: e.g. `torch.optim.AdamW` with its init args (LightningCLI `OptimizerCallable`).
         lr_scheduler: called with (optimizer, total optimizer steps), e.g. `WarmupDecay`.

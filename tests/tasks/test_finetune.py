@@ -97,7 +97,7 @@ def test_layer_decay_scales_lrs_from_the_head_down_and_fine_tunes(pretrained_ckp
 
 
 def test_checkpoint_loads_safely_and_feeds_load_backbone(pretrained_ckpt, tmp_path, digits_batch):
-    from ssl_vit.evaluation.checkpoints import load_backbone
+    from ssl_vit.checkpoints import load_backbone
 
     model = FineTune(BACKBONE, num_classes=10, init_from=str(pretrained_ckpt), preset="mae")
     run = trainer(tmp_path, max_steps=1, limit_val_batches=0)

@@ -6,9 +6,9 @@ import timm
 import torch
 from safetensors.torch import save_file
 
+from ssl_vit.checkpoints import config_metadata, load_backbone
+from ssl_vit.checkpoints import load as checkpoints
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation import checkpoints
-from ssl_vit.evaluation.checkpoints import config_metadata, load_backbone
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
 
