@@ -4,7 +4,8 @@ import torch
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
-from ssl_vit.tracking import RUN_ID_FILE, WandbLogger, masked_prediction_picture, wandb_opted_in
+from ssl_vit.tasks.pictures import masked_prediction_picture
+from ssl_vit.tracking import RUN_ID_FILE, WandbLogger, wandb_opted_in
 
 
 def test_offline_unless_opted_in(monkeypatch, tmp_path):

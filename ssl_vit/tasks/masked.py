@@ -19,6 +19,8 @@ from ssl_vit.models.heads import MAEDecoder, PatchHead
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
+from ssl_vit.tasks.pictures import masked_prediction_picture
+from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
 Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels"]
@@ -235,8 +237,6 @@ class MaskedPatchPretraining(BackboneTask):
     def on_train_batch_end(self, outputs: dict, batch: dict, batch_idx: int) -> None:
         every = self.picture_every_n_steps
         if every and self.trainer.global_step % every == 0 and self.trainer.is_global_zero:
-            from ssl_vit.tracking import log_picture, masked_prediction_picture
-
             log_picture(
                 self, "train/predictions", masked_prediction_picture(self, batch["image"], outputs["output"])
             )
