@@ -20,6 +20,7 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 def build_parser() -> argparse.ArgumentParser:
     from ssl_vit import info
+    from ssl_vit.benchmark import commands as bench_commands
     from ssl_vit.data import commands as data_commands
     from ssl_vit.evaluation import commands as evaluation_commands
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="throughput benchmarks, as ratios against a reference run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     data_commands.add_bench_parser(bench_sub)
+    bench_commands.add_bench_parsers(bench_sub)
     return parser
 
 
@@ -53,6 +55,7 @@ def lightning_cli(argv: list[str]):
         resumed_checkpoint,
         with_safe_io,
     )
+    from ssl_vit.tasks.compile import CompileBlocks
     from ssl_vit.tasks.nonfinite import NonFiniteGuard
     from ssl_vit.tasks.preemption import Preemption
     from ssl_vit.tasks.resume import RandomState
@@ -84,6 +87,8 @@ def lightning_cli(argv: list[str]):
             )
             # What a NaN or inf loss does: `nonfinite.policy` skip (up to `max_skips`) or stop.
             parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
+            # torch.compile of the transformer blocks: `compile.enabled`, `compile.mode`.
+            parser.add_lightning_class_args(CompileBlocks, "compile")
             # Values that must agree between data and model are given once, on the data side.
             parser.link_arguments("data.init_args.image_size", "model.init_args.backbone.img_size")
             parser.link_arguments("data.init_args.mean", "model.init_args.mean")

@@ -84,3 +84,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
+    """`ssl-vit fit ARGS` as 2 processes on this machine through torchrun (gloo), as a cluster job
+    launches it; `strategy` None leaves the strategy to ARGS. Returns the CompletedProcess."""
+    tests = Path(__file__).parent
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tests)}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "ssl_vit", *args,
+        "--trainer.devices", "2", "--data.init_args.num_workers", "1",
+        *(["--trainer.strategy", strategy] if strategy else []),
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=tests.parent, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,28 +1,14 @@
 """A NaN gradient on one rank of two: the step is skipped on both (policy skip) or both stop together at once
 with one line and a non-zero exit (policy stop, or skip past max_skips); no non-finite state is saved."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import free_port
-from resume_helpers import ROOT, fit_args, read_steps
+from cli_helpers import torchrun_fit
+from resume_helpers import fit_args, read_steps
 
 HERE = Path(__file__).parent
-
-
-def torchrun_fit(args, timeout=400):
-    """`ssl-vit fit ARGS` as 2 processes on this machine (gloo); the output of both."""
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "ssl_vit", *args,
-        "--trainer.devices", "2", "--trainer.strategy", "ddp", "--data.init_args.num_workers", "1",
-    ]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def poisoned_fit(shards, tmp_path, steps: str, *options: str):

@@ -22,8 +22,8 @@ from ssl_vit.models.vit import VARIANTS, ViT, ViTConfig, parse_variant
 
 METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safetensors
 SOURCES = "a Lightning .ckpt, an exported .safetensors, timm:MODEL_NAME or scratch"
-# What must agree between a checkpoint and the config it is loaded into; img_size and drop path may
-# differ (position embeddings are resampled in 2-D, ViT paper sec 3.2).
+# What must agree between a checkpoint and the config it is loaded into; img_size, drop path and
+# activation checkpointing may differ (position embeddings are resampled in 2-D, ViT paper sec 3.2).
 ARCHITECTURE = ("width", "depth", "heads", "mlp_dim", "pooling", "hybrid", "patch_size")
 
 
@@ -125,7 +125,12 @@ def _reconcile(source: str, saved: ViTConfig | None, wanted: ViTConfig | None) -
             f"{source} holds a {saved.variant} backbone with {', '.join(differ)}; set the backbone to "
             f"variant {saved.variant} with its overrides, or pick a matching checkpoint"
         )
-    return replace(saved, img_size=wanted.img_size, drop_path_rate=wanted.drop_path_rate)
+    return replace(
+        saved,
+        img_size=wanted.img_size,
+        drop_path_rate=wanted.drop_path_rate,
+        grad_checkpointing=wanted.grad_checkpointing,
+    )
 
 
 def _load_state(vit: ViT, state: dict, source: str) -> None:

@@ -427,9 +427,16 @@ class ShardDataModule(pl.LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restored by Lightning before it starts the first training iterator."""
+        """Restored by Lightning before it starts the first training iterator, except under strategies
+        that restore after their own setup (FSDP2's ModelParallelStrategy): there the task's
+        `configure_optimizers` (Lightning's `estimated_stepping_batches`) has started the epoch's
+        iterator already, and it is started again here, from the restored position."""
         self.seed, self.epoch = state_dict["seed"], state_dict["epoch"]
         self._resume = state_dict.get("position")
+        started = self._train_loader is not None and self._train_loader.epoch is not None
+        if started and self.trainer is not None and not self._train_loader.consumed:
+            # Lightning has no public way to restart its training fetcher (which prefetches a batch).
+            iter(self.trainer.fit_loop._data_fetcher)
 
 
 class LogSkippedSamples(pl.Callback):

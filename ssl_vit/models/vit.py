@@ -200,10 +200,17 @@ class ViTConfig:
     heads: int | None = None
     mlp_dim: int | None = None
     drop_path_rate: float = 0.0
+    # Activation checkpointing (timm's `set_grad_checkpointing`): every block's activations are
+    # recomputed in the backward instead of kept, about a third more compute for a fraction of the
+    # memory; for the large variants' batches. Not part of the architecture: any checkpoint loads.
+    grad_checkpointing: bool = False
 
     def build(self) -> ViT:
         fields = asdict(self)
-        return build_vit(fields.pop("variant"), fields.pop("img_size"), **fields)
+        checkpointing = fields.pop("grad_checkpointing")
+        vit = build_vit(fields.pop("variant"), fields.pop("img_size"), **fields)
+        vit.set_grad_checkpointing(checkpointing)
+        return vit
 
     @classmethod
     def from_dict(cls, values: object, where: str) -> ViTConfig:
@@ -234,6 +241,9 @@ class ViTConfig:
                 raise BadValue(f"{where}: {key} is {value!r}: it should be a positive integer")
         if config.pooling not in ("cls", "gap"):
             raise BadValue(f"{where}: pooling is {config.pooling!r}: it should be 'cls' or 'gap'")
+        if not isinstance(config.grad_checkpointing, bool):
+            value = config.grad_checkpointing
+            raise BadValue(f"{where}: grad_checkpointing is {value!r}: it should be true or false")
         rate = config.drop_path_rate
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
             raise BadValue(f"{where}: drop_path_rate is {rate!r}: it should be a number in [0, 1)")

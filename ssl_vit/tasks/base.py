@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.throughput import get_available_flops
 from pytorch_lightning.cli import OptimizerCallable
+from timm.models.vision_transformer import Block
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -69,6 +70,25 @@ class BackboneTask(pl.LightningModule):
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         self.flops_per_image: int | None = None
+
+    def configure_model(self) -> None:
+        """Under Lightning's ModelParallelStrategy: FSDP2 (`fully_shard`), each transformer block of the
+        encoder and decoder the unit whose parameters are gathered, used and freed in turn, then the
+        rest of the task. Lightning's device mesh is (data_parallel, tensor_parallel), by default
+        (nodes, devices per node); both dimensions are used for data: parameters are sharded over the
+        second and replicated over the first (HSDP: the all-gathers stay inside a node). A mesh of
+        (1, world size) shards over every device."""
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        for block in self.modules():
+            if isinstance(block, Block):
+                fully_shard(block, mesh=self.device_mesh)
+        fully_shard(self, mesh=self.device_mesh)
+        # Lightning calls the steps, not `forward`: they are what gathers the task's own parameters.
+        for step in ("training_step", "validation_step", "test_step"):
+            register_fsdp_forward_method(self, step)
 
     def unnormalize(self, images: Tensor) -> Tensor:
         """Model inputs (B, 3, H, W) -> pixels in [0, 1]."""

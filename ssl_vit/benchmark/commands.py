@@ -1,0 +1,129 @@
+"""`ssl-vit bench step|loop|scaling`: the training-step, training-loop and scaling benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ssl_vit.errors import UserError
+
+
+def add_bench_parsers(bench_subparsers) -> None:
+    step = bench_subparsers.add_parser(
+        "step", help="img/s and MFU of each task's training step vs a plain timm loop"
+    )
+    _step_options(step)
+    step.set_defaults(func=_step)
+
+    loop = bench_subparsers.add_parser(
+        "loop", help="a whole `ssl-vit fit` of N steps on synthetic shards vs a bare in-memory loop"
+    )
+    loop.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    loop.add_argument("--batch-size", type=int, default=32)
+    loop.add_argument("--json", type=Path, help="also write the report here")
+    loop.set_defaults(func=_loop)
+
+    scaling = bench_subparsers.add_parser(
+        "scaling", help="DDP efficiency from 1 to 2 processes (gloo), and gradient traffic per recipe"
+    )
+    _step_options(scaling, variant="Ti/16", tasks=("mae",))
+    scaling.set_defaults(func=_scaling)
+
+
+def _step_options(parser, variant: str = "B/16", tasks: tuple[str, ...] | None = None) -> None:
+    from ssl_vit.benchmark.step import PRECISIONS, TASKS
+
+    parser.add_argument("--variant", default=variant, help=f"ViT variant (default {variant})")
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=8, help="per process (default 8)")
+    parser.add_argument(
+        "--tasks", nargs="+", choices=TASKS, default=list(tasks or TASKS), help="default: all"
+    )
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true")
+    parser.add_argument(
+        "--compile", choices=("off", "on", "both"), default="off", help="torch.compile of the blocks"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them, per round")
+    parser.add_argument("--threads", type=int, help="torch threads per process (default: torch's)")
+    parser.add_argument("--json", type=Path, help="also write the report(s) here")
+
+
+def _check(args) -> None:
+    import torch
+
+    from ssl_vit.models.vit import parse_variant
+
+    try:
+        parse_variant(args.variant)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    for name in ("batch_size", "rounds", "steps"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible here; use --device cpu")
+    if args.json is not None and not args.json.parent.is_dir():
+        raise UserError(f"--json {args.json}: directory {args.json.parent} does not exist")
+
+
+def _step_reports(args, progress=print) -> list[dict]:
+    import torch
+
+    from ssl_vit.benchmark.step import StepBench
+
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reports = []
+    for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
+        bench = StepBench(
+            args.variant, args.img_size, args.batch_size, tuple(args.tasks), args.precision, compiled,
+            args.device, args.rounds, args.steps, args.warmup,
+        )  # fmt: skip
+        reports.append(bench.run(progress))
+    return reports
+
+
+def _step(args) -> int:
+    import torch.distributed as dist
+
+    from ssl_vit.benchmark.step import format_table
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:  # under torchrun: the plain loop needs the process group before Lightning starts
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    rank_zero = not distributed or dist.get_rank() == 0
+    reports = _step_reports(args, progress=print if rank_zero else lambda _: None)
+    if rank_zero:
+        for report in reports:
+            print("\n" + format_table(report) + "\n")
+        if args.json is not None:
+            args.json.write_text(json.dumps(reports, indent=1))
+    return 0
+
+
+def _loop(args) -> int:
+    from ssl_vit.benchmark.loop import format_loop, run_loop_bench
+
+    if args.steps < 1 or args.batch_size < 1:
+        raise UserError("--steps and --batch-size must be at least 1")
+    report = run_loop_bench(args.steps, args.batch_size)
+    print(format_loop(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _scaling(args) -> int:
+    from ssl_vit.benchmark.scaling import format_scaling, run_scaling
+
+    _check(args)
+    report = run_scaling(args)
+    print(format_scaling(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0

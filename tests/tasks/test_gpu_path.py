@@ -1,0 +1,124 @@
+"""The GPU path, checked for correctness on the CPU: compiled blocks, activation checkpointing, fused
+AdamW and bf16 in the GPU recipes, timm's fused attention."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
+from ssl_vit.tasks.compile import compile_blocks
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
+
+
+def mae(config: ViTConfig = TINY) -> MaskedPatchPretraining:
+    torch.manual_seed(0)
+    return MaskedPatchPretraining(config, preset="mae", decoder_dim=32, decoder_depth=1, decoder_heads=2)
+
+
+def loss_and_grads(task, images) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    task.zero_grad(set_to_none=True)
+    loss = task.forward_loss(images, torch.Generator().manual_seed(3)).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in task.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b, atol) -> None:
+    loss_a, grads_a = a
+    loss_b, grads_b = b
+    torch.testing.assert_close(loss_a, loss_b, atol=atol, rtol=0)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 20
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_give_the_eager_loss_and_gradients(digits_batch):
+    """Encoder and decoder blocks compiled by inductor (the CPU's C++ backend here, Triton on CUDA)."""
+    images = digits_batch["image"][:8]
+    task = mae()
+    eager = loss_and_grads(task, images)
+    names = list(task.state_dict())
+    assert compile_blocks(task) == 3  # 2 encoder blocks, 1 decoder block
+    compiled = loss_and_grads(task, images)
+    assert_same(eager, compiled, atol=1e-5)
+    assert list(task.state_dict()) == names  # checkpoints keep their keys
+    assert all(block._compiled_call_impl is not None for block in task.backbone.blocks)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(digits_batch):
+    images = digits_batch["image"][:8]
+    plain, checkpointed = mae(), mae(replace(TINY, grad_checkpointing=True))
+    checkpointed.load_state_dict(plain.state_dict())
+    assert checkpointed.backbone.grad_checkpointing and not plain.backbone.grad_checkpointing
+    assert_same(loss_and_grads(plain, images), loss_and_grads(checkpointed, images), atol=1e-6)
+
+
+def test_activation_checkpointing_recomputes_the_blocks_in_the_backward(digits_batch):
+    """Without it each block runs once per step; with it, twice (forward, then again in the backward;
+    a pre-hook counts it: torch stops the recomputation early, before the block's output)."""
+    calls = []
+    for checkpointing in (False, True):
+        task = SupervisedPretraining(replace(TINY, grad_checkpointing=checkpointing), num_classes=10)
+        starts = []
+        task.backbone.blocks[0].register_forward_pre_hook(lambda *_, starts=starts: starts.append(1))
+        task.backbone(digits_batch["image"][:4]).sum().backward()
+        calls.append(len(starts))
+    assert calls == [1, 2]
+
+
+def gpu_recipes() -> list[Path]:
+    """Every recipe whose trainer runs on GPUs."""
+    found = []
+    for path in sorted(ROOT.glob("recipes/*/*.yaml")):
+        recipe = yaml.safe_load(path.read_text())
+        trainer = recipe.get("trainer") if isinstance(recipe, dict) else None
+        if isinstance(trainer, str):
+            trainer = yaml.safe_load((path.parent / trainer).read_text())
+        if isinstance(trainer, dict) and trainer.get("accelerator") == "gpu" and "model" in recipe:
+            found.append(path)
+    return found
+
+
+@pytest.mark.parametrize("path", gpu_recipes(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_gpu_recipes_use_bf16_and_a_fused_optimizer(path):
+    recipe = yaml.safe_load(path.read_text())
+    trainer = recipe["trainer"]
+    trainer = yaml.safe_load((path.parent / trainer).read_text()) if isinstance(trainer, str) else trainer
+    assert trainer["precision"] == "bf16-mixed"
+    optimizer = recipe["model"]["init_args"]["optimizer"]
+    assert optimizer["init_args"].get("fused") is True, f"{path}: the optimizer should be fused on CUDA"
+
+
+def test_there_are_gpu_recipes_to_check():
+    assert len(gpu_recipes()) >= 8
+
+
+def test_fused_adamw_steps_as_the_loop_implementation(digits_batch):
+    """`fused: true` in a recipe changes the kernel, not the update (it also runs on the CPU)."""
+    results = []
+    for fused in (False, True):
+        task = mae()
+        optimizer = torch.optim.AdamW(task.parameters(), lr=1e-2, fused=fused, foreach=not fused and None)
+        for _ in range(2):
+            loss_and_grads(task, digits_batch["image"][:8])
+            optimizer.step()
+        results.append(task.state_dict())
+    # Except the qkv biases: their key third has a gradient that is zero up to rounding (softmax does
+    # not change when a constant is added to a row's logits), which Adam scales up to a full step of
+    # a rounding-dependent sign.
+    for name in [n for n in results[0] if not n.endswith("qkv.bias")]:
+        torch.testing.assert_close(results[0][name], results[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_attention_runs_through_the_fused_sdpa_path():
+    """timm's Attention calls F.scaled_dot_product_attention (flash / memory-efficient kernels on GPU)
+    when `fused_attn` is set; `TIMM_FUSED_ATTN=0` would turn it off."""
+    task = mae()
+    blocks = [*task.backbone.blocks, *task.decoder.blocks]
+    assert blocks and all(block.attn.fused_attn for block in blocks)
