@@ -45,7 +45,7 @@ def lightning_cli(argv: list[str]):
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
-    from ssl_vit.data.datamodule import LogSkippedSamples
+    from ssl_vit.data.datamodule import LogSkippedSamples, check_required_urls
     from ssl_vit.tasks.base import Throughput
     from ssl_vit.tasks.checkpointing import (
         LastLinkCheckpoint,
@@ -140,6 +140,11 @@ def lightning_cli(argv: list[str]):
                     "--weights_only false: ssl-vit never unpickles code from a checkpoint; drop the option "
                     "(checkpoints written by ssl-vit load with weights only)"
                 )
+            # The datamodule checks this again in its setup, after the trainer has printed its banner;
+            # here first, the error is the command's only output.
+            data_args = getattr(config.get("data"), "init_args", None)
+            if data_args is not None:
+                check_required_urls(self.subcommand, data_args.as_dict())
             root = Path(config.trainer.default_root_dir or "runs/default")
             config.trainer.default_root_dir = str(root)
             if config.checkpoint.dirpath is None:

@@ -96,6 +96,30 @@ def test_encode_with_every_token_is_the_plain_forward(tiny):
     torch.testing.assert_close(all_kept.patches, features[:, 1:])
 
 
+def test_feature_kinds_pool_as_the_papers_do(tiny):
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        final = tiny.forward_features(images)  # (B, 1 + N, D) after the final norm
+        first_block = tiny.blocks[0](tiny.norm_pre(tiny._pos_embed(tiny.patch_embed(images))))
+        torch.testing.assert_close(tiny.features(images, "cls"), final[:, 0])
+        torch.testing.assert_close(tiny.features(images, "mean"), final[:, 1:].mean(1))
+        lastk = tiny.features(images, "lastk", last_k=2)  # DINO: each block's [class] token, normalised
+        torch.testing.assert_close(lastk, torch.cat([tiny.norm(first_block)[:, 0], final[:, 0]], 1))
+        gap = build_vit("S/8", 32, pooling="gap", **TINY).eval()
+        # a GAP backbone's mean is its own head input: fc_norm after pooling, not norm before
+        torch.testing.assert_close(gap.features(images, "mean"), gap(images))
+        torch.testing.assert_close(gap.features(images, "lastk", last_k=1), gap(images))
+    tiny.check_feature("lastk", last_k=2)
+    with pytest.raises(ValueError, match=r"valid: 'cls', 'mean', 'lastk'"):
+        tiny.check_feature("avg")
+    with pytest.raises(ValueError, match=r"valid: 'cls', 'mean'$"):
+        tiny.check_feature("lastk", kinds=("cls", "mean"))
+    with pytest.raises(ValueError, match=r"last_k must be in \[1, 2\]"):
+        tiny.check_feature("lastk", last_k=3)
+    with pytest.raises(ValueError, match=r"needs a \[class\] token.*use 'mean' or 'lastk'$"):
+        gap.check_feature("cls")
+
+
 def test_kept_tokens_keep_their_own_position(tiny):
     """Gathering happens after position embeddings: a permuted keep order permutes the outputs."""
     images = torch.randn(2, 3, 32, 32)

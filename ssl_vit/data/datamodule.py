@@ -97,6 +97,21 @@ def _ignore_job_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: signal.alarm(WORKER_SIGTERM_GRACE_S))
 
 
+SPLITS = ("train", "val", "test")
+# The split each stage cannot run without.
+REQUIRED_SPLIT = {"fit": "train", "validate": "val", "test": "test"}
+
+
+def check_required_urls(stage: str | None, urls: dict[str, Any]) -> None:
+    """One line if the split `stage` reads has no URLs. `urls`: `train_urls`, `val_urls`, `test_urls` as
+    configured (a datamodule's own, or the command line's, checked before the trainer starts)."""
+    split = REQUIRED_SPLIT.get(stage)
+    if split is not None and f"{split}_urls" in urls and urls[f"{split}_urls"] is None:
+        raise UserError(
+            f"{split}_urls is not set: give the URLs of the {split} shards (data.init_args.{split}_urls)"
+        )
+
+
 class ShardDataModule(pl.LightningDataModule):
     """Streams WebDataset shards: resampled training streams, exact validation/test passes.
 
@@ -244,15 +259,10 @@ class ShardDataModule(pl.LightningDataModule):
             "test": ["test"],
             None: ["train", "val", "test"],
         }
-        required = {"fit": "train", "validate": "val", "test": "test"}.get(stage)
+        check_required_urls(stage, {f"{split}_urls": getattr(self, f"{split}_urls") for split in SPLITS})
         for split in wanted.get(stage, []):
             urls = getattr(self, f"{split}_urls")
             if urls is None:
-                if split == required:
-                    raise UserError(
-                        f"{split}_urls is not set: give the shard URLs for {stage} "
-                        f"(data.init_args.{split}_urls)"
-                    )
                 continue
             self._urls[split] = expand(urls, f"{split}_urls")
             check_urls(self._urls[split], f"{split}_urls")

@@ -1,32 +1,24 @@
 """Frozen features of a backbone over an exact pass of a dataset, for the few-shot, k-NN and
 linear-probe protocols.
 
-Feature kinds (which token is an explicit, logged choice; SSL papers differ on it):
-- `cls`: the [class] token after the final norm (ViT paper; MAE's linear probe).
-- `mean`: the mean of the patch tokens after the final norm. For global-average-pooling backbones timm
-  normalises after pooling instead (`fc_norm`), so this is exactly what their head sees.
-- `lastk`: the pooled token ([class] token, or normalised mean patch token for GAP backbones) of each
-  of the last k blocks, each through the final norm, concatenated: DINO's linear evaluation
-  ("concatenation of the [class] tokens of the last 4 blocks", `eval_linear.py`, n_last_blocks=4).
+The feature kinds (`cls`, `mean`, `lastk`) are the backbone's: `ssl_vit.models.vit.ViT.features`.
 
 Under `torch.distributed` every rank extracts its own share of an exact pass, and all ranks return
 the features of all samples, sorted by key, so the result does not depend on the world size.
 
-Legend: B batch, N samples, P prefix ([class]) tokens, T tokens (P + patches), D width, F feature width.
+Legend: B batch, N samples, D width, F feature width.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ssl_vit.models.vit import ViT
-
-FeatureKind = Literal["cls", "mean", "lastk"]
+from ssl_vit.models.vit import FeatureKind, ViT
 
 
 class Features(NamedTuple):
@@ -52,17 +44,7 @@ def extract_features(
         Without it, images must already be floats.
     Returns Features with x (N, F): F = D for `cls`/`mean`, last_k * D for `lastk`.
     """
-    if feature not in ("cls", "mean", "lastk"):
-        raise ValueError(f"unknown feature {feature!r}; valid: 'cls', 'mean', 'lastk'")
-    if feature == "cls" and backbone.cls_token is None:
-        raise ValueError(
-            "feature 'cls' needs a [class] token, but this backbone pools by global average; "
-            "use feature 'mean' or 'lastk'"
-        )
-    if feature == "lastk" and not 1 <= last_k <= len(backbone.blocks):
-        raise ValueError(
-            f"last_k must be in [1, {len(backbone.blocks)}] (the backbone's depth), got {last_k}"
-        )
+    backbone.check_feature(feature, last_k)
     device = next(backbone.parameters()).device
     was_training = backbone.training
     backbone.eval()
@@ -80,7 +62,7 @@ def extract_features(
                         f"images are {images.dtype}, not normalised floats: pass the datamodule's "
                         "`prepare_batch` as `prepare`"
                     )
-                xs.append(_features(backbone, images, feature, last_k).float().cpu())
+                xs.append(backbone.features(images, feature, last_k).float().cpu())
                 ys.append(batch["label"].cpu())
                 keys.extend(batch["key"])
     finally:
@@ -92,28 +74,6 @@ def extract_features(
     order = sorted(range(len(keys)), key=keys.__getitem__)
     x, y = torch.cat(xs), torch.cat(ys)
     return Features(x[order], y[order], [keys[i] for i in order])
-
-
-def _features(backbone: ViT, images: Tensor, feature: FeatureKind, last_k: int) -> Tensor:
-    """images: (B, 3, H, W) -> (B, F)."""
-    if feature == "cls":
-        return backbone.forward_tokens(images).cls
-    if feature == "mean":
-        tokens = backbone.forward_tokens(images)
-        # [class]-token models normalise every token (`norm`); GAP models normalise the mean (`fc_norm`),
-        # which timm's head computes as `pooled`.
-        return tokens.patches.mean(1) if backbone.cls_token is not None else tokens.pooled
-    # timm's forward_intermediates returns the last k blocks' outputs, un-normalised and split into
-    # (patches, prefix) pairs when there is a [class] token; forward_head(norm(.)) then pools each
-    # exactly as the final layer's `pooled` is (token or fc_norm(mean)), so lastk with k=1 == pooled.
-    blocks = backbone.forward_intermediates(
-        images, indices=last_k, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
-    )
-    pooled = []
-    for out in blocks:
-        tokens = torch.cat([out[1], out[0]], dim=1) if isinstance(out, tuple) else out  # (B, T, D)
-        pooled.append(backbone.forward_head(backbone.norm(tokens), pre_logits=True))
-    return torch.cat(pooled, dim=1)  # (B, last_k * D)
 
 
 def _gather(

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import pytorch_lightning as pl
 
-from ssl_vit.evaluation.features import FeatureKind, extract_features
+from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
+from ssl_vit.models.vit import FeatureKind
 
 
 class FewShotMonitor(pl.Callback):

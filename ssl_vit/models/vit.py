@@ -5,7 +5,8 @@ timm's (`patch_embed.proj.weight`, `blocks.0.attn.qkv.weight`, `cls_token`, `pos
 weights move between ssl-vit and `timm.create_model` without a mapping table. Objectives (MPP, MAE,
 SimMIM) wrap it and own their own parameters, such as the learned `[mask]` embedding.
 
-Legend for tensor shapes: B batch, N patch tokens, K kept tokens, D width, P prefix ([class]) tokens.
+Legend for tensor shapes: B batch, N patch tokens, K kept tokens, D width, P prefix ([class]) tokens,
+T tokens (P + patches), F feature width.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
 HYBRID_STAGES: dict[int, tuple[int, ...]] = {16: (3, 4, 9), 32: (3, 4, 6, 3)}
 _VARIANT_RE = re.compile(r"^(?:(?P<hybrid>R50)\+)?(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
 EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R50+B/16")
+# Which feature of an image heads and frozen-feature protocols read (`ViT.features`); SSL papers differ on
+# it, so it is always an explicit, logged choice.
+FeatureKind = Literal["cls", "mean", "lastk"]
 
 
 class Variant(NamedTuple):
@@ -140,6 +144,53 @@ class ViT(VisionTransformer):
     def forward_tokens(self, images: Tensor) -> Tokens:
         """images: (B, 3, H, W) -> all named outputs of the plain (uncorrupted) forward."""
         return self.encode(self.embed_patches(images))
+
+    def check_feature(
+        self, feature: str, last_k: int = 4, kinds: tuple[str, ...] = FeatureKind.__args__
+    ) -> None:
+        """Raise ValueError (one line) unless `features(images, feature, last_k)` can run; `kinds` narrows
+        the valid ones for callers whose heads take width D (no `lastk`)."""
+        if feature not in kinds:
+            raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(map(repr, kinds))}")
+        if feature == "cls" and self.cls_token is None:
+            others = " or ".join(repr(k) for k in kinds if k != "cls")
+            raise ValueError(
+                f"feature 'cls' needs a [class] token, but this backbone pools by global average ('gap'): "
+                f"use {others}"
+            )
+        if feature == "lastk" and not 1 <= last_k <= len(self.blocks):
+            raise ValueError(
+                f"last_k must be in [1, {len(self.blocks)}] (the backbone's depth), got {last_k}"
+            )
+
+    def features(self, images: Tensor, feature: FeatureKind, last_k: int = 4) -> Tensor:
+        """images: (B, 3, H, W) -> one feature per image (B, F): F = D for `cls`/`mean`, last_k x D for
+        `lastk` (check it first with `check_feature`).
+
+        - `cls`: the [class] token after the final norm (ViT paper; MAE's linear probe).
+        - `mean`: the mean of the patch tokens after the final norm. A global-average-pooling backbone
+          normalises after pooling instead (timm's `fc_norm`): its `pooled` output, the feature it was
+          trained with.
+        - `lastk`: the pooled token ([class] token, or normalised mean patch token for GAP backbones) of
+          each of the last k blocks, each through the final norm, concatenated: DINO's linear evaluation
+          ("concatenation of the [class] tokens of the last 4 blocks", `eval_linear.py`, n_last_blocks=4).
+        """
+        if feature != "lastk":
+            tokens = self.forward_tokens(images)
+            if feature == "cls":
+                return tokens.cls
+            return tokens.pooled if self.cls_token is None else tokens.patches.mean(1)
+        # timm's forward_intermediates returns the last k blocks' outputs, un-normalised and split into
+        # (patches, prefix) pairs when there is a [class] token; forward_head(norm(.)) then pools each
+        # exactly as the final layer's `pooled` is (token or fc_norm(mean)), so lastk with k=1 == pooled.
+        blocks = self.forward_intermediates(
+            images, indices=last_k, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
+        )
+        pooled = []
+        for out in blocks:
+            tokens = torch.cat([out[1], out[0]], dim=1) if isinstance(out, tuple) else out  # (B, T, D)
+            pooled.append(self.forward_head(self.norm(tokens), pre_logits=True))
+        return torch.cat(pooled, dim=1)  # (B, last_k * D)
 
 
 def build_vit(

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ssl_vit.models.vit import ViTConfig, parse_variant
 from ssl_vit.tasks.base import RGB
-from ssl_vit.tasks.linear_probe import Feature, check_feature, pool
+from ssl_vit.tasks.linear_probe import Feature
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
 from ssl_vit.tasks.supervised import SupervisedPretraining
 
@@ -109,7 +109,7 @@ class FineTune(SupervisedPretraining):
             optimizer=optimizer, lr_scheduler=lr_scheduler, lr_reference_batch=lr_reference_batch, mean=mean,
             std=std,
         )  # fmt: skip
-        check_feature(choices["feature"], self.backbone)
+        self.backbone.check_feature(choices["feature"], kinds=Feature.__args__)
         self.save_hyperparameters({**self.hparams, "preset": preset, **choices})  # both saved and logged copy
         self.feature, self.layer_decay = choices["feature"], choices["layer_decay"]
         # A gap backbone's pooled output already ends in timm's fc_norm.
@@ -118,8 +118,7 @@ class FineTune(SupervisedPretraining):
 
     def forward(self, images: Tensor) -> Tensor:
         """images: (B, 3, H, W) -> logits (B, K)."""
-        features = pool(self.backbone.forward_tokens(images), self.feature, self.backbone)  # (B, D)
-        return self.head(self.fc_norm(features))
+        return self.head(self.fc_norm(self.backbone.features(images, self.feature)))  # features (B, D)
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """Layer ids for timm's `param_groups_layer_decay`, numbered as MAE's util/lr_decay.py does:

@@ -17,29 +17,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.models.heads import zero_linear
-from ssl_vit.models.vit import Tokens, ViT, ViTConfig
+from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
+# The heads take one token's width D; `lastk` (k x D) is for the frozen-feature protocols only.
 Feature = Literal["cls", "mean"]
-
-
-def check_feature(feature: str, backbone: ViT) -> None:
-    if feature not in ("cls", "mean"):
-        raise ValueError(f"unknown feature {feature!r}; valid: 'cls', 'mean'")
-    if feature == "cls" and backbone.cls_token is None:
-        raise ValueError(
-            "feature 'cls' needs a backbone with a [class] token; this one pools by 'gap': use 'mean'"
-        )
-
-
-def pool(tokens: Tokens, feature: Feature, backbone: ViT) -> Tensor:
-    """The (B, D) feature of an image: the final-norm [class] token, or the mean of the final-norm patch
-    tokens. A `gap` backbone has no final norm on its tokens; its own pooled output (mean, then timm's
-    fc_norm) is the mean feature it was trained with."""
-    if feature == "cls":
-        return tokens.cls
-    return tokens.pooled if backbone.cls_token is None else tokens.patches.mean(1)
 
 
 def sgd_momentum(params) -> Optimizer:
@@ -68,7 +51,8 @@ class LinearProbe(BackboneTask):
         optimizer: SGD with momentum 0.9 and no weight decay by default; MAE's LARS is
             `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's LARS adapts only with weight
             decay otherwise, MAE's always does).
-    Validation logs `val/accuracy_lr{lr}` per head, `val/accuracy` (the best head) and `val/best_lr`.
+    Validation and test log `{val,test}/accuracy_lr{lr}` per head, `/accuracy` (the best head on that
+    pass, as MAE reports its lr sweep), `/best_lr` and `/loss` (the heads' mean cross-entropy).
     """
 
     def __init__(
@@ -94,14 +78,18 @@ class LinearProbe(BackboneTask):
             backbone, init_from, optimizer, lr_scheduler, lr_reference_batch, mean, std,
             hparams=dict(num_classes=num_classes, feature=feature, batch_norm=batch_norm, lrs=lrs),
         )  # fmt: skip
-        check_feature(feature, self.backbone)
+        self.backbone.check_feature(feature, kinds=Feature.__args__)
         self.backbone.requires_grad_(False).eval()
         self.feature, self.lrs = feature, lrs
         width = self.backbone.embed_dim
         # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.
         self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()
         self.heads = nn.ModuleList(zero_linear(width, num_classes) for _ in lrs)
+        # One per head and evaluation stage, computed and reset at the end of that stage's pass.
         self.val_accuracy = nn.ModuleList(
+            MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
+        )
+        self.test_accuracy = nn.ModuleList(
             MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
         )
         self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
@@ -115,7 +103,7 @@ class LinearProbe(BackboneTask):
     @torch.no_grad()
     def features(self, images: Tensor) -> Tensor:
         """images: (B, 3, H, W) -> frozen features (B, D), no graph."""
-        return pool(self.backbone.forward_tokens(images), self.feature, self.backbone)
+        return self.backbone.features(images, self.feature)
 
     def classify(self, features: Tensor) -> Tensor:
         """features: (B, D) -> logits of every head (H, B, K)."""
@@ -138,18 +126,35 @@ class LinearProbe(BackboneTask):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        for metric, logits in zip(self.val_accuracy, self(batch["image"])):
-            metric.update(logits, batch["label"])
+        self.eval_step("val", batch)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("test", batch)
+
+    def eval_step(self, stage: str, batch: dict) -> None:
+        logits = self(batch["image"])
+        for metric, head_logits in zip(getattr(self, f"{stage}_accuracy"), logits):
+            metric.update(head_logits, batch["label"])
+        loss = self.forward_loss(logits, batch["label"]) / len(self.heads)
+        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=batch["image"].shape[0])
 
     def on_validation_epoch_end(self) -> None:
+        self.log_accuracies("val")
+
+    def on_test_epoch_end(self) -> None:
+        self.log_accuracies("test")
+
+    def log_accuracies(self, stage: str) -> None:
+        """Each head's accuracy over the pass, and the best head's with its lr."""
         # compute() gathers every rank's counts, so each sample counts once across ranks.
-        accuracies = torch.stack([metric.compute() for metric in self.val_accuracy])
-        for lr, accuracy, metric in zip(self.lrs, accuracies, self.val_accuracy):
-            self.log(f"val/accuracy_lr{lr:g}", accuracy)
+        metrics = getattr(self, f"{stage}_accuracy")
+        accuracies = torch.stack([metric.compute() for metric in metrics])
+        for lr, accuracy, metric in zip(self.lrs, accuracies, metrics):
+            self.log(f"{stage}/accuracy_lr{lr:g}", accuracy)
             metric.reset()
         best = accuracies.argmax()
-        self.log("val/accuracy", accuracies[best], prog_bar=True)
-        self.log("val/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
+        self.log(f"{stage}/accuracy", accuracies[best], prog_bar=True)
+        self.log(f"{stage}/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
 
     def param_groups(self) -> list[dict]:
         """One group per head, with that head's lr; the frozen backbone is in none."""
@@ -164,4 +169,4 @@ class LinearProbe(BackboneTask):
         self.flops_per_image = counter.get_total_flops() + 3 * heads
 
 
-__all__ = ["Feature", "LinearProbe", "pool", "sgd_momentum"]
+__all__ = ["Feature", "LinearProbe", "sgd_momentum"]

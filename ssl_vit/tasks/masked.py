@@ -217,9 +217,17 @@ class MaskedPatchPretraining(BackboneTask):
         return {"loss": out.loss, "output": out}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        # A fixed mask per batch index, so validation losses of different epochs compare.
+        self.eval_step("val", batch, batch_idx)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("test", batch, batch_idx)
+
+    def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
+        """Masked loss (and accuracy) under a mask fixed by the batch index, drawn from its own generator
+        whatever the global RNG state: validation losses of different epochs compare, and two tests of
+        one checkpoint on the same shards print the same numbers."""
         generator = torch.Generator().manual_seed(batch_idx)
-        self.log_metrics("val", self.forward_loss(batch["image"], generator), on_step=False)
+        self.log_metrics(stage, self.forward_loss(batch["image"], generator), on_step=False)
 
     def log_metrics(self, stage: str, out: MaskedOutput, on_step: bool) -> None:
         metrics = {f"{stage}/loss": out.loss}

@@ -63,7 +63,9 @@ class SupervisedPretraining(BackboneTask):
         self.head = zero_linear(self.backbone.embed_dim, num_classes, bias_init=head_bias_init)
         self.loss_kind, self.num_classes = loss, num_classes
         self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
+        # One per evaluation stage: a metric logged as an object is computed and reset by its own loop.
         self.val_accuracy = MulticlassAccuracy(num_classes, average="micro", ignore_index=-1)
+        self.test_accuracy = MulticlassAccuracy(num_classes, average="micro", ignore_index=-1)
 
     def forward(self, images: Tensor) -> Tensor:
         """images: (B, 3, H, W) -> logits (B, K)."""
@@ -90,8 +92,18 @@ class SupervisedPretraining(BackboneTask):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("val", batch)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("test", batch)
+
+    def eval_step(self, stage: str, batch: dict) -> None:
+        """`{stage}/loss` and `{stage}/accuracy` over the whole pass (every rank's samples once)."""
         logits = self(batch["image"])
-        self.val_accuracy.update(logits, batch["label"])
+        accuracy = getattr(self, f"{stage}_accuracy")
+        accuracy.update(logits, batch["label"])
         size = logits.shape[0]
-        self.log("val/loss", self.forward_loss(logits, batch), on_epoch=True, sync_dist=True, batch_size=size)
-        self.log("val/accuracy", self.val_accuracy, on_epoch=True, prog_bar=True, batch_size=size)
+        self.log(
+            f"{stage}/loss", self.forward_loss(logits, batch), on_epoch=True, sync_dist=True, batch_size=size
+        )
+        self.log(f"{stage}/accuracy", accuracy, on_epoch=True, prog_bar=True, batch_size=size)
