@@ -207,7 +207,7 @@ def infer_config(state: dict[str, Tensor]) -> ViTConfig | None:
     )
 
 
-def _describe(config: ViTConfig) -> dict:
+def architecture(config: ViTConfig) -> dict:
     parsed = parse_variant(config.variant)
     width, depth, heads, mlp = parsed.dims
     width_ = config.width or width
@@ -227,7 +227,7 @@ def _reconcile(source: str, saved: ViTConfig | None, wanted: ViTConfig | None) -
         return wanted
     if wanted is None:
         return saved
-    have, need = _describe(saved), _describe(wanted)
+    have, need = architecture(saved), architecture(wanted)
     differ = [f"{key} {have[key]} (asked for {need[key]})" for key in ARCHITECTURE if have[key] != need[key]]
     if differ:
         raise UserError(
