@@ -99,9 +99,13 @@ def load_mae_decoder(decoder: nn.Module, source: str) -> None:
     missing = sorted(set(ours) - set(state))
     if differ or missing:
         what = differ[0] if differ else f"no {missing[0]}"
+        width, depth = (
+            state["embed.weight"].shape[0],
+            len({k.split(".")[1] for k in state if k.startswith("blocks.")}),
+        )
         raise UserError(
-            f"{source}: its MAE decoder does not fit this one: {what}; set decoder_dim, decoder_depth "
-            "(and decoder_heads) to the checkpoint's (MAE: 512, 8, 16)"
+            f"{source}: its MAE decoder does not fit this one: {what}; set decoder_dim {width} and "
+            f"decoder_depth {depth} (decoder_heads: MAE's default is 16)"
         )
     decoder.load_state_dict(state)
 

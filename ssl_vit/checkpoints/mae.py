@@ -59,8 +59,10 @@ def decoder_state(state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
     pos = state["decoder_pos_embed"][0, 1:].float()  # (N, E); MAE's [class] position is all zeros
     side, dim = math.isqrt(pos.shape[0]), pos.shape[1]
     order = _stream_order(dim)
-    if side * side != pos.shape[0] or dim % 4 or not torch.allclose(
-        pos[:, order], build_sincos2d_pos_embed([side, side], dim), atol=1e-4
+    if (
+        side * side != pos.shape[0]
+        or dim % 4
+        or not torch.allclose(pos[:, order], build_sincos2d_pos_embed([side, side], dim), atol=1e-4)
     ):
         raise UserError(
             f"{source}: decoder_pos_embed is not MAE's fixed 2-D sin-cos embedding of a square grid, so its "
