@@ -1,30 +1,59 @@
 """One loader for every place that takes a checkpoint (`--model.init_args.init_from`, `evaluate`, `compare`):
 
 - a Lightning `.ckpt` of any ssl-vit task (backbone under `backbone.`, its `ViTConfig` in the hparams),
-- an exported `.safetensors` (timm key names; the config in the file's metadata when ssl-vit wrote it),
+- a `.safetensors` file with timm's key names: exported by `ssl-vit export` (the config in its metadata)
+  or any other (the config inferred from the shapes, or given),
+- a folder `ssl-vit export --format hf` wrote (timm's local Hub layout: `model.safetensors`),
+- a torch file of timm-named weights (`.pth`, `.bin`): a plain state dict, or one under `model` as
+  facebookresearch/mae writes them (its decoder is ignored here; `load_mae_decoder` reads it),
 - `timm:MODEL_NAME` (timm's pretrained weights, fetched by timm),
 - `scratch` (random init of the given config).
+
+Files without ssl-vit's config: width, depth, patch and image size come from the shapes, heads from the
+paper variant of that width and depth (`VARIANTS`); a classifier `head.*` is ignored. A config the
+caller gives wins (the shapes must fit it).
 
 Loading is safe: `torch.load(weights_only=True)` or safetensors, never unrestricted unpickling.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from timm.models import clean_state_dict
 from timm.models.vision_transformer import checkpoint_filter_fn
+from torch import Tensor, nn
 
+from ssl_vit.checkpoints import mae
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import VARIANTS, ViT, ViTConfig, parse_variant
 
 METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safetensors
-SOURCES = "a Lightning .ckpt, an exported .safetensors, timm:MODEL_NAME or scratch"
+SOURCES = (
+    "a Lightning .ckpt, a .safetensors, an exported folder, a .pth/.bin of timm or MAE weights, "
+    "timm:MODEL_NAME or scratch"
+)
 # What must agree between a checkpoint and the config it is loaded into; img_size, drop path and
 # activation checkpointing may differ (position embeddings are resampled in 2-D, ViT paper sec 3.2).
 ARCHITECTURE = ("width", "depth", "heads", "mlp_dim", "pooling", "hybrid", "patch_size")
+WEIGHTS_FILE = "model.safetensors"  # in an exported folder (timm's name for a local Hub model)
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+
+
+class Weights(NamedTuple):
+    """What a checkpoint file holds, read once."""
+
+    backbone: dict[str, Tensor]  # timm's key names
+    config: ViTConfig | None  # saved by ssl-vit, else inferred from the shapes (None: not inferable)
+    rest: dict[str, Tensor]  # the other tensors under their own names (a task's heads, MAE's decoder)
+    hparams: dict  # a Lightning checkpoint's hyperparameters; {} for other files
 
 
 def load_backbone(source: str, config: ViTConfig | None = None) -> tuple[ViT, ViTConfig]:
@@ -32,7 +61,7 @@ def load_backbone(source: str, config: ViTConfig | None = None) -> tuple[ViT, Vi
 
     config: what the caller needs (a recipe's backbone). Its img_size and drop_path_rate win; the
     architecture must match the checkpoint's, else a one-line error says which to change. Needed for
-    `scratch` and for .safetensors without ssl-vit metadata.
+    `scratch` and for files whose architecture cannot be told from the shapes.
     """
     if source == "scratch":
         if config is None:
@@ -40,43 +69,102 @@ def load_backbone(source: str, config: ViTConfig | None = None) -> tuple[ViT, Vi
         return config.build(), config
     if source.startswith("timm:"):
         return _from_timm(source.removeprefix("timm:"), config)
-    path = Path(source)
-    if not path.is_file():
-        raise UserError(f"checkpoint {source!r} does not exist; give {SOURCES}")
-    if path.suffix == ".safetensors":
-        state, saved = _read_safetensors(path)
-    else:
-        state, saved = _read_lightning(path)
-    if saved is None and config is None:
-        raise UserError(f"{source} carries no backbone config; give the variant it was trained with")
-    target = _reconcile(source, saved, config)
+    weights = read_weights(source)
+    if weights.config is None and config is None:
+        raise UserError(
+            f"{source} carries no backbone config and its shapes match no paper variant (heads unknown); "
+            "give the variant it was trained with"
+        )
+    target = _reconcile(source, weights.config, config)
     vit = target.build()
-    _load_state(vit, state, source)
+    _load_state(vit, weights.backbone, source)
     return vit, target
 
 
-def _read_lightning(path: Path) -> tuple[dict, ViTConfig | None]:
+def load_mae_decoder(decoder: nn.Module, source: str) -> None:
+    """Load MAE's decoder from `source` into `decoder` (an `MAEDecoder`) when the file has one
+    (facebookresearch/mae pretraining checkpoints); other sources leave it as initialised."""
+    if source == "scratch" or source.startswith("timm:"):
+        return
+    weights = read_weights(source)
+    state = mae.decoder_state(weights.rest, source)
+    if not state:
+        return
+    ours = decoder.state_dict()
+    differ = [
+        f"{key} {tuple(value.shape)} (ours {tuple(ours[key].shape) if key in ours else 'absent'})"
+        for key, value in state.items()
+        if key not in ours or ours[key].shape != value.shape
+    ]
+    missing = sorted(set(ours) - set(state))
+    if differ or missing:
+        what = differ[0] if differ else f"no {missing[0]}"
+        width, depth = (
+            state["embed.weight"].shape[0],
+            len({k.split(".")[1] for k in state if k.startswith("blocks.")}),
+        )
+        raise UserError(
+            f"{source}: its MAE decoder does not fit this one: {what}; set decoder_dim {width} and "
+            f"decoder_depth {depth} (decoder_heads: MAE's default is 16)"
+        )
+    decoder.load_state_dict(state)
+
+
+def read_weights(source: str) -> Weights:
+    """The tensors and config of a checkpoint file or exported folder (not `timm:` or `scratch`)."""
+    path = Path(source)
+    if path.is_dir() and (path / WEIGHTS_FILE).is_file():
+        path = path / WEIGHTS_FILE
+    if not path.is_file():
+        raise UserError(f"checkpoint {source!r} does not exist; give {SOURCES}")
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
+    return _read_torch(path)
+
+
+def _read_torch(path: Path) -> Weights:
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        # MAE's training checkpoints keep their argparse.Namespace of arguments: plain data.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a non-checkpoint file fails in many ways; all mean the same to the user
         raise UserError(
             f"{path} is not a checkpoint torch can load safely ({type(err).__name__}); give {SOURCES}"
         ) from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UserError(f"{path} is not a Lightning checkpoint (no state_dict); give {SOURCES}")
-    state = {
-        k.removeprefix("backbone."): v
-        for k, v in checkpoint["state_dict"].items()
-        if k.startswith("backbone.")
-    }
-    if not state:
-        raise UserError(f"{path} has no backbone.* weights: not an ssl-vit checkpoint")
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{path} holds a {type(checkpoint).__name__}, not a dict of weights; give {SOURCES}")
+    lightning = checkpoint.get("state_dict")
+    if isinstance(lightning, dict) and any(str(k).startswith("backbone.") for k in lightning):
+        return _lightning_weights(path, checkpoint)
+    state = checkpoint.get("model", checkpoint)  # facebookresearch/mae (and DeiT) nest it under `model`
+    if not isinstance(state, dict) or not state or not all(isinstance(v, Tensor) for v in state.values()):
+        raise UserError(
+            f"{path} is neither a Lightning checkpoint with backbone.* weights nor a state dict of timm "
+            f"names; give {SOURCES}"
+        )
+    return _timm_weights(clean_state_dict(state), None)
+
+
+def _lightning_weights(path: Path, checkpoint: dict) -> Weights:
+    state = checkpoint["state_dict"]
+    backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    rest = {k: v for k, v in state.items() if not k.startswith("backbone.")}
     hparams = checkpoint.get("hyper_parameters") or {}
-    saved = hparams.get("backbone") if isinstance(hparams, dict) else None
-    return state, ViTConfig.from_dict(saved, f"{path}: hyper_parameters.backbone") if saved else None
+    hparams = hparams if isinstance(hparams, dict) else {}
+    saved = hparams.get("backbone")
+    config = ViTConfig.from_dict(saved, f"{path}: hyper_parameters.backbone") if saved else None
+    return Weights(backbone, config, rest, hparams)
 
 
-def _read_safetensors(path: Path) -> tuple[dict, ViTConfig | None]:
+def _timm_weights(state: dict[str, Tensor], saved: ViTConfig | None) -> Weights:
+    """Split timm- or MAE-named tensors into the backbone and the rest (classifier, MAE decoder)."""
+    encoder = mae.encoder_state(state)
+    backbone = {k: v for k, v in encoder.items() if not k.startswith(("head.", "head_dist."))}
+    rest = {k: v for k, v in state.items() if k not in backbone}
+    return Weights(backbone, saved or infer_config(backbone), rest, {})
+
+
+def _read_safetensors(path: Path) -> Weights:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -87,7 +175,7 @@ def _read_safetensors(path: Path) -> tuple[dict, ViTConfig | None]:
         raise UserError(f"{path} is not a readable .safetensors file ({err}); give {SOURCES}") from None
     saved = metadata.get(METADATA_KEY)
     if not saved:
-        return state, None
+        return _timm_weights(state, None)
     try:
         values = json.loads(saved)
     except ValueError as err:
@@ -95,10 +183,35 @@ def _read_safetensors(path: Path) -> tuple[dict, ViTConfig | None]:
             f"{path}: metadata {METADATA_KEY!r} is not JSON ({err}): re-export the file with ssl-vit, or "
             "drop that metadata and set the backbone in the suite"
         ) from None
-    return state, ViTConfig.from_dict(values, f"{path}: metadata {METADATA_KEY!r}")
+    return _timm_weights(state, ViTConfig.from_dict(values, f"{path}: metadata {METADATA_KEY!r}"))
 
 
-def _describe(config: ViTConfig) -> dict:
+def infer_config(state: dict[str, Tensor]) -> ViTConfig | None:
+    """The ViTConfig of timm-named backbone weights, from their shapes: width and patch size from
+    `patch_embed.proj.weight` (D, 3, p, p), depth from the `blocks.N` count, MLP width from `fc1`, the
+    image size from `pos_embed` (1, P+N, D) (a square grid), pooling from `cls_token`. Heads are not
+    in any shape: they come from the paper variant of that width and depth, else None (not inferable)."""
+    proj, pos = state.get("patch_embed.proj.weight"), state.get("pos_embed")
+    blocks = {int(m[1]) for k in state if (m := _BLOCK.match(k))}
+    fc1 = state.get("blocks.0.mlp.fc1.weight")
+    hybrid = any(k.startswith("patch_embed.backbone.") for k in state)
+    if hybrid or proj is None or pos is None or fc1 is None or proj.ndim != 4 or pos.ndim != 3:
+        return None
+    width, patch, depth, mlp_dim = proj.shape[0], proj.shape[-1], len(blocks), fc1.shape[0]
+    with_cls = "cls_token" in state
+    side = math.isqrt(pos.shape[1] - with_cls)
+    size = next((s for s, (w, d, _, _) in VARIANTS.items() if (w, d) == (width, depth)), None)
+    if size is None or side * side != pos.shape[1] - with_cls:
+        return None
+    return ViTConfig(
+        variant=f"{size}/{patch}",
+        img_size=side * patch,
+        pooling="cls" if with_cls else "gap",
+        mlp_dim=None if mlp_dim == VARIANTS[size][3] else mlp_dim,
+    )
+
+
+def architecture(config: ViTConfig) -> dict:
     parsed = parse_variant(config.variant)
     width, depth, heads, mlp = parsed.dims
     width_ = config.width or width
@@ -118,7 +231,7 @@ def _reconcile(source: str, saved: ViTConfig | None, wanted: ViTConfig | None) -
         return wanted
     if wanted is None:
         return saved
-    have, need = _describe(saved), _describe(wanted)
+    have, need = architecture(saved), architecture(wanted)
     differ = [f"{key} {have[key]} (asked for {need[key]})" for key in ARCHITECTURE if have[key] != need[key]]
     if differ:
         raise UserError(
@@ -191,4 +304,12 @@ def config_metadata(config: ViTConfig) -> dict[str, str]:
     return {METADATA_KEY: json.dumps(asdict(config))}
 
 
-__all__ = ["config_metadata", "config_of_timm_model", "load_backbone"]
+__all__ = [
+    "Weights",
+    "config_metadata",
+    "config_of_timm_model",
+    "infer_config",
+    "load_backbone",
+    "load_mae_decoder",
+    "read_weights",
+]

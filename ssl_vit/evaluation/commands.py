@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from ssl_vit.checkpoints.load import SOURCES
 from ssl_vit.errors import UserError
 
-CHECKPOINT_HELP = "a Lightning .ckpt, an exported .safetensors, timm:MODEL_NAME or scratch"
+CHECKPOINT_HELP = SOURCES
 
 
 def add_parsers(subparsers) -> None:

@@ -6,6 +6,7 @@ Legend: B batch, N patch tokens, K kept (visible) tokens, D encoder width, E dec
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from timm.layers import build_sincos2d_pos_embed
@@ -70,8 +71,12 @@ class MAEDecoder(nn.Module):
         self.register_buffer(
             "pos_embed", build_sincos2d_pos_embed(list(grid_size), dim).unsqueeze(0), persistent=False
         )
-        self.blocks = nn.Sequential(*[Block(dim, heads, mlp_ratio, qkv_bias=True) for _ in range(depth)])
-        self.norm = nn.LayerNorm(dim)
+        # LayerNorm eps 1e-6 as MAE's decoder (models_mae.py), so its weights compute the same here.
+        norm = partial(nn.LayerNorm, eps=1e-6)
+        self.blocks = nn.Sequential(
+            *[Block(dim, heads, mlp_ratio, qkv_bias=True, norm_layer=norm) for _ in range(depth)]
+        )
+        self.norm = norm(dim)
         self.pred = nn.Linear(dim, out_dim)
         self._init_weights()
 

@@ -15,6 +15,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 
 from ssl_vit import masking, targets
+from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.models.heads import MAEDecoder, PatchHead
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask
@@ -66,7 +67,8 @@ class MaskedPatchPretraining(BackboneTask):
         pixel_loss: `mse` or `l1` for pixel targets.
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only).
         picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never).
-        init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining.
+        init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining;
+            a facebookresearch/mae checkpoint starts the decoder (`drop`) from its own as well.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class MaskedPatchPretraining(BackboneTask):
             self.decoder = MAEDecoder(
                 width, self.grid, target_shape.numel(), decoder_dim, decoder_depth, decoder_heads
             )
+            load_mae_decoder(self.decoder, init_from)  # an MAE checkpoint's decoder continues too
         else:
             self.head = PatchHead(width, tuple(target_shape))
             # The learned [mask] embedding lives here, not in the backbone: its keys stay timm's.
