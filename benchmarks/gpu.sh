@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One GPU, ViT-B/16 at 224 px, bf16: supervised and MAE training steps against a plain timm loop,
+# torch.compile off and on; images/s, MFU and the MAE / supervised ratios, as tables.
+#   bash benchmarks/gpu.sh              (about 5-7 minutes on an H100/H200, compilation included)
+# Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.
+# The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SSLVIT=${SSLVIT:-.venv/bin/ssl-vit}
+OUT=${OUT:-benchmarks/gpu.json}
+$SSLVIT bench step \
+    --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}" \
+    --tasks supervised mae --precision "${PRECISION:-bf16-mixed}" --compile both \
+    --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
+    --json "$OUT"
+echo "tables above; numbers in $OUT"
