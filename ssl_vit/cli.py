@@ -20,6 +20,7 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 def build_parser() -> argparse.ArgumentParser:
     from ssl_vit import info
+    from ssl_vit.analysis import commands as analysis_commands
     from ssl_vit.data import commands as data_commands
     from ssl_vit.evaluation import commands as evaluation_commands
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_parser(sub)
     data_commands.add_parser(sub)
     evaluation_commands.add_parsers(sub)
+    analysis_commands.add_parser(sub)
     bench = sub.add_parser("bench", help="throughput benchmarks, as ratios against a reference run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     data_commands.add_bench_parser(bench_sub)
