@@ -71,8 +71,9 @@ def analyze(
         tuple(hparams.get("mean", IMAGENET_DEFAULT_MEAN)),
         tuple(hparams.get("std", IMAGENET_DEFAULT_STD)),
     )
+    # A few hundred images: decoded in this process, without starting DataLoader workers.
     data = ShardDataModule(
-        test_urls=urls, batch_size=batch_size, num_workers=1, image_size=config.img_size, mean=mean, std=std
+        test_urls=urls, batch_size=batch_size, num_workers=0, image_size=config.img_size, mean=mean, std=std
     )
     inputs, keys = read_images(data, "test", images)
 
