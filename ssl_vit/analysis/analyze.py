@@ -122,7 +122,7 @@ def analyze(
             pictures.filter_components_grid(filters[0], temp / "patch_embedding_pcs.png")
         pictures.rollout_grid(pixels, maps, temp / "attention_rollout.png")
         if masked[1] is not None:
-            pictures.image_grid(masked[1], temp / "masked_predictions.png")
+            pictures.image_grid(masked[1], config.img_size, temp / "masked_predictions.png")
         record["pictures"] = sorted(p.name for p in temp.glob("*.png"))
         record["seconds"] = round(time.time() - start, 1)
         (temp / "analysis.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -34,6 +34,7 @@ def attention_distance_plot(per_head: Tensor, pixels_per_token: int, path: Path)
     ax.set_xlabel("network depth (block)")
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_xticks(layers.tolist())
+    ax.set_ylim(bottom=0)
     ax.set_title(f"mean attention distance per head ({pixels_per_token}-pixel patches)")
     if per_head.shape[1] <= 16:
         ax.legend(fontsize=7, ncol=2)
@@ -54,6 +55,7 @@ def attention_distance_curves(curves: dict[str, Tensor], path: Path) -> None:
         )
     ax.set_xlabel("network depth (block)")
     ax.set_ylabel("mean attention distance (pixels)")
+    ax.set_ylim(bottom=0)
     ax.set_title("mean attention distance: mean over heads, shaded min-max")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -104,9 +106,11 @@ def rollout_grid(pixels: Tensor, maps: Tensor, path: Path) -> None:
     save_image(make_grid(_enlarged(rows), nrow=len(pixels), padding=2, pad_value=1.0), path)
 
 
-def image_grid(grid: Tensor, path: Path) -> None:
-    """A picture already laid out (3, H, W) in [0, 1], e.g. `masked_prediction_picture`'s."""
-    save_image(grid, path)
+def image_grid(grid: Tensor, image_size: int, path: Path) -> None:
+    """A picture already laid out (3, H, W) in [0, 1], e.g. `masked_prediction_picture`'s, of images
+    `image_size` pixels a side: enlarged as `_enlarged` enlarges them."""
+    factor = max(1, -(-MIN_TILE // image_size))
+    save_image(F.interpolate(grid[None], scale_factor=factor, mode="nearest")[0], path)
 
 
 def _enlarged(images: Tensor) -> Tensor:

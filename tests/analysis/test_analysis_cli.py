@@ -82,8 +82,8 @@ def test_analyze_a_masked_pretraining_checkpoint(mpp_ckpt, digits_shards, tmp_pa
         "patch_embedding_pcs.png": grid_size(28, 7, 64, 2),
         # 8 images of 32 pixels enlarged twice, above their rollout
         "attention_rollout.png": grid_size(16, 8, 64, 2),
-        # masked_prediction_picture: inputs, true and predicted colours, 1-pixel gaps
-        "masked_predictions.png": grid_size(24, 8, 32, 1),
+        # masked_prediction_picture (inputs, true and predicted colours, 1-pixel gaps) enlarged twice
+        "masked_predictions.png": tuple(2 * side for side in grid_size(24, 8, 32, 1)),
     }
     assert sorted(p.name for p in out.iterdir()) == sorted([*expected, "analysis.json"])
     assert record["pictures"] == sorted(expected)
