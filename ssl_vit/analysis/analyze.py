@@ -83,7 +83,7 @@ def analyze(
     shown = inputs[:ROLLOUT_IMAGES]
     maps = attention.rollout_maps(backbone, shown)  # (n, gh, gw)
     pixels = (shown * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)).clamp(0, 1)
-    masked = _masked_predictions(checkpoint, hparams, shown, device)
+    masked, masked_picture = _masked_predictions(checkpoint, hparams, shown, device)
 
     record = {
         "checkpoint": source,
@@ -110,7 +110,7 @@ def analyze(
             "keys": keys[: len(shown)],
             "maps": _rounded(maps),  # [image][row][col], share of the pooled output's input per patch
         },
-        "masked_prediction": masked[0],
+        "masked_prediction": masked,
     }
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -121,8 +121,8 @@ def analyze(
         if filters is not None:
             pictures.filter_components_grid(filters[0], temp / "patch_embedding_pcs.png")
         pictures.rollout_grid(pixels, maps, temp / "attention_rollout.png")
-        if masked[1] is not None:
-            pictures.image_grid(masked[1], config.img_size, temp / "masked_predictions.png")
+        if masked_picture is not None:
+            pictures.image_grid(masked_picture, config.img_size, temp / "masked_predictions.png")
         record["pictures"] = sorted(p.name for p in temp.glob("*.png"))
         record["seconds"] = round(time.time() - start, 1)
         (temp / "analysis.json").write_text(json.dumps(record, indent=1) + "\n")
