@@ -55,6 +55,7 @@ def attention_distance_curves(curves: dict[str, Tensor], path: Path) -> None:
         )
     ax.set_xlabel("network depth (block)")
     ax.set_ylabel("mean attention distance (pixels)")
+    ax.set_xticks(range(1, max(len(per_head) for per_head in curves.values()) + 1))
     ax.set_ylim(bottom=0)
     ax.set_title("mean attention distance: mean over heads, shaded min-max")
     ax.legend(fontsize=8)
