@@ -24,8 +24,9 @@ RUNS := runs/quickstart
 
 # digits -> shards -> ViT-paper masked patch prediction and supervised pretraining (digits 0-4 only),
 # tiny ViT on the CPU -> the comparison of both and scratch (few-shot on all and on held-out digits 5-9,
-# k-NN, linear probe). Each run writes config.yaml, checkpoints/, pictures/ and an offline W&B run
-# under $(RUNS)/NAME; a rerun starts those runs afresh.
+# k-NN, linear probe) -> the ViT paper's look inside both (attention distance, embeddings, rollout, MPP
+# predictions) on 256 validation digits, seconds each. Each run writes config.yaml, checkpoints/,
+# pictures/ and an offline W&B run under $(RUNS)/NAME; a rerun starts those runs afresh.
 quickstart: $(STAMP)
 	test -f $(SHARDS)/train.json || $(SSLVIT) data convert digits $(SHARDS) --split train --shard-size 300
 	test -f $(SHARDS)/val.json || $(SSLVIT) data convert digits $(SHARDS) --split val --shard-size 100
@@ -35,11 +36,16 @@ quickstart: $(STAMP)
 	$(SSLVIT) fit --config recipes/quickstart/supervised.yaml --trainer.default_root_dir $(RUNS)/supervised
 	$(SSLVIT) compare mpp=$(RUNS)/mpp/checkpoints/last.ckpt supervised=$(RUNS)/supervised/checkpoints/last.ckpt \
 		--scratch --suite recipes/eval/quickstart.yaml --out $(RUNS)/compare
+	$(SSLVIT) analyze $(RUNS)/mpp/checkpoints/last.ckpt --data '$(SHARDS)/val-{000000..000003}.tar' --out $(RUNS)/analysis/mpp
+	$(SSLVIT) analyze $(RUNS)/supervised/checkpoints/last.ckpt --data '$(SHARDS)/val-{000000..000003}.tar' \
+		--out $(RUNS)/analysis/supervised
 	@echo
 	@echo "checkpoints:  $(RUNS)/mpp/checkpoints/last.ckpt  $(RUNS)/supervised/checkpoints/last.ckpt"
 	@echo "W&B (offline): $(RUNS)/*/wandb  (look: $(VENV)/bin/wandb leet $(RUNS)/mpp/wandb; upload: wandb sync)"
 	@echo "pictures:     $(RUNS)/mpp/pictures/"
 	@echo "comparison:   $(RUNS)/compare/results.md  $(RUNS)/compare/fewshot.png  $(RUNS)/compare/bars.png"
+	@echo "              $(RUNS)/compare/attention_distance.png"
+	@echo "inside:       $(RUNS)/analysis/mpp/  $(RUNS)/analysis/supervised/  (PNGs, analysis.json)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ssl_vit tests

@@ -20,6 +20,7 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 def build_parser() -> argparse.ArgumentParser:
     from ssl_vit import info
+    from ssl_vit.analysis import commands as analysis_commands
     from ssl_vit.benchmark import commands as bench_commands
     from ssl_vit.checkpoints import commands as checkpoint_commands
     from ssl_vit.data import commands as data_commands
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_commands.add_parser(sub)
     evaluation_commands.add_parsers(sub)
     checkpoint_commands.add_parser(sub)
+    analysis_commands.add_parser(sub)
     bench = sub.add_parser("bench", help="throughput benchmarks, as ratios against a reference run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     data_commands.add_bench_parser(bench_sub)

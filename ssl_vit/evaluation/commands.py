@@ -62,7 +62,7 @@ def _compare(args: argparse.Namespace) -> int:
     rows = compare(checkpoints, suite, args.out)
     console = Console()
     print(open(f"{args.out}/results.md").read())  # the markdown table as is: columns stay readable
-    console.print(f"wrote {args.out}/results.csv, results.md, fewshot.png, bars.png")
+    console.print(f"wrote {args.out}/results.csv, results.md, fewshot.png, bars.png, attention_distance.png")
     failed = [row["name"] for row in rows if row["error"]]
     if failed:
         console.print(f"[red]failed: {', '.join(failed)} (see {args.out}/NAME/error.txt)[/red]")

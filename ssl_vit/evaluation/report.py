@@ -1,10 +1,12 @@
-"""`ssl-vit compare`: one suite on many checkpoints, one table and one picture.
+"""`ssl-vit compare`: one suite on many checkpoints, one table and a few pictures.
 
 Writes results.csv and results.md (one row per checkpoint, one column per protocol result, the best
 per column marked), fewshot.png (accuracy against labelled examples per class, one line per
-checkpoint), bars.png (a bar chart per protocol), each checkpoint's own results.json, and an offline
-W&B run with the table and the pictures. A checkpoint that fails gets its error in its row; the
-others' results are never lost.
+checkpoint), bars.png (a bar chart per protocol), attention_distance.png and .json (the ViT paper's
+mean attention distance against depth, sec 4.5, one curve per checkpoint, on `ATTENTION_IMAGES`
+images of the first dataset's test split), each checkpoint's own results.json, and an offline W&B
+run with the table and the pictures. A checkpoint that fails gets its error in its row; the others'
+results are never lost.
 """
 
 from __future__ import annotations
@@ -14,7 +16,18 @@ import json
 import traceback
 from pathlib import Path
 
+import torch
+
+from ssl_vit.analysis.attention import attention_distance
+from ssl_vit.analysis.images import read_images
+from ssl_vit.analysis.pictures import attention_distance_curves
+from ssl_vit.checkpoints import load_backbone
+from ssl_vit.data import ShardDataModule
+from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.evaluation.suite import Suite, evaluate
+
+# A few images suffice: a head's mean attention distance varies little from image to image.
+ATTENTION_IMAGES = 64
 
 
 def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> list[dict]:
@@ -22,12 +35,17 @@ def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> l
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    curves: dict[str, torch.Tensor] = {}  # name -> (L, H) mean attention distance in pixels
+    images = None
     for name, source in checkpoints.items():
         row = {"name": name, "checkpoint": source, "error": ""}
         try:
             record = evaluate(source, suite, out / name)
             row.update(record["results"])
             row["details"] = record["details"]
+            if images is None:
+                images = attention_images(suite)
+            curves[name] = attention_curve(source, suite, images)
         except Exception as err:  # one broken checkpoint must not lose the others' results
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
             (out / name).mkdir(parents=True, exist_ok=True)
@@ -37,8 +55,45 @@ def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> l
     write_csv(rows, columns, out / "results.csv")
     (out / "results.md").write_text(markdown_table(rows, columns))
     pictures = [plot_fewshot(rows, suite, out / "fewshot.png"), plot_bars(rows, columns, out / "bars.png")]
+    if curves:
+        write_attention_distance(curves, len(images), out / "attention_distance.json")
+        attention_distance_curves(curves, out / "attention_distance.png")
+        pictures.append(out / "attention_distance.png")
     log_to_wandb(rows, columns, [p for p in pictures if p is not None], out)
     return rows
+
+
+def attention_images(suite: Suite) -> torch.Tensor:
+    """(n, 3, H, W): the first `ATTENTION_IMAGES` images of the first dataset's test split, normalised."""
+    data = next(iter(suite.datasets.values()))
+    datamodule = ShardDataModule(
+        test_urls=data["test_urls"], **{k: v for k, v in data.items() if k in DATA_KEYS}
+    )
+    return read_images(datamodule, "test", ATTENTION_IMAGES)[0]
+
+
+def attention_curve(source: str, suite: Suite, images: torch.Tensor) -> torch.Tensor:
+    """(L, H) mean attention distance (pixels) of every head of the checkpoint's backbone on `images`."""
+    torch.manual_seed(suite.seed)  # `scratch` is the same random backbone `evaluate` drew
+    backbone, _ = load_backbone(source, suite.backbone)
+    backbone.eval()
+    return attention_distance(backbone, images, batch_size=ATTENTION_IMAGES)
+
+
+def write_attention_distance(curves: dict[str, torch.Tensor], images: int, path: Path) -> None:
+    """The numbers of attention_distance.png: per checkpoint, per block, mean over heads and per head."""
+    record = {
+        "images": images,
+        "unit": "pixels",
+        "checkpoints": {
+            name: {
+                "mean_per_layer": [round(v, 4) for v in per_head.mean(1).tolist()],
+                "per_head": [[round(v, 4) for v in heads] for heads in per_head.tolist()],
+            }
+            for name, per_head in curves.items()
+        },
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
+from PIL import Image
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.commands import parse_checkpoints
@@ -79,6 +80,8 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
         "results.md",
         "fewshot.png",
         "bars.png",
+        "attention_distance.png",
+        "attention_distance.json",
         "mpp/results.json",
         "broken/error.txt",
     ):
@@ -95,6 +98,16 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
     assert list((out / "wandb").glob("offline-run-*"))
     details = json.loads((out / "mpp/results.json").read_text())
     assert details["protocols"][0]["shots"] == [1, 5] and "best_lr" in details["details"]["linear"]
+    # Mean attention distance against depth: one curve per checkpoint that loaded (depth 1, 2 heads).
+    attention = json.loads((out / "attention_distance.json").read_text())
+    assert attention["images"] == 64 and list(attention["checkpoints"]) == ["mpp", "sup", "scratch"]
+    farthest = 8 * 3 * 2**0.5  # 4 x 4 patches of 8 pixels, corner to corner
+    for curve in attention["checkpoints"].values():
+        (heads,) = curve["per_head"]
+        assert len(heads) == 2 and all(0 < d < farthest for d in heads)
+        assert curve["mean_per_layer"] == [pytest.approx(sum(heads) / 2, abs=1e-3)]
+    with Image.open(out / "attention_distance.png") as picture:
+        assert picture.format == "PNG" and picture.size == (600, 450)
 
 
 @pytest.mark.slow

@@ -1,0 +1,200 @@
+"""`ssl-vit analyze`: the ViT paper's look inside a checkpoint (sec 4.5, Figure 7), on any checkpoint.
+
+Writes into OUT:
+- attention_distance.png: mean attention distance of every head against block depth (Figure 7 right),
+- position_embeddings.png: cosine similarity of each position embedding with all others (Figure 7 centre),
+- patch_embedding_pcs.png: leading principal components of the patch-embedding filters (Figure 7 left),
+- attention_rollout.png: attention rollout of the pooled output over a few images (Abnar & Zuidema 2020),
+- masked_predictions.png: for masked-pretraining checkpoints, inputs beside their predicted mean colours
+  or reconstructed pixels, under a fixed mask,
+- analysis.json: the numbers drawn.
+
+OUT is complete or absent: everything is computed first, written into a temporary directory next to
+OUT, and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+from ssl_vit.analysis import attention, embeddings, pictures
+from ssl_vit.analysis.images import read_images
+from ssl_vit.checkpoints import load_backbone
+from ssl_vit.data import ShardDataModule
+from ssl_vit.errors import UserError
+from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks import MaskedPatchPretraining
+from ssl_vit.tasks.pictures import masked_prediction_picture
+
+ROLLOUT_IMAGES = 8  # images in the rollout and masked-prediction pictures
+MASK_SEED = 0  # the masks of the masked-prediction picture, so reruns draw the same picture
+MASKED_TASK = f"{MaskedPatchPretraining.__module__}.{MaskedPatchPretraining.__name__}"
+
+
+def analyze(
+    source: str,
+    urls: str,
+    out_dir: str | Path,
+    images: int = 256,
+    batch_size: int = 64,
+    overwrite: bool = False,
+) -> dict:
+    """Analyse the checkpoint `source` (any kind `load_backbone` reads) on the first `images` images of
+    the shards `urls`; write the pictures and analysis.json into `out_dir`. Returns the json record."""
+    start = time.time()
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: give a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(
+            f"--out {out} exists and is not empty: give a new directory, or --overwrite to replace it"
+        )
+    if images < 1 or batch_size < 1:
+        raise UserError(f"--images {images} and --batch-size {batch_size} must be positive")
+    checkpoint = _lightning_checkpoint(source)
+    hparams = (checkpoint or {}).get("hyper_parameters") or {}
+    backbone, config = load_backbone(source)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backbone.to(device).eval()
+    # The normalisation the checkpoint was trained with; timm's ImageNet statistics for files that do
+    # not record it (exported .safetensors, timm: weights).
+    mean, std = (
+        tuple(hparams.get("mean", IMAGENET_DEFAULT_MEAN)),
+        tuple(hparams.get("std", IMAGENET_DEFAULT_STD)),
+    )
+    # A few hundred images: decoded in this process, without starting DataLoader workers.
+    data = ShardDataModule(
+        test_urls=urls, batch_size=batch_size, num_workers=0, image_size=config.img_size, mean=mean, std=std
+    )
+    inputs, keys = read_images(data, "test", images)
+
+    per_head = attention.attention_distance(backbone, inputs, batch_size)  # (L, H)
+    similarity = embeddings.position_similarity(backbone).cpu()  # (N, N)
+    filters = embeddings.patch_filter_components(backbone)
+    shown = inputs[:ROLLOUT_IMAGES]
+    maps = attention.rollout_maps(backbone, shown)  # (n, gh, gw)
+    pixels = (shown * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)).clamp(0, 1)
+    masked, masked_picture = _masked_predictions(checkpoint, hparams, shown, device)
+
+    record = {
+        "checkpoint": source,
+        "backbone": asdict(config),
+        "data": urls,
+        "images": len(keys),
+        "attention_distance": {
+            "unit": "pixels",
+            "pixels_per_token": backbone.pixels_per_token,
+            "class_token": "not a query; attention to it dropped, the rest renormalised over patches",
+            "per_head": _rounded(per_head),  # [layer][head]
+            "mean_per_layer": _rounded(per_head.mean(1)),
+        },
+        "position_embedding_similarity": {"grid": list(backbone.grid_size), "matrix": _rounded(similarity)},
+        "patch_embedding_pca": (
+            {"skipped": "hybrid backbone: its patch embedding acts on ResNet features, not pixels"}
+            if filters is None
+            else {"components": len(filters[1]), "explained_variance_ratio": _rounded(filters[1])}
+        ),
+        "attention_rollout": {
+            "token": "[class]"
+            if backbone.cls_token is not None
+            else "mean of the patch tokens (GAP backbone)",
+            "keys": keys[: len(shown)],
+            "maps": _rounded(maps),  # [image][row][col], share of the pooled output's input per patch
+        },
+        "masked_prediction": masked,
+    }
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pictures.attention_distance_plot(per_head, backbone.pixels_per_token, temp / "attention_distance.png")
+        pictures.position_similarity_plot(similarity, backbone.grid_size, temp / "position_embeddings.png")
+        if filters is not None:
+            pictures.filter_components_grid(filters[0], temp / "patch_embedding_pcs.png")
+        pictures.rollout_grid(pixels, maps, temp / "attention_rollout.png")
+        if masked_picture is not None:
+            pictures.image_grid(masked_picture, config.img_size, temp / "masked_predictions.png")
+        record["pictures"] = sorted(p.name for p in temp.glob("*.png"))
+        record["seconds"] = round(time.time() - start, 1)
+        (temp / "analysis.json").write_text(json.dumps(record, indent=1) + "\n")
+        _replace(temp, out)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _log_to_wandb(record, out)
+    return record
+
+
+def _lightning_checkpoint(source: str) -> dict | None:
+    """The Lightning checkpoint `source` names (memory-mapped: only what is used is read), or None for
+    other kinds; `load_backbone` reports a file that does not load."""
+    path = Path(source)
+    if not path.is_file() or path.suffix == ".safetensors":
+        return None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a zip checkpoint (or no mmap): load_backbone reads it again and says why
+        return None
+    return checkpoint if isinstance(checkpoint, dict) else None
+
+
+def _masked_predictions(checkpoint: dict | None, hparams: dict, images: torch.Tensor, device: str):
+    """(json entry, picture (3, H, W) or None): the masked task rebuilt from the checkpoint's
+    hyperparameters and weights, predicting under masks drawn from `MASK_SEED`."""
+    if hparams.get("_class_path") != MASKED_TASK:
+        kind = hparams.get("_class_path") or "not a Lightning checkpoint of an ssl-vit task"
+        return {"skipped": f"only for masked-pretraining checkpoints ({MASKED_TASK}); this one: {kind}"}, None
+    arguments = {key: value for key, value in hparams.items() if key != "_class_path"}
+    # Weights come from the checkpoint's state dict below, not from where the run started.
+    arguments.update(backbone=ViTConfig(**hparams["backbone"]), init_from="scratch", picture_every_n_steps=0)
+    task = MaskedPatchPretraining(**arguments)
+    task.load_state_dict(checkpoint["state_dict"])
+    task.to(device).eval()
+    with torch.no_grad():
+        out = task.forward_loss(images.to(device), torch.Generator().manual_seed(MASK_SEED))
+    entry = {"task": hparams.get("preset") or "masked", "target": task.target_kind, "mask_seed": MASK_SEED}
+    entry["loss"] = round(out.loss.item(), 4)
+    if out.accuracy is not None:
+        entry["masked_accuracy"] = round(out.accuracy.item(), 4)
+    return entry, masked_prediction_picture(task, images.to(device), out, count=len(images)).cpu()
+
+
+def _replace(temp: Path, out: Path) -> None:
+    """Put the finished `temp` directory at `out`; an old `out` (--overwrite) is removed only after."""
+    if not out.exists():
+        temp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    out.rename(old)
+    temp.rename(out)
+    shutil.rmtree(old)
+
+
+def _rounded(values: torch.Tensor) -> list:
+    return torch.round(values.double().cpu(), decimals=4).tolist()
+
+
+def _log_to_wandb(record: dict, out: Path) -> None:
+    """Into the active W&B run, when there is one (e.g. `ssl-vit analyze` called from a training
+    script or notebook that started one): the pictures and the per-layer attention distance."""
+    wandb = sys.modules.get("wandb")  # a run can only be active once wandb is imported; never import it here
+    if wandb is None or wandb.run is None:
+        return
+    logged = {
+        f"analysis/{name.removesuffix('.png')}": wandb.Image(str(out / name)) for name in record["pictures"]
+    }
+    table = wandb.Table(columns=["layer", "head", "mean_attention_distance"])
+    for layer, heads in enumerate(record["attention_distance"]["per_head"], start=1):
+        for head, value in enumerate(heads, start=1):
+            table.add_data(layer, head, value)
+    wandb.run.log({**logged, "analysis/attention_distance_per_head": table})
