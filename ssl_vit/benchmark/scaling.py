@@ -7,8 +7,11 @@ runs use the same cores per process); efficiency = 2-process images/s / (2 x 1-p
 Computed: DDP all-reduces every gradient once per step. With a ring all-reduce each GPU sends and
 receives 2(n-1)/n times the gradient bytes, at the slowest link's bandwidth: NVLink inside a node,
 InfiniBand between nodes. DDP overlaps it with the backward pass (about 2/3 of the step), so only
-what exceeds that window is exposed. Step time comes from the training FLOPs per image at the
-recipes' per-GPU batch and an assumed MFU.
+what exceeds that window is exposed; bf16 gradients (DDP's `bf16_compress_hook`) halve the bytes.
+HSDP (`base/trainer_fsdp32.yaml`: FSDP2 inside a node, replicas across nodes) all-gathers the
+parameters twice and reduce-scatters the gradients over NVLink (overlapped with the whole step, FSDP
+prefetches the next block), and only each GPU's 1/8 shard of the gradients crosses InfiniBand. Step
+time comes from the training FLOPs per image at the recipes' per-GPU batch and an assumed MFU.
 """
 
 from __future__ import annotations
@@ -76,12 +79,20 @@ def traffic_table() -> list[dict]:
         grad = params * GRAD_BYTES
         node_s = 2 * (8 - 1) / 8 * grad / NVLINK_BUS_BW
         cluster_s = 2 * (gpus - 1) / gpus * grad / IB_BUS_BW
-        exposed = max(0.0, cluster_s - BACKWARD_SHARE * step_s)
+        window = BACKWARD_SHARE * step_s
+        exposed = max(0.0, cluster_s - window)
+        exposed_bf16 = max(0.0, cluster_s / 2 - window)
+        nodes = gpus // 8
+        hsdp_node_s = 3 * (8 - 1) / 8 * grad / NVLINK_BUS_BW
+        hsdp_ib_s = 2 * (nodes - 1) / nodes * (grad / 8) / IB_BUS_BW
+        exposed_hsdp = max(0.0, hsdp_node_s - step_s) + max(0.0, hsdp_ib_s - window)
         rows.append({
             "recipe": recipe, "variant": variant, "params_m": params / 1e6, "grad_mb": grad / 1e6,
             "step_ms": 1e3 * step_s, "allreduce_node_ms": 1e3 * node_s,
             "allreduce_cluster_ms": 1e3 * cluster_s,
             "efficiency": step_s / (step_s + exposed),
+            "efficiency_bf16_grads": step_s / (step_s + exposed_bf16),
+            "hsdp_ib_ms": 1e3 * hsdp_ib_s, "efficiency_hsdp": step_s / (step_s + exposed_hsdp),
             "state_gb": params * STATE_BYTES_PER_PARAM / 1e9,
             "state_share": params * STATE_BYTES_PER_PARAM / DEVICE_MEMORY,
         })  # fmt: skip
@@ -123,13 +134,15 @@ def format_scaling(report: dict) -> str:
         f"{NVLINK_BUS_BW / 1e9:.0f} GB/s, InfiniBand {IB_BUS_BW / 1e9:.0f} GB/s per GPU):",
         "",
         "| recipe | params (M) | gradient MB/step | step ms | all-reduce in a node ms | all-reduce over "
-        "32 GPUs ms | DDP efficiency | weights+grads+AdamW GB (share of 141 GB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "32 GPUs ms | DDP efficiency | with bf16 gradients | HSDP: InfiniBand ms | HSDP efficiency "
+        "| weights+grads+AdamW GB (share of 141 GB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["computed"]:
         lines.append(
             f"| {row['recipe']} | {row['params_m']:.0f} | {row['grad_mb']:.0f} | {row['step_ms']:.0f} | "
             f"{row['allreduce_node_ms']:.1f} | {row['allreduce_cluster_ms']:.1f} | {row['efficiency']:.2f} | "
+            f"{row['efficiency_bf16_grads']:.2f} | {row['hsdp_ib_ms']:.1f} | {row['efficiency_hsdp']:.2f} | "
             f"{row['state_gb']:.1f} ({row['state_share']:.0%}) |"
         )
     return "\n".join(lines)
