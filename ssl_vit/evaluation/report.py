@@ -250,7 +250,7 @@ def markdown_table(
             "",
         ]
         lines += [
-            f"| {'checkpoint'} - {baseline} | " + " | ".join(columns) + " |",
+            f"| checkpoint - {baseline} | " + " | ".join(columns) + " |",
             "|---|" + "---:|" * len(columns),
         ]
         for name, found in differences.items():

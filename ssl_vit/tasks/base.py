@@ -155,7 +155,7 @@ class BackboneTask(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         seconds = self.cost["seconds"] + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
-        checkpoint[COST_KEY] = {**self.cost, "seconds": seconds, "steps": self.trainer.global_step}
+        checkpoint[COST_KEY] = {**self.cost, "seconds": seconds, "steps": checkpoint.get("global_step", 0)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # A resumed run keeps counting from the checkpoint's totals (older checkpoints have none).
