@@ -31,7 +31,13 @@ def run_child(request: dict) -> None:
     if request["cwd"]:
         os.chdir(request["cwd"])
     sys.argv = ["ssl-vit", *request["argv"]]
+    from wandb.sdk.data_types._private import MEDIA_TMP
+
     from ssl_vit.cli import main
+
+    # wandb's media folder is made once, by the server at import, and removed by the exit of the first
+    # child (its finalizer runs there): every child makes sure it is there for its W&B tables and images.
+    os.makedirs(MEDIA_TMP.name, exist_ok=True)
 
     try:
         code = main(request["argv"])

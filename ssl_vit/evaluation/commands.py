@@ -19,11 +19,25 @@ def add_parsers(subparsers) -> None:
     evaluate.set_defaults(func=_evaluate)
 
     compare = subparsers.add_parser("compare", help="the suite on every checkpoint: table, plots, W&B")
-    compare.add_argument("checkpoints", metavar="NAME=CKPT", nargs="+", help=f"CKPT: {CHECKPOINT_HELP}")
+    compare.add_argument(
+        "checkpoints",
+        metavar="NAME=CKPT",
+        nargs="+",
+        help=f"CKPT: {CHECKPOINT_HELP}; NAME=CKPT1,CKPT2,... groups pretraining runs of one method",
+    )
     compare.add_argument("--suite", required=True, help="suite YAML (see recipes/eval/)")
     compare.add_argument("--out", required=True, help="output directory for results.csv/.md and plots")
     compare.add_argument(
-        "--scratch", action="store_true", help="add a row for the suite's backbone from scratch"
+        "--scratch",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="add a row for the suite's backbone from scratch: N random initialisations (default 1)",
+    )
+    compare.add_argument(
+        "--baseline", metavar="NAME", help="add paired differences of every checkpoint against NAME"
     )
     compare.set_defaults(func=_compare)
 
@@ -31,23 +45,32 @@ def add_parsers(subparsers) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation.suite import evaluate, load_suite
 
-    record = evaluate(args.checkpoint, load_suite(args.suite), args.out)
+    record = evaluate(args.checkpoint, load_suite(args.suite), args.out).record
     print(json.dumps(record["results"], indent=2))
     print(f"wrote {args.out}/results.json")
     return 0
 
 
-def parse_checkpoints(items: list[str], scratch: bool) -> dict[str, str]:
+def parse_checkpoints(items: list[str], scratch: int, baseline: str | None = None) -> dict[str, list[str]]:
+    """NAME=CKPT or NAME=CKPT1,CKPT2,... (pretraining runs of one method) -> {name: [sources]}; `scratch`
+    random initialisations make a `scratch` row; `baseline` must name a row."""
     checkpoints = {}
     for item in items:
-        name, sep, source = item.partition("=")
-        if not sep or not name or not source:
-            raise UserError(f"{item!r} is not NAME=CKPT (e.g. mpp=runs/mpp/checkpoints/last.ckpt)")
+        name, sep, sources = item.partition("=")
+        runs = sources.split(",")
+        if not sep or not name or not all(runs):
+            raise UserError(
+                f"{item!r} is not NAME=CKPT or NAME=CKPT1,CKPT2,... (e.g. mpp=runs/mpp/checkpoints/last.ckpt)"
+            )
         if name in checkpoints:
             raise UserError(f"checkpoint name {name!r} is given twice; names label the table's rows")
-        checkpoints[name] = source
+        checkpoints[name] = runs
+    if scratch < 0:
+        raise UserError(f"--scratch {scratch}: give a positive number of initialisations")
     if scratch:
-        checkpoints.setdefault("scratch", "scratch")
+        checkpoints.setdefault("scratch", ["scratch"] * scratch)
+    if baseline is not None and baseline not in checkpoints:
+        raise UserError(f"--baseline {baseline!r} names no checkpoint; valid: {', '.join(checkpoints)}")
     return checkpoints
 
 
@@ -57,12 +80,16 @@ def _compare(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation.report import compare
     from ssl_vit.evaluation.suite import load_suite
 
-    checkpoints = parse_checkpoints(args.checkpoints, args.scratch)
+    checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
     suite = load_suite(args.suite)
-    rows = compare(checkpoints, suite, args.out)
+    rows = compare(checkpoints, suite, args.out, args.baseline)
     console = Console()
     print(open(f"{args.out}/results.md").read())  # the markdown table as is: columns stay readable
-    console.print(f"wrote {args.out}/results.csv, results.md, fewshot.png, bars.png, attention_distance.png")
+    pictures = "fewshot.png, bars.png, compute.png, attention_distance.png"
+    console.print(
+        f"wrote {args.out}/results.csv, results.md, {pictures}"
+        + (", differences.png" if args.baseline else "")
+    )
     failed = [row["name"] for row in rows if row["error"]]
     if failed:
         console.print(f"[red]failed: {', '.join(failed)} (see {args.out}/NAME/error.txt)[/red]")

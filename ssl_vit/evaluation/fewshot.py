@@ -86,7 +86,7 @@ def _sample_support(y: Tensor, shots: int, num_classes: int, seed: int) -> Tenso
     return torch.cat(chosen).to(y.device)
 
 
-def fewshot_accuracy(
+def fewshot_correct(
     train_x: Tensor,
     train_y: Tensor,
     test_x: Tensor,
@@ -95,14 +95,14 @@ def fewshot_accuracy(
     seeds: Sequence[int] = (0, 1, 2),
     ridge: float = 1024.0,
     classes: Sequence[int] | None = None,
-) -> dict[int, tuple[float, float]]:
-    """Few-shot accuracy for each shot count: {shots: (mean, std)} over `seeds`, as fractions in [0, 1].
+) -> dict[int, Tensor]:
+    """Which test samples each support draw classifies correctly: {shots: (S, m') bool} for S `seeds`
+    and the m' test samples of `classes`, in their order in `test_x` (what intervals resample).
 
     train_x: (n, F), train_y: (n,) int64: the pool the support sets are sampled from (per seed).
     test_x: (m, F), test_y: (m,) int64. All four on one device, where the solve runs.
     classes: restrict support and test sets to these labels (e.g. held-out classes 5-9); by default the
         labels present in `train_y`. Unlabelled samples (label -1) are always dropped.
-    The std is the population std over seeds (0 for a single seed).
 
     Raises ValueError when a class has fewer training samples than a requested shot count: a silently
     missing column would make reports over several checkpoints or datasets incomparable.
@@ -127,11 +127,30 @@ def fewshot_accuracy(
         )
     results = {}
     for k in shots:
-        accuracies = []
+        correct = []
         for seed in seeds:
             support = _sample_support(train_y, k, num_classes, seed)
             model = ridge_fit(train_x[support], train_y[support], num_classes, ridge)
-            accuracies.append((ridge_predict(model, test_x) == test_y).double().mean())
-        acc = torch.stack(accuracies)
+            correct.append((ridge_predict(model, test_x) == test_y).cpu())
+        results[k] = torch.stack(correct)
+    return results
+
+
+def fewshot_accuracy(
+    train_x: Tensor,
+    train_y: Tensor,
+    test_x: Tensor,
+    test_y: Tensor,
+    shots: Sequence[int] = (1, 5, 10, 25),
+    seeds: Sequence[int] = (0, 1, 2),
+    ridge: float = 1024.0,
+    classes: Sequence[int] | None = None,
+) -> dict[int, tuple[float, float]]:
+    """Few-shot accuracy for each shot count: {shots: (mean, std)} over `seeds`, as fractions in [0, 1];
+    the std is the population std over seeds (0 for a single seed). Arguments: as `fewshot_correct`."""
+    correct = fewshot_correct(train_x, train_y, test_x, test_y, shots, seeds, ridge, classes)
+    results = {}
+    for k, hits in correct.items():
+        acc = hits.double().mean(1)
         results[k] = (acc.mean().item(), acc.std(correction=0).item())
     return results

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def knn_accuracy(
+def knn_correct(
     train_x: Tensor,
     train_y: Tensor,
     test_x: Tensor,
@@ -24,8 +24,8 @@ def knn_accuracy(
     temperature: float = 0.07,
     num_classes: int | None = None,
     chunk_size: int = 1024,
-) -> float:
-    """Top-1 accuracy in [0, 1] of the weighted k-NN vote.
+) -> Tensor:
+    """Which test samples the weighted k-NN vote classifies correctly: (m,) bool, on CPU.
 
     train_x: (n, F), train_y: (n,) int64 in [0, K); test_x: (m, F), test_y: (m,) int64. All on one
     device, where the similarities are computed. num_classes: K, by default max(train_y) + 1.
@@ -37,7 +37,7 @@ def knn_accuracy(
     num_classes = num_classes or int(train_y.max()) + 1
     k = min(k, len(train_y))
     train_x, test_x = F.normalize(train_x.float(), dim=1), F.normalize(test_x.float(), dim=1)
-    correct = 0
+    correct = []
     for start in range(0, len(test_y), chunk_size):
         similarity = test_x[start : start + chunk_size] @ train_x.T  # (c, n)
         top_sim, top_idx = similarity.topk(k, dim=1)  # (c, k)
@@ -45,5 +45,10 @@ def knn_accuracy(
         # directly, without the (c, k, K) one-hot tensor.
         votes = torch.zeros(len(top_idx), num_classes, device=top_sim.device)
         votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())  # (c, K)
-        correct += (votes.argmax(1) == test_y[start : start + chunk_size]).sum().item()
-    return correct / len(test_y)
+        correct.append((votes.argmax(1) == test_y[start : start + chunk_size]).cpu())
+    return torch.cat(correct)
+
+
+def knn_accuracy(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, **options) -> float:
+    """Top-1 accuracy in [0, 1] of the weighted k-NN vote; arguments and options: as `knn_correct`."""
+    return knn_correct(train_x, train_y, test_x, test_y, **options).double().mean().item()

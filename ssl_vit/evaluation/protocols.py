@@ -1,4 +1,7 @@
-"""The protocols a suite runs, one function per kind: (protocol, features, ...) -> (scores, details).
+"""The protocols a suite runs, one function per kind: (protocol, features, ...) -> (scores, details,
+correct), `correct` mapping each score's column to which test images were classified correctly,
+(S, M) bool for S few-shot seeds (S = 1 for the other kinds) and M test images in key order, the same
+images for every checkpoint: what `stats` resamples for intervals and paired differences.
 
 Frozen-feature protocols (few-shot, k-NN) share one exact pass per split and feature kind; trained
 protocols (linear probe, fine-tuning) run the Lightning tasks on the suite's data.
@@ -11,8 +14,8 @@ from typing import Any
 import torch
 
 from ssl_vit.evaluation.features import Features, extract_features
-from ssl_vit.evaluation.fewshot import fewshot_accuracy
-from ssl_vit.evaluation.knn import knn_accuracy
+from ssl_vit.evaluation.fewshot import fewshot_correct
+from ssl_vit.evaluation.knn import knn_correct
 
 # ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
 DATA_KEYS = ("image_size", "batch_size", "num_workers", "mean", "std", "eval_crop_pct", "num_classes", "seed")
@@ -58,9 +61,9 @@ def _restrict(features: Features, classes: list[int] | None) -> Features:
     )
 
 
-def fewshot(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+def fewshot(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     train, test = features.get("train", protocol.feature), features.get("test", protocol.feature)
-    accuracy = fewshot_accuracy(
+    correct = fewshot_correct(
         train.x,
         train.y,
         test.x,
@@ -70,18 +73,24 @@ def fewshot(protocol, features: FeatureCache, source, config, suite) -> tuple[di
         ridge=protocol.ridge,
         classes=protocol.classes,
     )
-    scores = {f"{protocol.name}_{shots}shot": mean for shots, (mean, _) in accuracy.items()}
-    return scores, {str(shots): {"mean": mean, "std": std} for shots, (mean, std) in accuracy.items()}
+    correct = {f"{protocol.name}_{shots}shot": hits for shots, hits in correct.items()}
+    return _scores(correct), {"test_samples": next(iter(correct.values())).shape[1]}, correct
 
 
-def knn(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+def knn(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     train = _restrict(features.get("train", protocol.feature), protocol.classes)
     test = _restrict(features.get("test", protocol.feature), protocol.classes)
-    accuracy = knn_accuracy(train.x, train.y, test.x, test.y, k=protocol.k, temperature=protocol.temperature)
-    return {protocol.name: accuracy}, {"train_samples": len(train.y), "test_samples": len(test.y)}
+    hits = knn_correct(train.x, train.y, test.x, test.y, k=protocol.k, temperature=protocol.temperature)
+    correct = {protocol.name: hits[None]}
+    return _scores(correct), {"train_samples": len(train.y), "test_samples": len(test.y)}, correct
 
 
-def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+def _scores(correct: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each column's accuracy: the mean over seeds and images of its (S, M) correctness."""
+    return {column: hits.double().mean().item() for column, hits in correct.items()}
+
+
+def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     from ssl_vit.tasks import LinearProbe
 
     num_classes = features.num_classes(protocol.feature)
@@ -94,16 +103,24 @@ def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tup
         batch_norm=protocol.batch_norm,
         optimizer=lambda params: torch.optim.SGD(params, lr=protocol.lrs[0], momentum=0.9),
     )
-    metrics = _train(model, protocol, suite)
+    metrics = _train(model, protocol, suite, features)
+    # The best head (on the last validation pass, as val/accuracy) scores the cached test features:
+    # the probe's frozen backbone is the one they came from (see _train), so no second pass is needed.
+    head = min(range(len(model.lrs)), key=lambda i: abs(model.lrs[i] - metrics["val/best_lr"]))
+    test = _restrict(features.get("test", protocol.feature), protocol.classes)
+    model.eval()
+    with torch.no_grad():
+        logits = model.classify(test.x.to(model.device))[head]
+    correct = {protocol.name: (logits.argmax(1).cpu() == test.y)[None]}
     detail = {
         "best_lr": metrics.get("val/best_lr"),
         "labels_per_class": _labels_per_class(features, protocol.feature),
         **metrics,
     }
-    return {protocol.name: metrics["val/accuracy"]}, detail
+    return _scores(correct), detail, correct
 
 
-def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict]:
+def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     from ssl_vit.tasks import FineTune
 
     model = FineTune(
@@ -112,11 +129,29 @@ def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[d
         num_classes=features.num_classes(protocol.feature),
         optimizer=lambda params: torch.optim.AdamW(params, lr=protocol.lr, weight_decay=0.05),
     )
-    metrics = _train(model, protocol, suite)
-    return {protocol.name: metrics["val/accuracy"]}, {
-        "labels_per_class": _labels_per_class(features, protocol.feature),
-        **metrics,
-    }
+    metrics = _train(model, protocol, suite, features)
+    correct = {protocol.name: _correct(model, features, protocol.classes)[None]}
+    return (
+        _scores(correct),
+        {"labels_per_class": _labels_per_class(features, protocol.feature), **metrics},
+        correct,
+    )
+
+
+def _correct(model, features: FeatureCache, classes: list[int] | None) -> torch.Tensor:
+    """(M,) bool: which test images (of `classes`, in key order, as the cached features) the trained
+    `model` (images (B, 3, H, W) -> logits (B, K)) classifies correctly; one pass over the test split."""
+    model.eval()
+    hits, labels, keys = [], [], []
+    with torch.inference_mode():
+        for batch in features.datamodule.exact_dataloader("test"):
+            batch = features.datamodule.prepare_batch({**batch, "image": batch["image"].to(model.device)})
+            hits.append((model(batch["image"]).argmax(1) == batch["label"]).cpu())
+            labels.append(batch["label"].cpu())
+            keys.extend(batch["key"])
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    hits, labels = torch.cat(hits)[order], torch.cat(labels)[order]
+    return hits if classes is None else hits[torch.isin(labels, torch.tensor(classes))]
 
 
 def _labels_per_class(features: FeatureCache, feature: str) -> float:
@@ -127,11 +162,15 @@ def _labels_per_class(features: FeatureCache, feature: str) -> float:
     return len(labels) / max(1, len(labels.unique()))
 
 
-def _train(model, protocol, suite) -> dict[str, float]:
+def _train(model, protocol, suite, features: FeatureCache) -> dict[str, float]:
     """Train `model` on the suite's train split for `protocol.epochs`, validate on its test split."""
     import pytorch_lightning as pl
 
     from ssl_vit.data import ShardDataModule
+
+    # Start from the very backbone the frozen protocols scored: for `scratch`, the task's own random
+    # draw would otherwise differ from theirs, and paired differences would compare two backbones.
+    model.backbone.load_state_dict(features.backbone.state_dict())
 
     data = suite.datasets[protocol.dataset]
     datamodule = ShardDataModule(

@@ -1,12 +1,18 @@
 """`ssl-vit compare`: one suite on many checkpoints, one table and a few pictures.
 
-Writes results.csv and results.md (one row per checkpoint, one column per protocol result, the best
-per column marked), fewshot.png (accuracy against labelled examples per class, one line per
-checkpoint), bars.png (a bar chart per protocol), attention_distance.png and .json (the ViT paper's
-mean attention distance against depth, sec 4.5, one curve per checkpoint, on `ATTENTION_IMAGES`
-images of the first dataset's test split), each checkpoint's own results.json, and an offline W&B
-run with the table and the pictures. A checkpoint that fails gets its error in its row; the others'
-results are never lost.
+A row is one checkpoint, or a group of pretraining runs of one method (`NAME=CKPT1,CKPT2,...`: its
+values are means over the runs, its intervals cover the spread between runs too, see `stats`).
+
+Writes results.csv and results.md (one row per checkpoint, one column per protocol result as
+mean ± half-width of its 95% interval, the best per column marked only when it is beyond the others'
+intervals, and the pretraining cost each checkpoint recorded), with a baseline also a table of paired
+differences marked win / loss / noise and differences.png, fewshot.png (accuracy against labelled
+examples per class, one line per checkpoint), bars.png (a bar chart per protocol), compute.png
+(accuracy against pretraining FLOPs), attention_distance.png and .json (the ViT paper's mean attention
+distance against depth, sec 4.5, one curve per checkpoint, on `ATTENTION_IMAGES` images of the first
+dataset's test split), each checkpoint's own results.json (a group's runs under NAME/1, NAME/2, ...),
+and an offline W&B run with the table and the pictures. A checkpoint that fails gets its error in its
+row; the others' results are never lost.
 """
 
 from __future__ import annotations
@@ -24,37 +30,56 @@ from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
 from ssl_vit.evaluation.protocols import DATA_KEYS
+from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, interval, paired_difference
 from ssl_vit.evaluation.suite import Suite, evaluate
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
 ATTENTION_IMAGES = 64
 
 
-def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> list[dict]:
-    """checkpoints: name -> source (path, timm:NAME or scratch). Returns the rows written."""
+COST = ("steps", "images", "flops", "seconds")  # pretraining cost columns, as the checkpoint records them
+
+
+def compare(
+    checkpoints: dict[str, list[str]], suite: Suite, out_dir: str | Path, baseline: str | None = None
+) -> list[dict]:
+    """checkpoints: name -> sources (path, timm:NAME or scratch), several for replicate pretraining runs
+    of one method. baseline: a name; adds the paired differences of every other row against it.
+    Returns the rows written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     curves: dict[str, torch.Tensor] = {}  # name -> (L, H) mean attention distance in pixels
     images = None
-    for name, source in checkpoints.items():
-        row = {"name": name, "checkpoint": source, "error": ""}
+    for name, sources in checkpoints.items():
+        row = {"name": name, "checkpoint": ",".join(sources), "runs": len(sources), "error": ""}
         try:
-            record = evaluate(source, suite, out / name)
-            row.update(record["results"])
-            row["details"] = record["details"]
-            if images is None:
-                images = attention_images(suite)
-            curves[name] = attention_curve(source, suite, images)
+            runs = []
+            for i, source in enumerate(sources):
+                runs.append(evaluate(source, suite, out / name / (str(i + 1) if len(sources) > 1 else ""), i))
+                if images is None:
+                    images = attention_images(suite)
+                # A group's heads side by side: (L, H x runs); heads do not correspond across runs.
+                curve = attention_curve(source, suite, images, i)
+                curves[name] = torch.cat([curves[name], curve], 1) if name in curves else curve
+            row.update(aggregate(runs, suite))
         except Exception as err:  # one broken checkpoint must not lose the others' results
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+            curves.pop(name, None)
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / "error.txt").write_text(traceback.format_exc())
         rows.append(row)
     columns = suite.columns()
+    differences = paired(rows, columns, baseline, suite) if baseline else None
     write_csv(rows, columns, out / "results.csv")
-    (out / "results.md").write_text(markdown_table(rows, columns))
-    pictures = [plot_fewshot(rows, suite, out / "fewshot.png"), plot_bars(rows, columns, out / "bars.png")]
+    (out / "results.md").write_text(markdown_table(rows, columns, suite, baseline, differences))
+    pictures = [
+        plot_fewshot(rows, suite, out / "fewshot.png"),
+        plot_bars(rows, columns, out / "bars.png"),
+        plot_compute(rows, suite, out / "compute.png"),
+    ]
+    if differences:
+        pictures.append(plot_differences(differences, columns, baseline, out / "differences.png"))
     if curves:
         write_attention_distance(curves, len(images), out / "attention_distance.json")
         attention_distance_curves(curves, out / "attention_distance.png")
@@ -72,9 +97,9 @@ def attention_images(suite: Suite) -> torch.Tensor:
     return read_images(datamodule, "test", ATTENTION_IMAGES)[0]
 
 
-def attention_curve(source: str, suite: Suite, images: torch.Tensor) -> torch.Tensor:
+def attention_curve(source: str, suite: Suite, images: torch.Tensor, replicate: int = 0) -> torch.Tensor:
     """(L, H) mean attention distance (pixels) of every head of the checkpoint's backbone on `images`."""
-    torch.manual_seed(suite.seed)  # `scratch` is the same random backbone `evaluate` drew
+    torch.manual_seed(suite.seed + replicate)  # `scratch` is the same random backbone `evaluate` drew
     backbone, _ = load_backbone(source, suite.backbone)
     backbone.eval()
     return attention_distance(backbone, images, batch_size=ATTENTION_IMAGES)
@@ -96,37 +121,156 @@ def write_attention_distance(curves: dict[str, torch.Tensor], images: int, path:
     path.write_text(json.dumps(record, indent=1) + "\n")
 
 
+def aggregate(runs: list, suite: Suite) -> dict:
+    """One row's values from the `suite.Evaluation` of each of its pretraining runs: per column the
+    mean over runs, seeds and images and its interval over all three (`stats.interval` on the runs'
+    correctness stacked to (R, S, M)); the cost as the mean over runs (None unless every run has one)."""
+    row: dict = {"details": runs[0].record["details"], "intervals": {}, "correct": {}}
+    for column in runs[0].correct:
+        correct = torch.stack([run.correct[column] for run in runs])  # (R, S, M)
+        row["correct"][column] = correct
+        row["intervals"][column] = interval(correct, suite.resamples, suite.seed)
+        row[column] = row["intervals"][column].mean
+    costs = [run.record["cost"] for run in runs]
+    row["cost"] = None if None in costs else {key: sum(c[key] for c in costs) / len(costs) for key in COST}
+    return row
+
+
+def paired(rows: list[dict], columns: list[str], baseline: str, suite: Suite) -> dict[str, dict]:
+    """name -> column -> `stats.Difference` of that row minus the baseline row (rows that did not fail)."""
+    base = next(row for row in rows if row["name"] == baseline)
+    if base["error"]:
+        return {}
+    return {
+        row["name"]: {
+            column: paired_difference(
+                row["correct"][column], base["correct"][column], suite.resamples, suite.seed
+            )
+            for column in columns
+        }
+        for row in rows
+        if row is not base and not row["error"]
+    }
+
+
 def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
+    """Per column: the accuracy, its interval (low, high), the std across few-shot seeds and across
+    pretraining runs; then the pretraining cost (empty where the checkpoint did not record it)."""
+    stats = [f"{c}{suffix}" for c in columns for suffix in ("", "_low", "_high", "_seed_std", "_run_std")]
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, ["name", "checkpoint", *columns, "error"], extrasaction="ignore")
+        writer = csv.DictWriter(
+            f, ["name", "checkpoint", "runs", *stats, *COST, "error"], extrasaction="ignore"
+        )
         writer.writeheader()
-        writer.writerows(rows)
+        for row in rows:
+            values = {k: row[k] for k in ("name", "checkpoint", "runs", "error")}
+            for column, found in row.get("intervals", {}).items():
+                values.update({column: found.mean, f"{column}_low": found.low, f"{column}_high": found.high})
+                values.update({f"{column}_seed_std": found.seed_std, f"{column}_run_std": found.run_std})
+            values.update(row.get("cost") or {})
+            writer.writerow(values)
 
 
-def _best(rows: list[dict], column: str) -> float | None:
-    values = [row[column] for row in rows if isinstance(row.get(column), float)]
-    return max(values) if values else None
+def leaders(rows: list[dict], column: str) -> tuple[set[str], bool]:
+    """The names marked in `column` and whether the best is clear: the best mean alone when it lies
+    above every other row's interval (clear), else the best and every row whose interval reaches the
+    best mean (tied)."""
+    found = {row["name"]: row["intervals"][column] for row in rows if column in row.get("intervals", {})}
+    if not found:
+        return set(), False
+    best = max(found.values(), key=lambda i: i.mean).mean
+    tied = {name for name, i in found.items() if i.mean == best or i.high >= best}
+    return tied, len(tied) == 1
 
 
-def markdown_table(rows: list[dict], columns: list[str]) -> str:
-    """One row per checkpoint, one column per result; the best of each column in bold."""
-    lines = ["| checkpoint | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+def _cell(value: Interval | Difference, signed: bool = False) -> str:
+    return f"{100 * value.mean:{'+' if signed else ''}.1f} ± {100 * value.half_width:.1f}"
+
+
+def _amount(value: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (SI prefixes, for images and FLOPs)."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{prefix}{unit}"
+    return f"{value:.3g}{unit}"
+
+
+def cost_cells(cost: dict | None) -> list[str]:
+    if cost is None:
+        return ["n/a"] * len(COST)
+    minutes = cost["seconds"] / 60
+    time_text = (
+        f"{cost['seconds']:.0f} s"
+        if minutes < 2
+        else f"{minutes:.1f} min"
+        if minutes < 120
+        else f"{minutes / 60:.1f} h"
+    )
+    return [f"{cost['steps']:.0f}", _amount(cost["images"]), _amount(cost["flops"]), time_text]
+
+
+def markdown_table(
+    rows: list[dict],
+    columns: list[str],
+    suite: Suite,
+    baseline: str | None = None,
+    differences: dict[str, dict[str, Difference]] | None = None,
+) -> str:
+    """One row per checkpoint, one column per result (mean ± half-width), then the pretraining cost;
+    with a baseline, a second table of paired differences against it."""
+    header = ["checkpoint", *columns, "steps", "images", "FLOPs", "time"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    marks = {column: leaders(rows, column) for column in columns}
     for row in rows:
         if row["error"]:
-            cells = [f"failed: {row['error']}"] + [""] * (len(columns) - 1)
+            cells = [f"failed: {row['error']}"] + [""] * (len(header) - 2)
         else:
             cells = []
             for column in columns:
-                value = row.get(column)
-                text = f"{100 * value:.1f}" if isinstance(value, float) else "-"
-                cells.append(f"**{text}**" if value is not None and value == _best(rows, column) else text)
-        lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nAccuracy in %; best per column in bold.\n"
+                text = _cell(row["intervals"][column])
+                names, clear = marks[column]
+                cells.append(
+                    text if row["name"] not in names else f"**{text}**" if clear else f"_{text}_ (tie)"
+                )
+            cells += cost_cells(row["cost"])
+        runs = f" ({row['runs']} runs)" if row["runs"] > 1 else ""
+        lines.append(f"| {row['name']}{runs} | " + " | ".join(cells) + " |")
+    level = f"{LEVEL:.0%}"
+    lines += [
+        "",
+        f"Accuracy in %: mean ± half-width of its {level} interval (bootstrap over test images, few-shot "
+        f"seeds and pretraining runs; {suite.resamples} resamples). Bold: best, above every other "
+        f"interval; (tie): the best mean lies inside these intervals. Pretraining cost as recorded by "
+        f"the checkpoint (training FLOPs; n/a: not recorded).",
+    ]
+    if differences is not None:
+        lines += [
+            "",
+            f"Paired differences against {baseline} (percentage points, {level} paired bootstrap):",
+            "",
+        ]
+        lines += [
+            f"| checkpoint - {baseline} | " + " | ".join(columns) + " |",
+            "|---|" + "---:|" * len(columns),
+        ]
+        for name, found in differences.items():
+            cells = [f"{_cell(found[c], signed=True)} {found[c].verdict}" for c in columns]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        if not differences:
+            lines.append(f"| (none: {baseline} failed or is the only row) |" + " |" * len(columns))
+        lines += ["", "win: interval above 0; loss: below 0; noise: it contains 0."]
+    return "\n".join(lines) + "\n"
+
+
+def _errors(intervals: list[Interval | Difference]) -> list[list[float]]:
+    """matplotlib's asymmetric yerr/xerr (2, n), in %, from intervals."""
+    return [[100 * (i.mean - i.low) for i in intervals], [100 * (i.high - i.mean) for i in intervals]]
 
 
 def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
-    """Accuracy against labelled examples per class, one line per checkpoint, one panel per few-shot
-    protocol; trained protocols (linear probe, fine-tune) as points at the full training set."""
+    """Accuracy against labelled examples per class with its interval, one line per checkpoint, one
+    panel per few-shot protocol; trained protocols (linear probe, fine-tune) as points at the full
+    training set."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,15 +286,23 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
             if row["error"]:
                 continue
             shots = [s for s in protocol.shots if isinstance(row.get(f"{protocol.name}_{s}shot"), float)]
-            (line,) = ax.plot(
-                shots, [100 * row[f"{protocol.name}_{s}shot"] for s in shots], marker="o", label=row["name"]
-            )
+            found = [row["intervals"][f"{protocol.name}_{s}shot"] for s in shots]
+            line = ax.errorbar(
+                shots,
+                [100 * i.mean for i in found],
+                yerr=_errors(found),
+                marker="o",
+                capsize=3,
+                label=row["name"],
+            ).lines[0]
             for marker, p in zip("s^", trained):
                 if protocol.classes is None and isinstance(row.get(p.name), float):
-                    ax.scatter(
+                    ax.errorbar(
                         [row["details"][p.name]["labels_per_class"]],
                         [100 * row[p.name]],
-                        marker=marker,
+                        yerr=_errors([row["intervals"][p.name]]),
+                        fmt=marker,
+                        capsize=3,
                         color=line.get_color(),
                         label=f"{row['name']} {p.name} (all labels)",
                     )
@@ -168,7 +320,7 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
 
 
 def plot_bars(rows: list[dict], columns: list[str], path: Path) -> Path | None:
-    """A bar chart per result column, one bar per checkpoint."""
+    """A bar chart per result column, one bar per checkpoint, its interval as an error bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,12 +331,98 @@ def plot_bars(rows: list[dict], columns: list[str], path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(columns), figsize=(2.2 * len(columns) + 1, 3.2), squeeze=False)
     for ax, column in zip(axes[0], columns):
-        values = [100 * row[column] if isinstance(row.get(column), float) else 0.0 for row in good]
-        ax.bar(range(len(good)), values, color=[f"C{i}" for i in range(len(good))])
+        found = [row["intervals"][column] for row in good]
+        ax.bar(
+            range(len(good)),
+            [100 * i.mean for i in found],
+            yerr=_errors(found),
+            capsize=3,
+            color=[f"C{i}" for i in range(len(good))],
+        )
         ax.set_xticks(range(len(good)), [row["name"] for row in good], rotation=45, ha="right", fontsize=8)
         ax.set_title(column, fontsize=9)
         ax.set_ylim(0, 100)
     axes[0][0].set_ylabel("accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def headline(suite: Suite) -> list[str]:
+    """One column per protocol: a few-shot protocol's largest shot count, the others' only column."""
+    return [f"{p.name}_{max(p.shots)}shot" if p.kind == "fewshot" else p.name for p in suite.protocols]
+
+
+def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
+    """Accuracy (with its interval) against training FLOPs of pretraining, one panel per protocol's
+    headline column, one point per checkpoint: SSL and supervised compared at equal compute. Rows
+    without pretraining (scratch) are a dashed line; rows whose checkpoint recorded no cost are named
+    in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [row for row in rows if not row["error"]]
+    if not good:
+        return None
+    columns = headline(suite)
+    fig, axes = plt.subplots(1, len(columns), figsize=(4.5 * len(columns), 3.8), squeeze=False)
+    for ax, column in zip(axes[0], columns):
+        for i, row in enumerate(good):
+            found, cost = row["intervals"][column], row["cost"]
+            if cost and cost["flops"] > 0:
+                ax.errorbar(
+                    [cost["flops"]], [100 * found.mean], yerr=_errors([found]), fmt="o", capsize=3,
+                    color=f"C{i}", label=row["name"],
+                )  # fmt: skip
+            elif cost:
+                ax.axhline(
+                    100 * found.mean, linestyle="--", color=f"C{i}", label=f"{row['name']} (no pretraining)"
+                )
+        ax.set_xscale("log")
+        ax.set_xlabel("pretraining compute (training FLOPs)")
+        ax.set_ylabel("accuracy (%)")
+        unknown = [row["name"] for row in good if row["cost"] is None]
+        ax.set_title(column + (f"\n(cost not recorded: {', '.join(unknown)})" if unknown else ""), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_differences(
+    differences: dict[str, dict[str, Difference]], columns: list[str], baseline: str, path: Path
+) -> Path:
+    """Each checkpoint minus the baseline per column with its paired interval (a forest plot): green a
+    win, red a loss, grey within noise."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"win": "tab:green", "loss": "tab:red", "noise": "tab:gray"}
+    names = list(differences)
+    fig, ax = plt.subplots(figsize=(6, 0.4 * len(columns) * max(1, len(names)) + 1.2))
+    for n, name in enumerate(names):
+        for c, column in enumerate(columns):
+            found = differences[name][column]
+            y = c * (len(names) + 1) + n
+            ax.errorbar(
+                [100 * found.mean], [y], xerr=_errors([found]), fmt="os^Dv"[n % 5], capsize=3,
+                color=colours[found.verdict], label=name if c == 0 else None,
+            )  # fmt: skip
+    ax.axvline(0, color="black", linewidth=0.8)
+    ticks = [c * (len(names) + 1) + (len(names) - 1) / 2 for c in range(len(columns))]
+    ax.set_yticks(ticks, columns, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"accuracy minus {baseline} (percentage points)")
+    ax.set_title("paired differences: green win, red loss, grey within noise", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,6 +8,7 @@ data:                      # ShardDataModule arguments; train = probe/support se
   image_size: 32
 # or several datasets by name (`datasets: {cifar10: {...}, pets: {...}}`), each protocol naming its
 # `dataset:` (default: the first)
+resamples: 1000           # bootstrap resamples of every interval (drawn from `seed`)
 protocols:
   - {name: fewshot, kind: fewshot, shots: [1, 5, 10, 25], seeds: [0, 1, 2]}
   - {name: fewshot_heldout, kind: fewshot, classes: [5, 6, 7, 8, 9]}
@@ -17,23 +18,29 @@ protocols:
 ```
 
 Every protocol is explicit and logged with its result (feature, shots, seeds, lrs...), so two
-checkpoints are always compared under the same written-down protocol.
+checkpoints are always compared under the same written-down protocol. Every result carries its 95%
+interval (`stats`: a bootstrap over test images, and few-shot seeds), and results.json the checkpoint's
+pretraining cost when the checkpoint recorded it (`ssl_vit.tasks.base.COST_KEY`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+import torch
 import yaml
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.protocols import DATA_KEYS
+from ssl_vit.evaluation.stats import interval
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks.base import COST_KEY
 
 Kind = Literal["fewshot", "knn", "linear_probe", "finetune"]
 KINDS = ("fewshot", "knn", "linear_probe", "finetune")
@@ -66,7 +73,8 @@ class Suite:
     datasets: dict[str, dict[str, Any]]  # name -> ShardDataModule arguments
     protocols: list[Protocol]
     path: str = ""
-    seed: int = 0  # seeds scratch initialisation and the trained protocols, so reruns agree
+    seed: int = 0  # seeds scratch initialisation, the trained protocols and the bootstrap, so reruns agree
+    resamples: int = 1000  # bootstrap resamples per interval
 
     def columns(self) -> list[str]:
         """Result columns, in the order the report shows them."""
@@ -119,14 +127,16 @@ def load_suite(path: str | Path) -> Suite:
         if p.dataset not in datasets:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
-    seed = raw.get("seed", 0)
+    seed, resamples = raw.get("seed", 0), raw.get("resamples", 1000)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise UserError(f"{path}: seed is {seed!r}: it should be an integer")
-    return Suite(backbone, datasets, protocols, str(path), seed)
+    if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
+        raise UserError(f"{path}: resamples is {resamples!r}: it should be an integer of at least 100")
+    return Suite(backbone, datasets, protocols, str(path), seed, resamples)
 
 
 # Top-level keys of a suite file; a data block's keys are train_urls, test_urls and protocols.DATA_KEYS.
-SUITE_KEYS = ("backbone", "data", "datasets", "protocols", "seed")
+SUITE_KEYS = ("backbone", "data", "datasets", "protocols", "seed", "resamples")
 
 
 def _check_keys(values: dict, known: tuple[str, ...], where: str) -> None:
@@ -148,28 +158,45 @@ def _build(cls, values: dict, where: str):
         raise UserError(f"{where}: {err}") from None
 
 
-def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run every protocol of `suite` on the checkpoint `source`; returns (and writes to
-    out_dir/results.json) {"checkpoint", "backbone", "results": {column: accuracy}, "protocols", ...}."""
+class Evaluation(NamedTuple):
+    record: dict[str, Any]  # what results.json holds
+    correct: dict[str, torch.Tensor]  # column -> (S, M) bool: per seed and test image (protocols.py)
+
+
+def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None, replicate: int = 0) -> Evaluation:
+    """Run every protocol of `suite` on the checkpoint `source`; the record (also written to
+    out_dir/results.json) is {"checkpoint", "backbone", "results": {column: accuracy}, "intervals":
+    {column: stats.Interval as a dict}, "cost", "protocols", ...}.
+
+    replicate: the index of `source` among pretraining runs of one method; it offsets the seed of the
+    scratch initialisation and the trained protocols, so `scratch` replicates are distinct draws.
+    """
     import pytorch_lightning as pl
 
     from ssl_vit.evaluation import protocols as run
 
     start = time.time()
-    pl.seed_everything(suite.seed, verbose=False)
+    pl.seed_everything(suite.seed + replicate, verbose=False)
     backbone, config = load_backbone(source, suite.backbone)
     results: dict[str, float] = {}
     details: dict[str, Any] = {}
+    correct: dict[str, torch.Tensor] = {}
     features = {name: run.FeatureCache(backbone, data) for name, data in suite.datasets.items()}
     for protocol in suite.protocols:
         run_protocol = getattr(run, protocol.kind)
-        scores, detail = run_protocol(protocol, features[protocol.dataset], source, config, suite)
+        scores, detail, hits = run_protocol(protocol, features[protocol.dataset], source, config, suite)
         results.update(scores)
         details[protocol.name] = detail
+        correct.update(hits)
     record = {
         "checkpoint": source,
         "backbone": asdict(config),
         "results": results,
+        "intervals": {
+            column: interval(hits[None], suite.resamples, suite.seed)._asdict()
+            for column, hits in correct.items()
+        },
+        "cost": pretraining_cost(source),
         "details": details,
         "protocols": [asdict(p) for p in suite.protocols],
         "suite": suite.path,
@@ -179,4 +206,23 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> di
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    return Evaluation(record, correct)
+
+
+def pretraining_cost(source: str) -> dict[str, float] | None:
+    """What the task that trained a Lightning checkpoint counted (`BackboneTask.on_save_checkpoint`):
+    {"steps", "images", "flops", "seconds"}; zeros for `scratch` (no pretraining); None when the source
+    did not record it (exported weights, timm:, checkpoints saved before the count existed)."""
+    if source == "scratch":
+        return {"steps": 0, "images": 0, "flops": 0, "seconds": 0.0}
+    path = Path(source)
+    if not path.is_file() or path.suffix == ".safetensors":
+        return None
+    try:
+        # mmap: only the small dicts are read, not the tensors (the weights loaded already).
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a legacy (non-zip) torch file cannot be mapped; such files predate the count
+        return None
+    cost = checkpoint.get(COST_KEY) if isinstance(checkpoint, dict) else None
+    return dict(cost) if isinstance(cost, dict) else None

@@ -20,6 +20,9 @@ from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
 
 RGB = tuple[float, float, float]
+# The checkpoint key of a task's training cost (`BackboneTask.on_save_checkpoint`): optimizer steps,
+# images and training FLOPs summed over ranks, and seconds of `fit`, all cumulative over resumes.
+COST_KEY = "ssl_vit_cost"
 
 
 class BackboneTask(pl.LightningModule):
@@ -70,6 +73,8 @@ class BackboneTask(pl.LightningModule):
         self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         self.flops_per_image: int | None = None
+        self.cost = {"images": 0, "flops": 0, "seconds": 0.0}  # this run's so far, resumes included
+        self._fit_start: float | None = None
 
     def configure_model(self) -> None:
         """Under Lightning's ModelParallelStrategy: FSDP2 (`fully_shard`), each transformer block of the
@@ -136,6 +141,27 @@ class BackboneTask(pl.LightningModule):
         ):
             self(images[:1])
         self.flops_per_image = 3 * counter.get_total_flops()
+
+    def on_train_start(self) -> None:
+        self._fit_start = time.perf_counter()
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        # Counted as the batch starts, so a batch a NaN guard skips still counts: its compute was spent.
+        if self.flops_per_image is None:  # the Throughput callback, when present, measured it already
+            self.measure_flops(batch["image"])
+        images = batch["image"].shape[0] * self.trainer.world_size
+        self.cost["images"] += images
+        self.cost["flops"] += images * self.flops_per_image
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        seconds = self.cost["seconds"] + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
+        checkpoint[COST_KEY] = {**self.cost, "seconds": seconds, "steps": checkpoint.get("global_step", 0)}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # A resumed run keeps counting from the checkpoint's totals (older checkpoints have none).
+        saved = checkpoint.get(COST_KEY)
+        if saved:
+            self.cost = {key: saved[key] for key in self.cost}
 
 
 class Throughput(pl.Callback):

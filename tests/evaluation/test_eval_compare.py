@@ -94,7 +94,8 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
         assert all(0.0 <= float(rows[name][c]) <= 1.0 for c in columns), rows[name]
     assert "not a checkpoint" in rows["broken"]["error"] and rows["broken"]["knn"] == ""
     table = (out / "results.md").read_text()
-    assert "| broken | failed:" in table and table.count("**") >= 2 * len(columns)
+    # Every column marks its best: in bold when clear, else the tied rows.
+    assert "| broken | failed:" in table and table.count("**") // 2 + table.count("(tie)") >= len(columns)
     assert list((out / "wandb").glob("offline-run-*"))
     details = json.loads((out / "mpp/results.json").read_text())
     assert details["protocols"][0]["shots"] == [1, 5] and "best_lr" in details["details"]["linear"]
@@ -142,8 +143,12 @@ def test_bad_suites_and_arguments_are_one_line_errors(tmp_path, cli):
     with pytest.raises(UserError, match="unknown keys \\['neighbours'\\]"):
         load_suite(bad)
     with pytest.raises(UserError, match="NAME=CKPT"):
-        parse_checkpoints(["runs/a.ckpt"], scratch=False)
-    assert parse_checkpoints(["a=x.ckpt"], scratch=True) == {"a": "x.ckpt", "scratch": "scratch"}
+        parse_checkpoints(["runs/a.ckpt"], scratch=0)
+    assert parse_checkpoints(["a=x.ckpt"], scratch=1) == {"a": ["x.ckpt"], "scratch": ["scratch"]}
+    assert parse_checkpoints(["a=x.ckpt,y.ckpt"], scratch=2) == {
+        "a": ["x.ckpt", "y.ckpt"],
+        "scratch": ["scratch", "scratch"],
+    }
     proc = cli(
         "evaluate", "scratch", "--suite", str(tmp_path / "missing.yaml"), "--out", str(tmp_path), check=False
     )
@@ -184,7 +189,7 @@ def test_scratch_rows_are_reproducible(setup):
     root, _ = setup
     suite = load_suite(root / "suite.yaml")
     suite.protocols = [p for p in suite.protocols if p.kind == "knn"]
-    first, again = (evaluate("scratch", suite)["results"] for _ in range(2))
+    first, again = (evaluate("scratch", suite).record["results"] for _ in range(2))
     assert first == again
 
 
@@ -203,3 +208,84 @@ def test_labels_reuse_any_feature_pass_of_the_split(digits_shards, monkeypatch):
     features = cache.get("train", "mean")
     assert torch.equal(cache.labels("train", "cls"), features.y) and cache.num_classes("cls") == 10
     assert calls == ["mean"]
+
+
+@pytest.fixture(scope="module")
+def frozen_suite(setup):
+    """The setup's suite with its frozen-feature protocols only and 200 resamples: fast to compare."""
+    root, ckpts = setup
+    suite = yaml.safe_load((root / "suite.yaml").read_text())
+    suite["protocols"] = suite["protocols"][:3]
+    suite["resamples"] = 200
+    (root / "frozen_ci.yaml").write_text(yaml.safe_dump(suite))
+    # A checkpoint saved before tasks recorded their cost.
+    old = torch.load(ckpts["mpp"], weights_only=True)
+    del old["ssl_vit_cost"]
+    torch.save(old, root / "old.ckpt")
+    return root / "frozen_ci.yaml", {**ckpts, "old": str(root / "old.ckpt")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compare_with_a_baseline_and_groups_of_runs(frozen_suite, tmp_path, cli):
+    suite, ckpts = frozen_suite
+    out = tmp_path / "out"
+    proc = cli(
+        "compare",
+        f"mpp={ckpts['mpp']}",
+        f"same={ckpts['mpp']}",
+        f"group={ckpts['mpp']},{ckpts['sup']}",
+        f"old={ckpts['old']}",
+        "--scratch", "2",
+        "--baseline", "mpp",
+        "--suite", str(suite),
+        "--out", str(out),
+    )  # fmt: skip
+    columns = ["fewshot_1shot", "fewshot_5shot", "heldout_5shot", "knn"]
+    rows = {row["name"]: row for row in csv.DictReader((out / "results.csv").open())}
+    assert list(rows) == ["mpp", "same", "group", "old", "scratch"]
+    for row in rows.values():
+        for c in columns:
+            assert float(row[f"{c}_low"]) <= float(row[c]) <= float(row[f"{c}_high"]), (row["name"], c)
+    # A group's value is the mean of its runs' (each run's results.json under NAME/1, NAME/2).
+    runs = [json.loads((out / f"group/{i}/results.json").read_text())["results"] for i in (1, 2)]
+    for c in columns:
+        assert float(rows["group"][c]) == pytest.approx((runs[0][c] + runs[1][c]) / 2)
+        assert float(rows["group"][f"{c}_run_std"]) == pytest.approx(abs(runs[0][c] - runs[1][c]) / 2)
+    # Two scratch initialisations are two different draws.
+    scratch = [json.loads((out / f"scratch/{i}/results.json").read_text())["results"] for i in (1, 2)]
+    assert scratch[0] != scratch[1] and rows["scratch"]["runs"] == "2"
+    # Cost: recorded (0 steps: these checkpoints were saved untrained) or n/a.
+    assert float(rows["mpp"]["steps"]) == 0 and rows["old"]["steps"] == "" and rows["old"]["flops"] == ""
+    assert json.loads((out / "mpp/results.json").read_text())["cost"]["images"] == 0
+    table = (out / "results.md").read_text()
+    assert table in proc.stdout  # the CLI prints the tables
+    main, differences = table.split("Paired differences against mpp")
+    cells = [line for line in main.splitlines() if line.startswith("| ")]
+    assert sum(line.count(" ± ") for line in cells) == 5 * len(columns) and "| group (2 runs) |" in main
+    assert "| n/a | n/a | n/a | n/a |" in main  # old
+    assert "**" in main or "(tie)" in main
+    diff_rows = {line.split(" | ")[0].strip("| "): line for line in differences.splitlines() if " ± " in line}
+    assert list(diff_rows) == ["same", "group", "old", "scratch"]
+    # The checkpoint against itself: exactly zero, zero width, within noise.
+    assert diff_rows["same"].count("+0.0 ± 0.0 noise") == len(columns)
+    marks = [cell.split()[-1] for line in diff_rows.values() for cell in line.strip("| ").split(" | ")[1:]]
+    assert set(marks) <= {"win", "loss", "noise"} and len(marks) == 4 * len(columns)
+    for picture in ("compute.png", "differences.png", "fewshot.png", "bars.png"):
+        with Image.open(out / picture) as image:
+            assert image.format == "PNG", picture
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["a=scratch", "--baseline", "b"], "--baseline 'b' names no checkpoint; valid: a"),
+        (["a=x.ckpt,,y.ckpt"], "'a=x.ckpt,,y.ckpt' is not NAME=CKPT or NAME=CKPT1,CKPT2,..."),
+        (["a="], "'a=' is not NAME=CKPT"),
+    ],
+)
+def test_compare_argument_mistakes_are_one_line_and_write_nothing(arguments, message, tmp_path, cli):
+    out = tmp_path / "out"
+    proc = cli("compare", *arguments, "--suite", str(tmp_path / "s.yaml"), "--out", str(out), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert not out.exists()

@@ -1,0 +1,85 @@
+"""Intervals and paired differences (`ssl_vit.evaluation.stats`) on synthetic features of known accuracy."""
+
+import pytest
+import torch
+
+from ssl_vit.evaluation.fewshot import fewshot_correct
+from ssl_vit.evaluation.knn import knn_correct
+from ssl_vit.evaluation.stats import interval, paired_difference
+
+TRUE_ACCURACY = 0.8
+
+
+def synthetic(generator, n):
+    """Two far-apart Gaussian clusters, each test label flipped with probability 1 - TRUE_ACCURACY:
+    any sensible classifier predicts the cluster, so its expected accuracy is exactly TRUE_ACCURACY."""
+    cluster = torch.randint(2, (n,), generator=generator)
+    x = torch.randn(n, 8, generator=generator) + 20.0 * cluster[:, None]
+    flipped = torch.rand(n, generator=generator) > TRUE_ACCURACY
+    return x, torch.where(flipped, 1 - cluster, cluster)
+
+
+@pytest.mark.parametrize("protocol", ["knn", "fewshot"])
+def test_the_95_interval_covers_the_true_accuracy_about_95_times_in_100(protocol):
+    covered = 0
+    for repeat in range(100):
+        generator = torch.Generator().manual_seed(repeat)
+        train_x, train_y = synthetic(generator, 200)
+        train_y = (train_x[:, 0] > 10).long()  # a clean training set: the clusters' own labels
+        test_x, test_y = synthetic(generator, 200)
+        if protocol == "knn":
+            correct = knn_correct(train_x, train_y, test_x, test_y, k=5)[None, None]  # (1, 1, M)
+        else:
+            hits = fewshot_correct(train_x, train_y, test_x, test_y, shots=(5,), seeds=(0, 1, 2))[5]
+            correct = hits[None]  # (1, 3, M)
+        found = interval(correct, resamples=500, seed=repeat)
+        assert found.low <= found.mean <= found.high
+        covered += found.low <= TRUE_ACCURACY <= found.high
+    assert 88 <= covered <= 100, covered
+
+
+def test_an_interval_is_seeded_and_its_spreads_are_the_stds_across_seeds_and_runs():
+    correct = torch.rand(2, 3, 50, generator=torch.Generator().manual_seed(0)) > 0.4
+    assert interval(correct, seed=1) == interval(correct, seed=1)
+    assert interval(correct, seed=1) != interval(correct, seed=2)
+    found = interval(correct)
+    assert found.mean == pytest.approx(correct.double().mean().item())
+    assert found.seed_std == pytest.approx(correct.double().mean((0, 2)).std(correction=0).item())
+    assert found.run_std == pytest.approx(correct.double().mean((1, 2)).std(correction=0).item())
+
+
+def test_replicate_runs_aggregate_and_their_spread_widens_the_interval():
+    """A group of two runs, one right on 90% of the images, one on 50%: the mean is their mean, and the
+    interval covers the spread between runs, far wider than either run's own."""
+    images = torch.arange(400)
+    good, poor = (images % 10 != 0)[None], (images % 2 == 0)[None]  # (1, M): 90% and 50%
+    group = torch.stack([good, poor])  # (2, 1, M)
+    found = interval(group)
+    assert found.mean == pytest.approx(0.7) and found.run_std == pytest.approx(0.2)
+    alone = interval(good[None])
+    assert found.high - found.low > 4 * (alone.high - alone.low)
+    assert found.low < 0.6 and found.high > 0.8
+
+
+def test_a_checkpoint_against_itself_differs_by_exactly_zero():
+    correct = torch.rand(1, 3, 200, generator=torch.Generator().manual_seed(0)) > 0.3
+    difference = paired_difference(correct, correct.clone())
+    assert (difference.mean, difference.low, difference.high) == (0.0, 0.0, 0.0)
+    assert difference.verdict == "noise"
+
+
+def test_paired_differences_win_lose_or_are_noise():
+    generator = torch.Generator().manual_seed(0)
+    base = torch.rand(1, 1, 500, generator=generator) > 0.5
+    better = base | (torch.rand(1, 1, 500, generator=generator) > 0.8)  # right wherever base is, and more
+    assert paired_difference(better, base).verdict == "win"
+    assert paired_difference(base, better).verdict == "loss"
+    noisy = base ^ (torch.rand(1, 1, 500, generator=generator) > 0.98)  # a few flips both ways
+    assert paired_difference(noisy, base).verdict == "noise"
+    # Pairing: the same difference is beyond noise paired, within noise unpaired (independent images).
+    shifted = base | (torch.rand(1, 1, 500, generator=generator) > 0.96)
+    paired = paired_difference(shifted, base)
+    unpaired = interval(shifted), interval(base)
+    assert paired.verdict == "win" and unpaired[0].low < unpaired[1].high
+    with pytest.raises(ValueError, match="same seeds and test images"):
+        paired_difference(base, base[:, :, :10])
