@@ -3,7 +3,7 @@
 Every function takes a batch size and a token count (patch tokens only, no class token), draws from
 `generator` (torch's default generator when None) and returns int64 index tensors on `device` (by
 default the generator's device, else the CPU). Nothing loops over samples in Python: a mask for a
-batch of 1 and of 4096 costs the same handful of kernels (DESIGN.md sec 5). Index rows are sorted
+batch of 1 and of 4096 costs the same handful of kernels. Index rows are sorted
 ascending, so they read in raster order; MAE's `ids_restore` is `torch.cat([keep, mask], 1).argsort(1)`.
 
 Legend: B batch, N patches, D width, K kept, M masked, C corrupted.

@@ -275,7 +275,7 @@ class ShardDataModule(pl.LightningDataModule):
             self.batches_per_epoch = self.train_batches or self._batches_from_manifest()
 
     def _rank_and_world_size(self) -> tuple[int, int]:
-        """Read in the main process and handed to the workers (DESIGN.md section 4)."""
+        """Read in the main process and handed to the workers: a worker cannot be trusted to discover them."""
         if self.trainer is not None:
             return self.trainer.global_rank, self.trainer.world_size
         if torch.distributed.is_available() and torch.distributed.is_initialized():

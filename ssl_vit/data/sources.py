@@ -1,6 +1,6 @@
 """Image sources that `ssl-vit data convert` turns into shards.
 
-A source is parsed from a SOURCE string (DESIGN.md section 1) into a `Source`: a name, class names
+A source is parsed from a SOURCE string (`ssl-vit data convert SOURCE`) into a `Source`: a name, class names
 and a list of records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or
 `(H, W, 3)`, or a path to an image file (read in the writer's worker processes, so the parent never
 holds a whole image folder in memory). `label` is -1 for unlabelled images.

@@ -1,6 +1,6 @@
 """The stream: shard URLs -> webdataset stages -> batches `{"image", "label", "key", "skipped"}`.
 
-Two kinds of stream (DESIGN.md section 4):
+Two kinds of stream (every rank must run the same number of steps, or DDP hangs):
 
 - training: shards resampled per rank and worker, a shuffle buffer over raw bytes, a fixed number of
   batches per rank per epoch so every rank steps together;

@@ -168,7 +168,8 @@ class Throughput(pl.Callback):
     """Logs images/s (global), tokens/s and model-FLOP utilisation every `log_every_n_steps`.
 
     Lightning's ThroughputMonitor synchronises the GPU after every step to time it; here the clock is
-    read (and the device synchronised) only when a value is logged (DESIGN.md section 5).
+    read (and the device synchronised) only when a value is logged: a host sync every step would
+    stall the GPU's queue.
     """
 
     def __init__(self) -> None:
