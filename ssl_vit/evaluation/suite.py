@@ -68,6 +68,10 @@ class Suite:
     path: str = ""
     seed: int = 0  # seeds scratch initialisation and the trained protocols, so reruns agree
 
+    def feature_kinds(self, dataset: str) -> tuple[str, ...]:
+        """The feature kinds the protocols on `dataset` read, in suite order: one pass yields them all."""
+        return tuple(dict.fromkeys(p.feature for p in self.protocols if p.dataset == dataset))
+
     def columns(self) -> list[str]:
         """Result columns, in the order the report shows them."""
         names = []
@@ -160,7 +164,10 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> di
     backbone, config = load_backbone(source, suite.backbone)
     results: dict[str, float] = {}
     details: dict[str, Any] = {}
-    features = {name: run.FeatureCache(backbone, data) for name, data in suite.datasets.items()}
+    features = {
+        name: run.FeatureCache(backbone, data, suite.feature_kinds(name))
+        for name, data in suite.datasets.items()
+    }
     for protocol in suite.protocols:
         run_protocol = getattr(run, protocol.kind)
         scores, detail = run_protocol(protocol, features[protocol.dataset], source, config, suite)
@@ -172,6 +179,11 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> di
         "results": results,
         "details": details,
         "protocols": [asdict(p) for p in suite.protocols],
+        # how the eval transform framed each split (whole image or resize + centre crop), from its manifest
+        "eval_view": {
+            name: {split: cache.datamodule.eval_view(split) for split in ("train", "test")}
+            for name, cache in features.items()
+        },
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }
