@@ -63,15 +63,17 @@ def test_results_json_records_the_eval_view(stored, digits_shards, tmp_path):
         "backbone": {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2},
         "datasets": {
             "digits": {"train_urls": str(digits_shards / "val-000000.tar"),
-                       "test_urls": str(digits_shards / "val-000001.tar"), "image_size": 32},
+                       "test_urls": str(digits_shards / "val-000001.tar")},
             "px48": {"train_urls": str(stored[48][0] / "val-000000.tar"),
-                     "test_urls": str(stored[48][0] / "val-000001.tar"), "image_size": 32, "batch_size": 2},
+                     "test_urls": str(stored[48][0] / "val-000001.tar"), "batch_size": 2},
         },  # fmt: skip
         "protocols": [
             {"name": "knn", "kind": "knn", "k": 3, "dataset": "digits"},
             {"name": "knn48", "kind": "knn", "k": 1, "dataset": "px48"},
         ],
     }
+    for data in suite["datasets"].values():
+        data.update(image_size=32, num_workers=0)
     (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
     run_cli("evaluate", "scratch", "--suite", str(tmp_path / "suite.yaml"), "--out", str(tmp_path / "out"))
     record = json.loads((tmp_path / "out" / "results.json").read_text())
