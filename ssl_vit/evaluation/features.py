@@ -11,6 +11,7 @@ Legend: B batch, N samples, D width, F feature width.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -19,6 +20,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssl_vit.models.vit import FeatureKind, ViT
+
+
+def local_device() -> torch.device:
+    """Where this process extracts: its own GPU under torchrun (cuda:LOCAL_RANK; cuda:0 alone), else
+    the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 class Features(NamedTuple):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ssl_vit.evaluation.features import Features, extract_feature_set
+from ssl_vit.evaluation.features import Features, extract_feature_set, local_device
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
 from ssl_vit.evaluation.knn import knn_accuracy
 
@@ -146,9 +146,10 @@ def _train(model, protocol, suite) -> dict[str, float]:
         crop_scale=(0.6, 1.0),
         **{k: v for k, v in data.items() if k in DATA_KEYS},
     )
+    device = local_device()  # under torchrun, this rank's own GPU
     trainer = pl.Trainer(
-        accelerator="auto",
-        devices=1,
+        accelerator="gpu" if device.type == "cuda" else "auto",
+        devices=[device.index] if device.type == "cuda" else 1,
         max_epochs=protocol.epochs,
         logger=False,
         enable_checkpointing=False,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import json
-import traceback
 from pathlib import Path
 
 import torch
@@ -24,14 +23,20 @@ from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
 from ssl_vit.evaluation.protocols import DATA_KEYS
-from ssl_vit.evaluation.suite import Suite, evaluate
+from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
+from ssl_vit.evaluation.suite import Suite, write_record
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
 ATTENTION_IMAGES = 64
 
 
-def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> list[dict]:
-    """checkpoints: name -> source (path, timm:NAME or scratch). Returns the rows written."""
+def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> list[dict] | None:
+    """checkpoints: name -> source (path, timm:NAME or scratch). Returns the rows written; under
+    torchrun the checkpoints are spread over the ranks (`ranks.py`) and only rank 0 writes and returns
+    them (None on the others)."""
+    outcomes = evaluate_checkpoints(checkpoints, suite)
+    if outcomes is None:
+        return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -39,17 +44,21 @@ def compare(checkpoints: dict[str, str], suite: Suite, out_dir: str | Path) -> l
     images = None
     for name, source in checkpoints.items():
         row = {"name": name, "checkpoint": source, "error": ""}
-        try:
-            record = evaluate(source, suite, out / name)
-            row.update(record["results"])
-            row["details"] = record["details"]
-            if images is None:
-                images = attention_images(suite)
-            curves[name] = attention_curve(source, suite, images)
-        except Exception as err:  # one broken checkpoint must not lose the others' results
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+        outcome = outcomes[name]
+        if not isinstance(outcome, Failed):
+            write_record(outcome, out / name)
+            row.update(outcome["results"])
+            row["details"] = outcome["details"]
+            try:
+                if images is None:
+                    images = attention_images(suite)
+                curves[name] = attention_curve(source, suite, images)
+            except Exception as err:
+                outcome = failure(err)
+        if isinstance(outcome, Failed):  # one broken checkpoint must not lose the others' results
+            row["error"] = outcome.error
             (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "error.txt").write_text(traceback.format_exc())
+            (out / name / "error.txt").write_text(outcome.traceback)
         rows.append(row)
     columns = suite.columns()
     write_csv(rows, columns, out / "results.csv")

@@ -32,6 +32,7 @@ import yaml
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import UserError
+from ssl_vit.evaluation.features import local_device
 from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.models.vit import ViTConfig
 
@@ -162,6 +163,7 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> di
     start = time.time()
     pl.seed_everything(suite.seed, verbose=False)
     backbone, config = load_backbone(source, suite.backbone)
+    backbone.to(local_device())
     results: dict[str, float] = {}
     details: dict[str, Any] = {}
     features = {
@@ -188,7 +190,12 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None) -> di
         "seconds": round(time.time() - start, 1),
     }
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_record(record, out_dir)
     return record
+
+
+def write_record(record: dict[str, Any], out_dir: str | Path) -> None:
+    """`evaluate`'s record as out_dir/results.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
