@@ -27,7 +27,7 @@ class FeatureCache:
         from ssl_vit.data import ShardDataModule
 
         self.backbone = backbone
-        self.kinds = tuple(dict.fromkeys(kinds))
+        self.kinds = tuple(kinds)
         self.datamodule = ShardDataModule(
             train_urls=data["train_urls"],
             test_urls=data["test_urls"],
