@@ -100,7 +100,8 @@ class FewShotMonitor(pl.Callback):
     def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Once per optimizer step: with gradient accumulation several batches share a global step, and
         # training may end on a step that was just evaluated.
-        if trainer.global_step == self._last_step:
+        # fast_dev_run swaps the loggers for a dummy: nothing would record the scores.
+        if trainer.global_step == self._last_step or trainer.fast_dev_run:
             return
         self._last_step = trainer.global_step
         train, test = (

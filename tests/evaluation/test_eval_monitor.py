@@ -78,6 +78,17 @@ def test_monitor_logs_fewshot_during_fit(digits_shards, tmp_path):
         assert abs(float(rows[-1][f"fewshot/{shots}shot"]) - expected[shots][0]) < 1e-6
 
 
+def test_monitor_skips_fast_dev_runs(digits_shards, tmp_path):
+    """fast_dev_run's loggers are a dummy: an evaluation would only cost time."""
+    monitor = FewShotMonitor(every_n_steps=1)
+    data = ShardDataModule(train_urls=str(digits_shards / "train-000000.tar"),
+                           val_urls=str(digits_shards / "val-000000.tar"),
+                           num_workers=0, image_size=32)  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", fast_dev_run=2, callbacks=[monitor], default_root_dir=tmp_path)
+    trainer.fit(TinyClassifier(), data)
+    assert trainer.global_step == 2 and monitor._last_step is None
+
+
 def test_monitor_builds_from_a_cli_config():
     """LightningCLI instantiates callbacks through jsonargparse from the constructor's type hints."""
     from jsonargparse import ArgumentParser
