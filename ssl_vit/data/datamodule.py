@@ -31,7 +31,7 @@ from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader
 
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
-from ssl_vit.data.transforms import Preset, build_transform, normalize
+from ssl_vit.data.transforms import EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import check_urls, expand, read_manifest
 from ssl_vit.errors import UserError
 
@@ -126,7 +126,8 @@ class ShardDataModule(pl.LightningDataModule):
         randaugment: timm RandAugment config such as `rand-m9-mstd0.5-inc1` (`supervised` preset only).
         mixup_alpha, cutmix_alpha, label_smoothing: timm `Mixup` on training batches, on the device;
             they add a soft `target` [B, num_classes] to the batch.
-        eval_crop_pct: `eval` resizes the shorter side to `image_size / eval_crop_pct`, then centre-crops.
+        eval_crop_pct: `eval` resizes the shorter side to `image_size / eval_crop_pct`, then centre-crops,
+            unless the split's images are stored at `image_size` (`eval_view`): those are taken whole.
         train_batches: batches per rank per epoch; by default the manifest's sample count (after the
             class filter) divided by `batch_size * world_size`.
         shuffle_buffer: samples in the raw-bytes shuffle buffer of each training worker.
@@ -333,13 +334,24 @@ class ShardDataModule(pl.LightningDataModule):
             **_loader_kwargs(),
         )
 
+    def eval_view(self, split: str) -> EvalView:
+        """How the `eval` transform frames the images of `split`, chosen from the data: `whole` when its
+        manifest records every image at `image_size` x `image_size` (CIFAR-style sets stored at the model's
+        resolution: nothing to resize, and a centre crop would only throw the border away); otherwise
+        `crop`, ImageNet's resize to `image_size / eval_crop_pct` and centre crop."""
+        if split not in self._urls:
+            self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
+        stored = (read_manifest(self._urls[split][0]) or {}).get("image_size")
+        return "whole" if stored == [self.image_size, self.image_size] else "crop"
+
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
         transform = build_transform(
             preset,
             self.image_size,
             mean=self.mean,
             crop_scale=self.crop_scale,
-            crop_pct=self.eval_crop_pct,
+            # a crop fraction of 1 keeps the whole image: the resize and the crop are both identities
+            crop_pct=1.0 if preset == "eval" and self.eval_view(split) == "whole" else self.eval_crop_pct,
             randaugment=self.randaugment if preset == "supervised" else None,
             draft=self.draft,
         )

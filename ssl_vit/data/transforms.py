@@ -5,7 +5,8 @@
   prediction also trains on random crops);
 - `supervised`: the same plus timm's RandAugment when a config string is given (mixup/cutmix act on
   whole batches on the device, see `ShardDataModule.on_after_batch_transfer`);
-- `eval`: resize the shorter side to `image_size / crop_pct`, centre crop (timm's eval transform).
+- `eval`: resize the shorter side to `image_size / crop_pct`, centre crop (timm's eval transform);
+  with `crop_pct=1` an image stored at `image_size` passes whole (`ShardDataModule.eval_view`).
 
 Every preset decodes the image itself (its first step), because only the crop knows how small the
 JPEG may be decoded (PIL draft mode). Images stay uint8 in the workers: conversion to float and
@@ -27,6 +28,9 @@ from PIL import Image
 from timm.data.auto_augment import rand_augment_transform
 
 Preset = Literal["pretrain", "supervised", "eval"]
+# How `eval` frames an image (`ShardDataModule.eval_view` chooses from the data): `whole` for images stored
+# at the model's resolution, `crop` (resize to image_size / crop_pct, centre crop) for larger ones.
+EvalView = Literal["whole", "crop"]
 DRAFT_SCALES = (8, 4, 2)  # the reductions a JPEG decoder does in the DCT (PIL `Image.draft`)
 
 

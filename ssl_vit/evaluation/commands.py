@@ -83,6 +83,8 @@ def _compare(args: argparse.Namespace) -> int:
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
     suite = load_suite(args.suite)
     rows = compare(checkpoints, suite, args.out, args.baseline)
+    if rows is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     console = Console()
     print(open(f"{args.out}/results.md").read())  # the markdown table as is: columns stay readable
     pictures = "fewshot.png, bars.png, compute.png, attention_distance.png"

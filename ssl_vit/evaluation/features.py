@@ -11,6 +11,7 @@ Legend: B batch, N samples, D width, F feature width.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -19,6 +20,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ssl_vit.models.vit import FeatureKind, ViT
+
+
+def local_device() -> torch.device:
+    """Where this process extracts: its own GPU under torchrun (cuda:LOCAL_RANK; cuda:0 alone), else
+    the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 class Features(NamedTuple):
@@ -44,11 +53,27 @@ def extract_features(
         Without it, images must already be floats.
     Returns Features with x (N, F): F = D for `cls`/`mean`, last_k * D for `lastk`.
     """
-    backbone.check_feature(feature, last_k)
+    return extract_feature_set(backbone, loader, (feature,), last_k, prepare)[feature]
+
+
+def extract_feature_set(
+    backbone: ViT,
+    loader: Iterable[dict],
+    kinds: tuple[FeatureKind, ...],
+    last_k: int = 4,
+    prepare: Callable[[dict], dict] | None = None,
+) -> dict[FeatureKind, Features]:
+    """`extract_features` for several kinds from one pass over `loader` (one forward per batch,
+    `ViT.feature_set`): {kind: Features}, equal to separate passes, sharing labels and keys."""
+    if not kinds:
+        raise ValueError("kinds is empty: name at least one feature kind")
+    for kind in kinds:
+        backbone.check_feature(kind, last_k)
     device = next(backbone.parameters()).device
     was_training = backbone.training
     backbone.eval()
-    xs, ys, keys = [], [], []
+    xs: dict[FeatureKind, list[Tensor]] = {kind: [] for kind in kinds}
+    ys, keys = [], []
     try:
         with torch.inference_mode():
             for batch in loader:
@@ -62,7 +87,8 @@ def extract_features(
                         f"images are {images.dtype}, not normalised floats: pass the datamodule's "
                         "`prepare_batch` as `prepare`"
                     )
-                xs.append(backbone.features(images, feature, last_k).float().cpu())
+                for kind, x in backbone.feature_set(images, kinds, last_k).items():
+                    xs[kind].append(x.float().cpu())
                 ys.append(batch["label"].cpu())
                 keys.extend(batch["key"])
     finally:
@@ -72,20 +98,20 @@ def extract_features(
     if not keys:
         raise ValueError("the loader yielded no samples")
     order = sorted(range(len(keys)), key=keys.__getitem__)
-    x, y = torch.cat(xs), torch.cat(ys)
-    return Features(x[order], y[order], [keys[i] for i in order])
+    y, sorted_keys = torch.cat(ys)[order], [keys[i] for i in order]
+    return {kind: Features(torch.cat(xs[kind])[order], y, sorted_keys) for kind in kinds}
 
 
 def _gather(
-    xs: list[Tensor], ys: list[Tensor], keys: list[str]
-) -> tuple[list[Tensor], list[Tensor], list[str]]:
+    xs: dict[FeatureKind, list[Tensor]], ys: list[Tensor], keys: list[str]
+) -> tuple[dict[FeatureKind, list[Tensor]], list[Tensor], list[str]]:
     """Every rank's features to every rank. `all_gather_object` pickles through the process group:
     evaluation sets are small (10^4-10^5 features of a few KB), and unlike `all_gather` it takes a
     different sample count on each rank, which an exact pass produces when shards are uneven."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (xs, ys, keys))
     return (
-        [x for g in gathered for x in g[0]],
+        {kind: [x for g in gathered for x in g[0][kind]] for kind in xs},
         [y for g in gathered for y in g[1]],
         [k for g in gathered for k in g[2]],
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytorch_lightning as pl
 
+from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
 from ssl_vit.models.vit import FeatureKind
@@ -27,8 +28,9 @@ class FewShotMonitor(pl.Callback):
     seeds, in [0, 1]) to the trainer's loggers.
 
     Args:
-        train_urls: shards the support sets are sampled from.
-        test_urls: shards the accuracy is measured on.
+        train_urls: shards the support sets are sampled from; by default the training data's own
+            (`trainer.datamodule.train_urls`), for sets as small as the quickstart's.
+        test_urls: shards the accuracy is measured on; by default the training data's `val_urls`.
         every_n_steps: evaluation interval in optimizer steps.
         shots, seeds, ridge, classes: as in `ssl_vit.evaluation.fewshot.fewshot_accuracy`.
         feature: which frozen feature (`ssl_vit.evaluation.features`).
@@ -42,8 +44,8 @@ class FewShotMonitor(pl.Callback):
 
     def __init__(
         self,
-        train_urls: str | list[str],
-        test_urls: str | list[str],
+        train_urls: str | list[str] | None = None,
+        test_urls: str | list[str] | None = None,
         every_n_steps: int = 1000,
         shots: tuple[int, ...] = (1, 5, 10),
         seeds: tuple[int, ...] = (0, 1, 2),
@@ -66,9 +68,17 @@ class FewShotMonitor(pl.Callback):
         # split by rank (ShardDataModule reads it from torch.distributed when no trainer is attached).
         from ssl_vit.data import ShardDataModule
 
+        data = trainer.datamodule
+        train_urls = self.train_urls or getattr(data, "train_urls", None)
+        test_urls = self.test_urls or getattr(data, "val_urls", None)
+        if not train_urls or not test_urls:
+            raise UserError(
+                "FewShotMonitor has no labelled set: give its train_urls and test_urls (or train with a "
+                "ShardDataModule that has train_urls and val_urls)"
+            )
         self.datamodule = ShardDataModule(
-            train_urls=self.train_urls,
-            val_urls=self.test_urls,
+            train_urls=train_urls,
+            val_urls=test_urls,
             image_size=self.image_size or pl_module.backbone.patch_embed.img_size[0],
             batch_size=self.batch_size,
             # decoding a small set in the training process: no worker processes to start every time
@@ -77,6 +87,8 @@ class FewShotMonitor(pl.Callback):
             # an exact pass does not use the training epoch length; setting it spares the manifest lookup
             train_batches=1,
         )
+        # A missing shard fails now, in one line, not at the first evaluation hours into the run.
+        self.datamodule.setup("fit")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step and trainer.global_step % self.every_n_steps == 0:
@@ -88,7 +100,8 @@ class FewShotMonitor(pl.Callback):
     def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Once per optimizer step: with gradient accumulation several batches share a global step, and
         # training may end on a step that was just evaluated.
-        if trainer.global_step == self._last_step:
+        # fast_dev_run swaps the loggers for a dummy: nothing would record the scores.
+        if trainer.global_step == self._last_step or trainer.fast_dev_run:
             return
         self._last_step = trainer.global_step
         train, test = (

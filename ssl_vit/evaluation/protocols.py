@@ -3,8 +3,9 @@ correct), `correct` mapping each score's column to which test images were classi
 (S, M) bool for S few-shot seeds (S = 1 for the other kinds) and M test images in key order, the same
 images for every checkpoint: what `stats` resamples for intervals and paired differences.
 
-Frozen-feature protocols (few-shot, k-NN) share one exact pass per split and feature kind; trained
-protocols (linear probe, fine-tuning) run the Lightning tasks on the suite's data.
+Frozen-feature protocols (few-shot, k-NN) share one exact pass per split, which yields every feature
+kind the suite reads; trained protocols (linear probe, fine-tuning) run the Lightning tasks on the
+suite's data.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ssl_vit.evaluation.features import Features, extract_features
+from ssl_vit.evaluation.features import Features, extract_feature_set, local_device
 from ssl_vit.evaluation.fewshot import fewshot_correct
 from ssl_vit.evaluation.knn import knn_correct
 
@@ -22,34 +23,37 @@ DATA_KEYS = ("image_size", "batch_size", "num_workers", "mean", "std", "eval_cro
 
 
 class FeatureCache:
-    """Frozen features of the suite's train and test splits, extracted once per feature kind."""
+    """Frozen features of the suite's train and test splits: every kind the suite reads from one pass
+    over each split (`extract_feature_set`), made the first time a split is asked for."""
 
-    def __init__(self, backbone, data: dict[str, Any]) -> None:
+    def __init__(self, backbone, data: dict[str, Any], kinds: tuple[str, ...]) -> None:
         from ssl_vit.data import ShardDataModule
 
         self.backbone = backbone
+        self.kinds = tuple(kinds)
         self.datamodule = ShardDataModule(
             train_urls=data["train_urls"],
             test_urls=data["test_urls"],
             **{k: v for k, v in data.items() if k in DATA_KEYS},
         )
-        self._cache: dict[tuple[str, str], Features] = {}
+        self._cache: dict[str, dict[str, Features]] = {}
 
     def get(self, split: str, feature: str) -> Features:
-        if (split, feature) not in self._cache:
+        if feature not in self.kinds:
+            raise ValueError(f"feature {feature!r} is not among this cache's kinds {self.kinds}")
+        if split not in self._cache:
             loader = self.datamodule.exact_dataloader(split)
-            self._cache[split, feature] = extract_features(
-                self.backbone, loader, feature=feature, prepare=self.datamodule.prepare_batch
+            self._cache[split] = extract_feature_set(
+                self.backbone, loader, self.kinds, prepare=self.datamodule.prepare_batch
             )
-        return self._cache[split, feature]
+        return self._cache[split][feature]
 
-    def labels(self, split: str, feature: str) -> torch.Tensor:
-        """Labels of a split: they do not depend on the feature, so any pass already made serves."""
-        done = [found.y for (name, _), found in self._cache.items() if name == split]
-        return done[0] if done else self.get(split, feature).y
+    def labels(self, split: str) -> torch.Tensor:
+        """Labels of a split: they do not depend on the feature, so the split's one pass serves."""
+        return self.get(split, self.kinds[0]).y
 
-    def num_classes(self, feature: str) -> int:
-        return self.datamodule.num_classes or int(self.labels("train", feature).max()) + 1
+    def num_classes(self) -> int:
+        return self.datamodule.num_classes or int(self.labels("train").max()) + 1
 
 
 def _restrict(features: Features, classes: list[int] | None) -> Features:
@@ -93,7 +97,7 @@ def _scores(correct: dict[str, torch.Tensor]) -> dict[str, float]:
 def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     from ssl_vit.tasks import LinearProbe
 
-    num_classes = features.num_classes(protocol.feature)
+    num_classes = features.num_classes()
     model = LinearProbe(
         backbone=config,
         init_from=source,
@@ -114,7 +118,7 @@ def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tup
     correct = {protocol.name: (logits.argmax(1).cpu() == test.y)[None]}
     detail = {
         "best_lr": metrics.get("val/best_lr"),
-        "labels_per_class": _labels_per_class(features, protocol.feature),
+        "labels_per_class": _labels_per_class(features),
         **metrics,
     }
     return _scores(correct), detail, correct
@@ -126,14 +130,14 @@ def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[d
     model = FineTune(
         backbone=config,
         init_from=source,
-        num_classes=features.num_classes(protocol.feature),
+        num_classes=features.num_classes(),
         optimizer=lambda params: torch.optim.AdamW(params, lr=protocol.lr, weight_decay=0.05),
     )
     metrics = _train(model, protocol, suite, features)
     correct = {protocol.name: _correct(model, features, protocol.classes)[None]}
     return (
         _scores(correct),
-        {"labels_per_class": _labels_per_class(features, protocol.feature), **metrics},
+        {"labels_per_class": _labels_per_class(features), **metrics},
         correct,
     )
 
@@ -154,10 +158,10 @@ def _correct(model, features: FeatureCache, classes: list[int] | None) -> torch.
     return hits if classes is None else hits[torch.isin(labels, torch.tensor(classes))]
 
 
-def _labels_per_class(features: FeatureCache, feature: str) -> float:
+def _labels_per_class(features: FeatureCache) -> float:
     """How many labelled training images per class a trained protocol saw (the x of its point on the
     comparison plot)."""
-    labels = features.labels("train", feature)
+    labels = features.labels("train")
     labels = labels[labels >= 0]
     return len(labels) / max(1, len(labels.unique()))
 
@@ -181,9 +185,10 @@ def _train(model, protocol, suite, features: FeatureCache) -> dict[str, float]:
         crop_scale=(0.6, 1.0),
         **{k: v for k, v in data.items() if k in DATA_KEYS},
     )
+    device = local_device()  # under torchrun, this rank's own GPU
     trainer = pl.Trainer(
-        accelerator="auto",
-        devices=1,
+        accelerator="gpu" if device.type == "cuda" else "auto",
+        devices=[device.index] if device.type == "cuda" else 1,
         max_epochs=protocol.epochs,
         logger=False,
         enable_checkpointing=False,

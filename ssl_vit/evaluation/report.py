@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import json
-import traceback
 from pathlib import Path
 
 import torch
@@ -30,8 +29,9 @@ from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
 from ssl_vit.evaluation.protocols import DATA_KEYS
+from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, interval, paired_difference
-from ssl_vit.evaluation.suite import Suite, evaluate
+from ssl_vit.evaluation.suite import Suite, write_record
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
 ATTENTION_IMAGES = 64
@@ -42,10 +42,14 @@ COST = ("steps", "images", "flops", "seconds")  # pretraining cost columns, as t
 
 def compare(
     checkpoints: dict[str, list[str]], suite: Suite, out_dir: str | Path, baseline: str | None = None
-) -> list[dict]:
+) -> list[dict] | None:
     """checkpoints: name -> sources (path, timm:NAME or scratch), several for replicate pretraining runs
     of one method. baseline: a name; adds the paired differences of every other row against it.
-    Returns the rows written."""
+    Returns the rows written; under torchrun the runs are spread over the ranks (`ranks.py`) and only
+    rank 0 writes and returns them (None on the others)."""
+    outcomes = evaluate_checkpoints(checkpoints, suite)
+    if outcomes is None:
+        return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -53,21 +57,27 @@ def compare(
     images = None
     for name, sources in checkpoints.items():
         row = {"name": name, "checkpoint": ",".join(sources), "runs": len(sources), "error": ""}
-        try:
-            runs = []
-            for i, source in enumerate(sources):
-                runs.append(evaluate(source, suite, out / name / (str(i + 1) if len(sources) > 1 else ""), i))
-                if images is None:
-                    images = attention_images(suite)
-                # A group's heads side by side: (L, H x runs); heads do not correspond across runs.
-                curve = attention_curve(source, suite, images, i)
-                curves[name] = torch.cat([curves[name], curve], 1) if name in curves else curve
-            row.update(aggregate(runs, suite))
-        except Exception as err:  # one broken checkpoint must not lose the others' results
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
-            curves.pop(name, None)
+        runs = outcomes[name]
+        for i, run in enumerate(runs):
+            if not isinstance(run, Failed):
+                write_record(run.record, out / name / (str(i + 1) if len(sources) > 1 else ""))
+        failed = next((run for run in runs if isinstance(run, Failed)), None)
+        if failed is None:
+            try:
+                for i, source in enumerate(sources):
+                    if images is None:
+                        images = attention_images(suite)
+                    # A group's heads side by side: (L, H x runs); heads do not correspond across runs.
+                    curve = attention_curve(source, suite, images, i)
+                    curves[name] = torch.cat([curves[name], curve], 1) if name in curves else curve
+                row.update(aggregate(runs, suite))
+            except Exception as err:
+                failed = failure(err)
+                curves.pop(name, None)
+        if failed is not None:  # one broken checkpoint must not lose the others' results
+            row["error"] = failed.error
             (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "error.txt").write_text(traceback.format_exc())
+            (out / name / "error.txt").write_text(failed.traceback)
         rows.append(row)
     columns = suite.columns()
     differences = paired(rows, columns, baseline, suite) if baseline else None

@@ -37,6 +37,7 @@ import yaml
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import UserError
+from ssl_vit.evaluation.features import local_device
 from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.evaluation.stats import interval
 from ssl_vit.models.vit import ViTConfig
@@ -75,6 +76,10 @@ class Suite:
     path: str = ""
     seed: int = 0  # seeds scratch initialisation, the trained protocols and the bootstrap, so reruns agree
     resamples: int = 1000  # bootstrap resamples per interval
+
+    def feature_kinds(self, dataset: str) -> tuple[str, ...]:
+        """The feature kinds the protocols on `dataset` read, in suite order: one pass yields them all."""
+        return tuple(dict.fromkeys(p.feature for p in self.protocols if p.dataset == dataset))
 
     def columns(self) -> list[str]:
         """Result columns, in the order the report shows them."""
@@ -178,10 +183,14 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None, repli
     start = time.time()
     pl.seed_everything(suite.seed + replicate, verbose=False)
     backbone, config = load_backbone(source, suite.backbone)
+    backbone.to(local_device())
     results: dict[str, float] = {}
     details: dict[str, Any] = {}
     correct: dict[str, torch.Tensor] = {}
-    features = {name: run.FeatureCache(backbone, data) for name, data in suite.datasets.items()}
+    features = {
+        name: run.FeatureCache(backbone, data, suite.feature_kinds(name))
+        for name, data in suite.datasets.items()
+    }
     for protocol in suite.protocols:
         run_protocol = getattr(run, protocol.kind)
         scores, detail, hits = run_protocol(protocol, features[protocol.dataset], source, config, suite)
@@ -199,14 +208,24 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None, repli
         "cost": pretraining_cost(source),
         "details": details,
         "protocols": [asdict(p) for p in suite.protocols],
+        # how the eval transform framed each split (whole image or resize + centre crop), from its manifest
+        "eval_view": {
+            name: {split: cache.datamodule.eval_view(split) for split in ("train", "test")}
+            for name, cache in features.items()
+        },
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_record(record, out_dir)
     return Evaluation(record, correct)
+
+
+def write_record(record: dict[str, Any], out_dir: str | Path) -> None:
+    """`evaluate`'s record as out_dir/results.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def pretraining_cost(source: str) -> dict[str, float] | None:

@@ -175,22 +175,43 @@ class ViT(VisionTransformer):
           each of the last k blocks, each through the final norm, concatenated: DINO's linear evaluation
           ("concatenation of the [class] tokens of the last 4 blocks", `eval_linear.py`, n_last_blocks=4).
         """
-        if feature != "lastk":
+        return self.feature_set(images, (feature,), last_k)[feature]
+
+    def feature_set(
+        self, images: Tensor, kinds: tuple[FeatureKind, ...], last_k: int = 4
+    ) -> dict[FeatureKind, Tensor]:
+        """images: (B, 3, H, W) -> {kind: (B, F)} for every kind in `kinds` (see `features`), all from
+        one forward pass: a suite that reads several kinds pays for the blocks once."""
+        if "lastk" not in kinds:
             tokens = self.forward_tokens(images)
-            if feature == "cls":
-                return tokens.cls
-            return tokens.pooled if self.cls_token is None else tokens.patches.mean(1)
-        # timm's forward_intermediates returns the last k blocks' outputs, un-normalised and split into
-        # (patches, prefix) pairs when there is a [class] token; forward_head(norm(.)) then pools each
-        # exactly as the final layer's `pooled` is (token or fc_norm(mean)), so lastk with k=1 == pooled.
-        blocks = self.forward_intermediates(
-            images, indices=last_k, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
-        )
-        pooled = []
-        for out in blocks:
-            tokens = torch.cat([out[1], out[0]], dim=1) if isinstance(out, tuple) else out  # (B, T, D)
-            pooled.append(self.forward_head(self.norm(tokens), pre_logits=True))
-        return torch.cat(pooled, dim=1)  # (B, last_k * D)
+        else:
+            # timm's forward_intermediates returns the last k blocks' outputs, un-normalised and split
+            # into (patches, prefix) pairs when there is a [class] token; forward_head(norm(.)) then pools
+            # each exactly as the final layer's `pooled` is (token or fc_norm(mean)), so lastk with k=1 ==
+            # pooled, and the last of them is the final layer itself.
+            blocks = self.forward_intermediates(
+                images, indices=last_k, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
+            )
+            normed = [
+                self.norm(torch.cat([out[1], out[0]], dim=1) if isinstance(out, tuple) else out)
+                for out in blocks
+            ]  # each (B, T, D)
+            pooled = [self.forward_head(x, pre_logits=True) for x in normed]
+            final = normed[-1]
+            tokens = Tokens(
+                cls=final[:, 0] if self.cls_token is not None else None,
+                patches=final[:, self.num_prefix_tokens :],
+                pooled=pooled[-1],
+            )
+        found: dict[FeatureKind, Tensor] = {}
+        for kind in kinds:
+            if kind == "cls":
+                found[kind] = tokens.cls
+            elif kind == "mean":
+                found[kind] = tokens.pooled if self.cls_token is None else tokens.patches.mean(1)
+            else:
+                found[kind] = torch.cat(pooled, dim=1)  # (B, last_k * D)
+        return found
 
 
 def build_vit(

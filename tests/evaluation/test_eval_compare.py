@@ -198,16 +198,15 @@ def test_labels_reuse_any_feature_pass_of_the_split(digits_shards, monkeypatch):
     from ssl_vit.evaluation import protocols
 
     calls = []
-    real = protocols.extract_features
-    monkeypatch.setattr(
-        protocols, "extract_features", lambda *a, **k: calls.append(k["feature"]) or real(*a, **k)
-    )
+    real = protocols.extract_feature_set
+    monkeypatch.setattr(protocols, "extract_feature_set", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     data = {"train_urls": str(digits_shards / "val-{000000..000003}.tar"), "test_urls": "unused",
             "image_size": 32, "batch_size": 128, "num_workers": 0}  # fmt: skip
-    cache = protocols.FeatureCache(ViTConfig(**BACKBONE).build(), data)
+    cache = protocols.FeatureCache(ViTConfig(**BACKBONE).build(), data, ("mean", "cls"))
     features = cache.get("train", "mean")
-    assert torch.equal(cache.labels("train", "cls"), features.y) and cache.num_classes("cls") == 10
-    assert calls == ["mean"]
+    assert torch.equal(cache.labels("train"), features.y) and cache.num_classes() == 10
+    assert torch.equal(cache.get("train", "cls").y, features.y)
+    assert calls == [("mean", "cls")]
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,21 @@
-"""FewShotMonitor: logs few-shot accuracy during a real (tiny) fit, and builds from a LightningCLI config."""
+"""FewShotMonitor: logs few-shot accuracy during a real (tiny) fit, builds from a LightningCLI config, and
+every pretraining recipe runs it."""
 
 import csv
 import json
+from pathlib import Path
 
+import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+import yaml
+from cli_helpers import run_cli
 from pytorch_lightning.loggers import CSVLogger
 
+from ssl_vit.cli import main
 from ssl_vit.data import ShardDataModule
+from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
 from ssl_vit.evaluation.monitor import FewShotMonitor
@@ -71,6 +78,17 @@ def test_monitor_logs_fewshot_during_fit(digits_shards, tmp_path):
         assert abs(float(rows[-1][f"fewshot/{shots}shot"]) - expected[shots][0]) < 1e-6
 
 
+def test_monitor_skips_fast_dev_runs(digits_shards, tmp_path):
+    """fast_dev_run's loggers are a dummy: an evaluation would only cost time."""
+    monitor = FewShotMonitor(every_n_steps=1)
+    data = ShardDataModule(train_urls=str(digits_shards / "train-000000.tar"),
+                           val_urls=str(digits_shards / "val-000000.tar"),
+                           num_workers=0, image_size=32)  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", fast_dev_run=2, callbacks=[monitor], default_root_dir=tmp_path)
+    trainer.fit(TinyClassifier(), data)
+    assert trainer.global_step == 2 and monitor._last_step is None
+
+
 def test_monitor_builds_from_a_cli_config():
     """LightningCLI instantiates callbacks through jsonargparse from the constructor's type hints."""
     from jsonargparse import ArgumentParser
@@ -92,3 +110,65 @@ def test_monitor_builds_from_a_cli_config():
         "lastk",
         [5, 6],
     )
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PRETRAINING = sorted(
+    p
+    for p in (ROOT / "recipes").rglob("*.yaml")
+    if p.read_text().startswith("# ssl-vit fit") and "Pretraining" in p.read_text()
+)
+
+
+def test_there_are_pretraining_recipes_to_check():
+    names = {p.relative_to(ROOT / "recipes").as_posix() for p in PRETRAINING}
+    assert {"quickstart/mpp.yaml", "quickstart/supervised.yaml", "mae/b16_in1k.yaml", "mae/h14_in1k.yaml",
+            "simmim/b16_in1k.yaml", "vit_paper/mpp_b16.yaml",
+            "vit_paper/supervised_b16_in21k.yaml"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", PRETRAINING, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
+def test_every_pretraining_recipe_monitors_fewshot_and_states_its_cost(recipe, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(recipe), "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    (monitor,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith(".FewShotMonitor")]
+    assert monitor["init_args"]["every_n_steps"] > 0 and monitor["init_args"]["shots"]
+    # the file that configures it says what it costs
+    trainer_file = recipe.parent / yaml.safe_load(recipe.read_text())["trainer"]
+    assert "Cost" in trainer_file.read_text()
+
+
+@pytest.mark.slow
+def test_a_tiny_quickstart_fit_logs_fewshot(digits_shards, tmp_path):
+    """The quickstart MPP recipe through the CLI, three steps: the monitor follows the data's own URLs
+    and logs fewshot/Nshot at step 2 and at the end."""
+    logs = tmp_path / "logs"
+    run_cli(
+        "fit", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
+        "--data.init_args.train_urls", str(digits_shards / "train-{000000..000004}.tar"),
+        "--data.init_args.val_urls", str(digits_shards / "val-{000000..000003}.tar"),
+        "--data.init_args.num_workers", "0",
+        "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+        "--trainer.callbacks.init_args.every_n_steps", "2",
+        "--trainer.logger", json.dumps({"class_path": "pytorch_lightning.loggers.CSVLogger",
+                                        "init_args": {"save_dir": str(logs)}}),
+        "--trainer.default_root_dir", str(tmp_path / "run"),
+        cwd=ROOT,
+    )  # fmt: skip
+    with open(logs / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("fewshot/10shot")]
+    assert [int(r["step"]) for r in rows] == [2, 3]
+    assert all(0.0 <= float(r[f"fewshot/{k}shot"]) <= 1.0 for r in rows for k in (1, 5, 10))
+
+
+def test_a_monitor_without_a_labelled_set_is_one_line(digits_shards, tmp_path):
+    """No URLs of its own and data without val_urls: the fit stops at start-up, naming the fix."""
+    monitor = FewShotMonitor()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, callbacks=[monitor], logger=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    data = ShardDataModule(train_urls=str(digits_shards / "train-000000.tar"), num_workers=0, image_size=32)
+    with pytest.raises(UserError, match=r"^FewShotMonitor has no labelled set: give its train_urls") as err:
+        trainer.fit(TinyClassifier(), data)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,78 @@
+"""`ssl-vit compare` under `torchrun`: the checkpoints (each run of a group on its own) dealt out to
+the ranks, each evaluated whole on its rank's device, the evaluations gathered on rank 0.
+
+A checkpoint's evaluation is its forward passes (one per split, `FeatureCache`) and its trained
+protocols; dealing whole checkpoints keeps every evaluation exactly what it is in one process (same
+seeds, same full passes, a Lightning trainer of its own), so the table does not depend on the number
+of ranks, and the ranks need no collective until the end.
+
+    torchrun --nproc-per-node 4 -m ssl_vit compare a=A.ckpt b=B.ckpt c=C.ckpt d=D.ckpt --suite S --out OUT
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from ssl_vit.evaluation.suite import Evaluation, Suite, evaluate
+
+# Ranks reach the final gather when their last checkpoint is done, hours apart when fine-tuning
+# protocols differ; the rendezvous waits that long rather than fail the finished ranks.
+GATHER_TIMEOUT = timedelta(hours=24)
+
+
+class Failed(NamedTuple):
+    """A checkpoint whose evaluation raised: the error in one line, and its traceback for error.txt."""
+
+    error: str
+    traceback: str
+
+
+def failure(err: Exception) -> Failed:
+    line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+    return Failed(line, traceback.format_exc())
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's place among torchrun's (RANK, WORLD_SIZE); (0, 1) when run alone."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def evaluate_checkpoints(
+    checkpoints: dict[str, list[str]], suite: Suite
+) -> dict[str, list[Evaluation | Failed]] | None:
+    """checkpoints: name -> sources (a group's pretraining runs). The runs, in order, are dealt out:
+    rank r evaluates runs r, r + W, r + 2W, ... (W ranks), each with its replicate index within its
+    group. Returns name -> each run's `Evaluation` (record and per-image correctness, which rank 0's
+    intervals and paired differences need) or its Failed, on rank 0, and None on the other ranks. One
+    broken run never loses the others' results."""
+    runs = [(name, i, source) for name, sources in checkpoints.items() for i, source in enumerate(sources)]
+    grouped = {name for name, sources in checkpoints.items() if len(sources) > 1}
+    rank, world_size = rank_and_world_size()
+    mine: dict[tuple[str, int], Evaluation | Failed] = {}
+    for j, (name, i, source) in enumerate(runs):
+        if j % world_size == rank:
+            if world_size > 1:
+                run = f"{name}/{i + 1}" if name in grouped else name  # as its results.json folder
+                print(f"ssl-vit compare: {run} on rank {rank} of {world_size}", file=sys.stderr, flush=True)
+            try:
+                mine[name, i] = evaluate(source, suite, replicate=i)
+            except Exception as err:
+                mine[name, i] = failure(err)
+    if world_size > 1:
+        # gloo: records and (S, M) bool correctness tensors, gathered on the CPU whatever the devices
+        dist.init_process_group("gloo", timeout=GATHER_TIMEOUT)
+        try:
+            gathered: list | None = [None] * world_size if rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return None
+        mine = {run: outcome for part in gathered for run, outcome in part.items()}
+    return {name: [mine[name, i] for i in range(len(sources))] for name, sources in checkpoints.items()}
