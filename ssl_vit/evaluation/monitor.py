@@ -15,11 +15,12 @@ is too costly (sec 4.1 "Metrics"); big_vision runs its `fewshot_lsr` evaluator e
 from __future__ import annotations
 
 import pytorch_lightning as pl
+from torch.distributed.fsdp import FSDPModule
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
-from ssl_vit.models.vit import FeatureKind
+from ssl_vit.models.vit import FeatureKind, ViTConfig
 
 
 class FewShotMonitor(pl.Callback):
@@ -68,6 +69,8 @@ class FewShotMonitor(pl.Callback):
         # split by rank (ShardDataModule reads it from torch.distributed when no trainer is attached).
         from ssl_vit.data import ShardDataModule
 
+        if stage != "fit":  # `ssl-vit validate/test` with a pretraining recipe: nothing to monitor
+            return
         data = trainer.datamodule
         train_urls = self.train_urls or getattr(data, "train_urls", None)
         test_urls = self.test_urls or getattr(data, "val_urls", None)
@@ -104,9 +107,10 @@ class FewShotMonitor(pl.Callback):
         if trainer.global_step == self._last_step or trainer.fast_dev_run:
             return
         self._last_step = trainer.global_step
+        backbone = _unsharded_backbone(pl_module) if isinstance(pl_module, FSDPModule) else pl_module.backbone
         train, test = (
             extract_features(
-                pl_module.backbone,
+                backbone,
                 self.datamodule.exact_dataloader(split),
                 self.feature,
                 prepare=self.datamodule.prepare_batch,
@@ -120,3 +124,18 @@ class FewShotMonitor(pl.Callback):
             metrics = {f"fewshot/{shots}shot": mean for shots, (mean, _) in accuracy.items()}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _unsharded_backbone(pl_module: pl.LightningModule):
+    """Under FSDP2 every block gathers its weights with a collective in each forward, so every rank
+    would have to run the same number of forwards, but an exact pass gives ranks unequal shares. Each
+    rank builds a plain copy of the backbone from the full weights instead (gathered once per
+    evaluation; one more copy of the backbone in memory while it runs)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True))
+    backbone = ViTConfig(**pl_module.hparams.backbone).build().to(pl_module.device)
+    backbone.load_state_dict(
+        {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    )
+    return backbone.eval()

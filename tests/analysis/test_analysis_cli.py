@@ -2,6 +2,7 @@
 (the quickstart recipe, shrunk), on a supervised GAP checkpoint, on the digits shards."""
 
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -173,6 +174,10 @@ def test_pictures_go_to_the_active_wandb_run(gap_ckpt, digits_shards, tmp_path):
         analyze(str(gap_ckpt), val(digits_shards), tmp_path / "out", images=4)
     finally:
         run.finish()
+        # wandb.init started a W&B service for this test process and told the environment about it;
+        # later `ssl-vit` processes would inherit and share it (a killed job's run id stays "in use").
+        wandb.teardown()
+        os.environ.pop("WANDB_SERVICE", None)
     media = Path(run.dir) / "media"
     logged = [p.name for p in (media / "images/analysis").iterdir()]
     pictures = ("attention_distance", "attention_rollout", "patch_embedding_pcs", "position_embeddings")
