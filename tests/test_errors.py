@@ -157,7 +157,8 @@ def test_fit_on_shards_whose_manifest_has_wrong_types(digits_shards, tmp_path, k
 def test_inspect_shards_whose_manifest_is_broken(digits_shards, tmp_path, edit, words):
     shards = broken_copy(digits_shards, tmp_path / "shards", "val", edit)
     proc = run_cli("data", "inspect", str(shards / "val-{000000..000003}.tar"), check=False)
-    error_line(proc, f"manifest {shards / 'val.json'}", words)
+    line = error_line(proc, f"manifest {shards / 'val.json'}", words)  # exit 2, one line, no traceback
+    assert line.startswith("ssl-vit: error: manifest") and proc.stdout.strip() == ""  # no report printed
 
 
 def test_check_manifest_names_the_key_and_the_type(digits_shards):

@@ -1,7 +1,7 @@
 """`ssl-vit bench data`: decode + augment throughput of the pipeline against a bare PIL loop.
 
-Everything is measured in one process, on the same JPEG bytes, so only ratios are reported (the issue's
-targets are ratios against the same reference):
+Everything is measured in one process, on the same JPEG bytes, so only ratios are reported (the
+throughput targets in benchmarks/RESULTS.md are ratios against the same reference):
 
 - `bare` (the reference, 1.00): a hand-written Python loop over the bytes: `PIL.Image.open`, full
   decode (no draft), the same random resized crop (box drawn as torchvision does, crop + bilinear

@@ -54,7 +54,7 @@ def add_bench_parser(bench_subparsers) -> None:
         "--memory-samples", type=int, default=20000, help="samples for the worker memory check"
     )
     # Defaults: the imagenet1k pretraining recipe's crop (224, MAE's scale 0.2-1) on stored JPEGs at
-    # least twice the crop with margin, the condition for the draft target (500x375, ImageNet's
+    # least twice the crop with margin, where draft decoding can pay (500x375, ImageNet's
     # typical size, is below 2x224); see benchmarks/RESULTS.md for the other settings.
     bench.add_argument("--image-size", type=int, default=224, help="crop size (default 224)")
     bench.add_argument(

@@ -80,7 +80,11 @@ def test_every_variant_rebuilds_in_timm_key_for_key(variant):
         config = ViTConfig(variant, 224, pooling)
         with torch.device("meta"):
             state = config.build().state_dict()
-        timm_module(timm_model(config), 0, state)
+        module = timm_module(timm_model(config), 0, state)  # strict: raises on a missing or extra key
+        theirs = module.state_dict()
+        assert list(theirs) == list(state)
+        assert all(theirs[k].shape == v.shape for k, v in state.items())
+        assert (module.global_pool == "token") == (pooling == "cls")
 
 
 def error_line(proc) -> str:
