@@ -7,6 +7,7 @@ import os
 import uuid
 from pathlib import Path
 
+import pytorch_lightning as pl
 from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -34,8 +35,8 @@ class WandbLogger(LightningWandbLogger):
       killed job logged after its last checkpoint are not kept twice; the resumed job logs them again
       (the same values, with exact resume). A job that starts afresh (`continue_run` false) starts a
       new run.
-    - W&B's own step is the trainer's step (Lightning logs it only as `trainer/global_step`), so that
-      the rewind point and every chart's x axis are the same number.
+    - W&B's own step is the step Lightning logs at (`logging_step`; Lightning shows it only as
+      `trainer/global_step`), so that the rewind point and every chart's x axis are the same number.
     """
 
     def __init__(
@@ -85,10 +86,23 @@ class WandbLogger(LightningWandbLogger):
         self.experiment.log({**metrics, "trainer/global_step": step}, step=step)
 
 
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step to log at now, in training: the one Lightning gives the current batch's metrics.
+
+    Lightning moves on to the next step only after it has logged a batch's metrics, after
+    `on_train_batch_end`: there the batch's optimizer update is done (`trainer.global_step` is k) but
+    its metrics still go to step k - 1. A value logged at k first would make W&B, whose steps only go
+    forward, drop that batch's loss, throughput and learning rate. Lightning's own LearningRateMonitor
+    and DeviceStatsMonitor read this counter too; it has no public name.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 def log_picture(module, key: str, image: Tensor) -> None:
-    """Send a (3, H, W) picture in [0, 1] to every logger that takes images (W&B), and save it as a
-    PNG under the run directory, `pictures/`, so it can be looked at without W&B."""
-    step = module.global_step
+    """Send a (3, H, W) picture in [0, 1] to every logger that takes images (W&B), at the step of the
+    batch it shows (call it from `on_train_batch_end`), and save it as a PNG under the run directory,
+    `pictures/`, so it can be looked at without W&B."""
+    step = logging_step(module.trainer)
     out = Path(module.trainer.default_root_dir) / "pictures" / f"{key.replace('/', '_')}_{step:07d}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     save_image(image, out)

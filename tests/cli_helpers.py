@@ -51,6 +51,19 @@ def run_cli(*args: str, cwd=None, env=None, timeout: float = 600, check: bool = 
     return proc
 
 
+def wandb_records(run_dir: Path) -> list[tuple[str, list[dict]]]:
+    """(offline run directory, its records) for each offline W&B run, read with wandb's own reader."""
+    wandb = Path(sys.executable).parent / "wandb"
+    out = []
+    for run in sorted((run_dir / "wandb").glob("offline-run-*")):
+        text = subprocess.run(
+            [str(wandb), "leet", "inspect", "--json", str(run)],
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stdout  # fmt: skip
+        out.append((run.name, [json.loads(line) for line in text.splitlines() if line.startswith("{")]))
+    return out
+
+
 _server: subprocess.Popen | None = None
 
 

@@ -1,7 +1,6 @@
 """A killed or stopped `ssl-vit fit` resumes as if it had never stopped: same losses at the same steps,
 every sample of an epoch once, the schedule where it was, the same W&B run."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import run_cli, wandb_records
 from resume_helpers import ROOT, fit_args, read_steps
 
 ENV = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
@@ -42,18 +41,6 @@ def wait_for_step(record: Path, step: int, proc, timeout: float = 120) -> None:
 
 def checkpoint_step(path: Path) -> int:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"]
-
-
-def wandb_records(run_dir: Path) -> list[tuple[str, list[dict]]]:
-    """(offline run directory, its records) for each offline W&B run, read with wandb's own reader."""
-    wandb = Path(sys.executable).parent / "wandb"
-    out = []
-    for run in sorted((run_dir / "wandb").glob("offline-run-*")):
-        text = subprocess.run(
-            [str(wandb), "leet", "inspect", "--json", str(run)], capture_output=True, text=True, timeout=120
-        ).stdout
-        out.append((run.name, [json.loads(line) for line in text.splitlines() if line.startswith("{")]))
-    return out
 
 
 @pytest.mark.slow

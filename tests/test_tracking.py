@@ -1,11 +1,17 @@
 """W&B defaults (offline, one run per job directory) and the pictures tasks log."""
 
+from pathlib import Path
+
+import pytest
 import torch
+from cli_helpers import run_cli, wandb_records
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.pictures import masked_prediction_picture
 from ssl_vit.tracking import RUN_ID_FILE, WandbLogger, wandb_opted_in
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_offline_unless_opted_in(monkeypatch, tmp_path):
@@ -69,3 +75,44 @@ def test_colour_picture_shows_true_and_predicted_mean_colours(digits_batch):
     true = model.make_targets(model.unnormalize(images))[0]  # (16,) classes of image 0
     colours = torch.stack([true % 8, true // 8 % 8, true // 64], -1).float().add(0.5).div(8)
     torch.testing.assert_close(true_row[:, 0, 0], colours[0])  # top-left patch, its true mean colour
+
+
+@pytest.mark.slow
+def test_pictures_and_fewshot_scores_leave_every_step_in_the_wandb_run(digits_shards, tmp_path):
+    """W&B's steps only go forward: a picture or a few-shot score logged ahead of Lightning's step for
+    the batch that just ended would make it drop that batch's loss, throughput and learning rate."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "fit", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
+        "--data.init_args.train_urls", str(digits_shards / "train-{000000..000004}.tar"),
+        "--data.init_args.val_urls", str(digits_shards / "val-000000.tar"),
+        "--data.init_args.num_workers", "0", "--data.init_args.batch_size", "16",
+        "--model.init_args.backbone.width", "32", "--model.init_args.backbone.depth", "2",
+        "--model.init_args.backbone.heads", "2",
+        "--model.init_args.picture_every_n_steps", "2",
+        "--trainer.callbacks.init_args.every_n_steps", "2",
+        "--trainer.callbacks.init_args.train_urls", str(digits_shards / "train-000000.tar"),
+        "--trainer.max_steps", "5", "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run_dir),
+        cwd=ROOT,
+    )  # fmt: skip
+    assert "Tried to log to step" not in proc.stderr + proc.stdout
+    ((_, records),) = wandb_records(run_dir)
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert all(h["_step"] == h["trainer/global_step"] for h in history)
+
+    def steps_with(key: str) -> list[int]:
+        return [h["_step"] for h in history if any(k == key or k.startswith(key + ".") for k in h)]
+
+    # Each of the 5 optimizer steps has its row (Lightning logs the batch that makes update k at k - 1).
+    for key in ("train/loss", "perf/images_per_s", "lr-AdamW/pg1"):
+        assert steps_with(key) == [0, 1, 2, 3, 4], key
+    # The picture of a batch goes beside that batch's loss: the batches that make updates 2 and 4.
+    assert steps_with("train/predictions") == [1, 3]
+    assert sorted(p.name for p in (run_dir / "pictures").iterdir()) == [
+        "train_predictions_0000001.png",
+        "train_predictions_0000003.png",
+    ]
+    # The scores of the weights after k updates go to step k, beside the loss of the batch that starts
+    # from them; the last at the end of training.
+    assert steps_with("fewshot/5shot") == [2, 4, 5]

@@ -21,12 +21,13 @@ from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
 from ssl_vit.models.vit import FeatureKind, ViTConfig
+from ssl_vit.tracking import logging_step
 
 
 class FewShotMonitor(pl.Callback):
     """Every `every_n_steps` optimizer steps and at the end of training, extract frozen features of
     `pl_module.backbone` on a small labelled set and log `fewshot/{shots}shot` (mean accuracy over
-    seeds, in [0, 1]) to the trainer's loggers.
+    seeds, in [0, 1]) to the trainer's loggers, at step k for the weights after k optimizer steps.
 
     Args:
         train_urls: shards the support sets are sampled from; by default the training data's own
@@ -93,7 +94,10 @@ class FewShotMonitor(pl.Callback):
         # A missing shard fails now, in one line, not at the first evaluation hours into the run.
         self.datamodule.setup("fit")
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # Here, not at the end of step k's batch: that batch's loss is logged at step k - 1 after its end
+        # (`ssl_vit.tracking.logging_step`), while the weights after k updates belong at step k, with the
+        # loss and learning rate of the next batch, which starts from them.
         if trainer.global_step and trainer.global_step % self.every_n_steps == 0:
             self._evaluate(trainer, pl_module)
 
@@ -123,7 +127,7 @@ class FewShotMonitor(pl.Callback):
         if trainer.is_global_zero:
             metrics = {f"fewshot/{shots}shot": mean for shots, (mean, _) in accuracy.items()}
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=logging_step(trainer))
 
 
 def _unsharded_backbone(pl_module: pl.LightningModule):

@@ -54,7 +54,7 @@ def test_monitor_logs_fewshot_during_fit(digits_shards, tmp_path):
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=3,
-        accumulate_grad_batches=2,  # 6 batches; global steps 0, 1, 1, 2, 2, 3 at their ends
+        accumulate_grad_batches=2,  # 6 batches; global steps 0, 0, 1, 1, 2, 2 at their starts
         callbacks=[monitor],
         logger=CSVLogger(tmp_path),
         enable_checkpointing=False,
@@ -66,7 +66,7 @@ def test_monitor_logs_fewshot_during_fit(digits_shards, tmp_path):
     assert model.modes == [True] * 6  # train mode restored after the evaluation at step 2
     with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("fewshot/5shot")]
-    # not at step 0, once at step 2 although two batches end there, and at the end of training
+    # not at step 0, once at step 2 although two batches start there, and at the end of training
     assert [int(r["step"]) for r in rows] == [2, 3]
     # the last row is the protocol on the final weights
     train, held = (
