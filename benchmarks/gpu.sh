@@ -7,10 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SSLVIT=${SSLVIT:-.venv/bin/ssl-vit}
-OUT=${OUT:-benchmarks/gpu.json}
+JSON=${JSON:-benchmarks/gpu.json}
 $SSLVIT bench step \
     --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}" \
     --tasks supervised mae --precision "${PRECISION:-bf16-mixed}" --compile both \
     --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
-    --json "$OUT"
-echo "tables above; numbers in $OUT"
+    --json "$JSON"
+echo "tables above; numbers in $JSON"

@@ -102,7 +102,7 @@ def test_gpu_script_runs_on_the_cpu_with_small_settings(tmp_path):
     env = {
         **os.environ, "SSLVIT": f"{sys.executable} -m ssl_vit", "VARIANT": "Ti/8", "IMG_SIZE": "32",
         "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "1", "STEPS": "1", "WARMUP": "1",
-        "OUT": str(tmp_path / "gpu.json"), "WANDB_MODE": "offline",
+        "JSON": str(tmp_path / "gpu.json"), "WANDB_MODE": "offline",
     }  # fmt: skip
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -93,7 +93,8 @@ class MAEDecoder(nn.Module):
         their positions -> predictions for every patch (B, N, out_dim), in patch order."""
         visible = self.embed(encoded.patches)  # (B, K, E)
         batch, num_patches, dim = visible.shape[0], self.pos_embed.shape[1], visible.shape[-1]
-        x = self.mask_token.expand(batch, num_patches, dim)
+        # Under autocast `visible` comes out of a linear in bf16/fp16; the filler must match it.
+        x = self.mask_token.to(visible.dtype).expand(batch, num_patches, dim)
         x = x.scatter(1, idx_keep.unsqueeze(-1).expand(-1, -1, dim), visible)  # (B, N, E), patch order
         x = x + self.pos_embed
         if encoded.cls is not None:

@@ -122,3 +122,31 @@ def test_attention_runs_through_the_fused_sdpa_path():
     task = mae()
     blocks = [*task.backbone.blocks, *task.decoder.blocks]
     assert blocks and all(block.attn.fused_attn for block in blocks)
+
+
+@pytest.mark.parametrize("preset", ["vit_mpp", "mae", "simmim"])
+def test_every_masked_objective_trains_under_bf16_autocast(digits_batch, preset):
+    """The GPU recipes train in bf16-mixed: every objective's loss and gradients under bf16 autocast
+    (the CPU's here, the same dtype rules as CUDA's) are finite and near the fp32 ones."""
+    images = digits_batch["image"][:8]
+    torch.manual_seed(0)
+    task = MaskedPatchPretraining(
+        TINY, preset=preset, cell_size=16, decoder_dim=32, decoder_depth=1, decoder_heads=2
+    )
+    fp32 = loss_and_grads(task, images)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = loss_and_grads(task, images)
+    assert torch.isfinite(bf16[0]) and all(torch.isfinite(g).all() for g in bf16[1].values())
+    torch.testing.assert_close(bf16[0], fp32[0], atol=0.05, rtol=0.05)
+    assert bf16[1].keys() == fp32[1].keys()
+
+
+def test_supervised_trains_under_bf16_autocast(digits_batch):
+    torch.manual_seed(0)
+    task = SupervisedPretraining(TINY, num_classes=10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = task(digits_batch["image"][:8])
+        loss = task.forward_loss(logits, {"label": digits_batch["label"][:8]})
+    loss.backward()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in task.parameters() if p.grad is not None)
