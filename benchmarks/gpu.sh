@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU, ViT-B/16 at 224 px, bf16: supervised and MAE training steps against a plain timm loop,
 # torch.compile off and on; images/s, MFU and the MAE / supervised ratios, as tables.
-#   bash benchmarks/gpu.sh              (about 5-7 minutes on an H100/H200, compilation included)
+#   bash benchmarks/gpu.sh              (about 90 s on an H200, compilation included)
 # Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.
 # The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.
 set -euo pipefail

@@ -134,7 +134,11 @@ class StepBench:
                 if step == self.warmup:
                     self.sync()
                     start = time.perf_counter()
-                with torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32):
+                # Lightning's autocast (cache_enabled=False): with the tasks' global state, compiled
+                # blocks keep one graph for both sides instead of recompiling at every switch.
+                with torch.autocast(
+                    self.device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False
+                ):
                     loss = F.cross_entropy(model(batch["image"]), batch["label"])
                 loss.backward()
                 optimizer.step()

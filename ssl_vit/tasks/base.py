@@ -137,6 +137,9 @@ class BackboneTask(pl.LightningModule):
         with (
             torch.random.fork_rng(devices=devices),
             torch.no_grad(),
+            # Compiled blocks called under a dispatch mode (the counter) on CUDA stopped running
+            # compiled for the rest of the process (torch 2.11, H200): counting would undo --compile.
+            torch.compiler.set_stance("force_eager"),
             FlopCounterMode(display=False) as counter,
         ):
             self(images[:1])

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.utils as dynamo_utils
 import yaml
 
 from ssl_vit.models.vit import ViTConfig
@@ -150,3 +151,28 @@ def test_supervised_trains_under_bf16_autocast(digits_batch):
     loss.backward()
     assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in task.parameters() if p.grad is not None)
+
+
+def test_counting_flops_runs_compiled_blocks_eagerly_and_leaves_them_compiled(digits_batch):
+    """The task counts its FLOPs at the first batch, after `--compile` compiled its blocks. On CUDA
+    (torch 2.11, H200), compiled blocks called under the counter's dispatch mode ran eager for the rest
+    of the process, so counting undid `--compile` (`benchmarks/gpu.sh` compile on vs off shows it);
+    the count now runs with torch.compiler's eager stance. Here: the count is the eager one, and the
+    blocks still compile and run compiled code afterwards."""
+    images = digits_batch["image"][:4]
+    eager = mae()
+    eager.measure_flops(images)
+    task = mae()
+    compile_blocks(task)
+    loss_and_grads(task, images)
+    frames = dynamo_utils.counters["frames"]["ok"]
+    stances = []
+    hook = task.backbone.blocks[0].register_forward_pre_hook(
+        lambda *_: stances.append(torch.compiler.is_compiling())
+    )
+    task.measure_flops(images)
+    hook.remove()
+    assert task.flops_per_image == eager.flops_per_image > 0
+    assert stances == [False]  # the counted forward ran eagerly, outside any compiled frame
+    loss_and_grads(task, images[:3])  # a new batch size: dynamo is still there to compile it
+    assert dynamo_utils.counters["frames"]["ok"] > frames
