@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pytorch_lightning as pl
@@ -136,6 +136,9 @@ class ShardDataModule(pl.LightningDataModule):
             back to where it stopped (`ssl_vit.data.stream`).
         seed: seed of every training stream; the stream is a function of (seed, epoch, rank, worker).
         classes: keep only samples with these labels (labels are not renumbered).
+        train_keys: keep only the training split's samples with these `__key__`s (a labelled subset,
+            drawn within `classes`); the other splits are not filtered. The stream still reads every
+            shard and decodes only the kept samples.
         num_classes: overrides the manifest's class count.
         mean, std: normalisation.
         draft: decode JPEGs at a reduced scale (1/2, 1/4, 1/8) when the crop's source region, or for
@@ -162,6 +165,7 @@ class ShardDataModule(pl.LightningDataModule):
         segment_shards: int = 4,
         seed: int = 0,
         classes: list[int] | None = None,
+        train_keys: Collection[str] | None = None,
         num_classes: int | None = None,
         mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN,
         std: tuple[float, float, float] = IMAGENET_DEFAULT_STD,
@@ -207,6 +211,7 @@ class ShardDataModule(pl.LightningDataModule):
         self._resume: dict | None = None  # a restored position, used by the next training pass
         self.seed = seed
         self.classes = list(classes) if classes is not None else None
+        self.train_keys = frozenset(train_keys) if train_keys is not None else None
         self._num_classes = num_classes
         self.mean, self.std = tuple(mean), tuple(std)
         self.draft = draft
@@ -284,18 +289,7 @@ class ShardDataModule(pl.LightningDataModule):
         return 0, 1
 
     def _batches_from_manifest(self) -> int:
-        manifest = read_manifest(self._urls["train"][0])
-        if manifest is None:
-            raise UserError(
-                "train_urls have no manifest ({split}.json next to the shards) to size an epoch: "
-                "set data.init_args.train_batches"
-            )
-        counts = manifest.get("class_counts", {})
-        samples = (
-            manifest["num_samples"]
-            if self.classes is None
-            else sum(counts.get(str(c), 0) for c in self.classes)
-        )
+        samples = len(self.train_keys) if self.train_keys is not None else self._samples_from_manifest()
         batches = samples // (self.batch_size * self.world_size)
         if batches == 0:
             raise UserError(
@@ -304,6 +298,18 @@ class ShardDataModule(pl.LightningDataModule):
                 "train_batches"
             )
         return batches
+
+    def _samples_from_manifest(self) -> int:
+        manifest = read_manifest(self._urls["train"][0])
+        if manifest is None:
+            raise UserError(
+                "train_urls have no manifest ({split}.json next to the shards) to size an epoch: "
+                "set data.init_args.train_batches"
+            )
+        if self.classes is None:
+            return manifest["num_samples"]
+        counts = manifest.get("class_counts", {})
+        return sum(counts.get(str(c), 0) for c in self.classes)
 
     def train_dataloader(self) -> DataLoader:
         if "train" not in self._urls:
@@ -362,6 +368,7 @@ class ShardDataModule(pl.LightningDataModule):
             batch_size=self.batch_size,
             transform=transform,
             classes=self.classes,
+            keys=self.train_keys if split == "train" else None,
             seed=self.seed,
             batches_per_epoch=batches_per_epoch,
             shuffle_buffer=self.shuffle_buffer,

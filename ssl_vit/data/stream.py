@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count, islice
 
@@ -79,6 +79,7 @@ class ShardStream(IterableDataset):
 
     The webdataset pipeline is built inside each worker (in `__iter__`), where the worker id is known;
     `epoch` and `resume` are set from the main process before each pass (see `EpochLoader`).
+    `classes` and `keys` keep only the samples with these labels and these `__key__`s.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class ShardStream(IterableDataset):
         batch_size: int,
         transform: Callable[[Image.Image], torch.Tensor],
         classes: Sequence[int] | None = None,
+        keys: Collection[str] | None = None,
         num_classes: int | None = None,
         seed: int = 0,
         batches_per_epoch: int | None = None,
@@ -102,6 +104,7 @@ class ShardStream(IterableDataset):
         self.batch_size = batch_size
         self.transform = transform
         self.classes = frozenset(classes) if classes is not None else None
+        self.keys = frozenset(keys) if keys is not None else None
         self.num_classes = num_classes
         self.seed = seed
         self.batches_per_epoch = batches_per_epoch
@@ -201,15 +204,17 @@ class ShardStream(IterableDataset):
         return out
 
     def _labelled(self, raw: Iterable[dict], counter: SkipCounter) -> Iterator[dict]:
-        """Stage: parse labels before the shuffle; drop samples the class filter rejects (cheaply,
-        before they take buffer space) and count those whose label is unusable."""
+        """Stage: parse labels before the shuffle; drop samples the class or key filter rejects
+        (cheaply, before they take buffer space) and count those whose label is unusable."""
         for sample in raw:
             try:
                 label = self.label_of(sample)
             except BadSample as err:
                 counter(err)
                 continue
-            if self.classes is None or label in self.classes:
+            if (self.classes is None or label in self.classes) and (
+                self.keys is None or sample["__key__"] in self.keys
+            ):
                 sample["__label__"] = label
                 yield sample
 

@@ -77,7 +77,7 @@ def parse_checkpoints(items: list[str], scratch: int, baseline: str | None = Non
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ssl_vit.evaluation.report import compare
+    from ssl_vit.evaluation.report import compare, label_efficiency_protocols
     from ssl_vit.evaluation.suite import load_suite
 
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
@@ -87,11 +87,12 @@ def _compare(args: argparse.Namespace) -> int:
         return 0
     console = Console()
     print(open(f"{args.out}/results.md").read())  # the markdown table as is: columns stay readable
-    pictures = "fewshot.png, bars.png, compute.png, attention_distance.png"
-    console.print(
-        f"wrote {args.out}/results.csv, results.md, {pictures}"
-        + (", differences.png" if args.baseline else "")
-    )
+    pictures = ["fewshot.png", "bars.png", "compute.png", "attention_distance.png"]
+    if label_efficiency_protocols(suite):
+        pictures.append("label_efficiency.png")
+    if args.baseline:
+        pictures.append("differences.png")
+    console.print(f"wrote {args.out}/results.csv, results.md, {', '.join(pictures)}")
     failed = [row["name"] for row in rows if row["error"]]
     if failed:
         console.print(f"[red]failed: {', '.join(failed)} (see {args.out}/NAME/error.txt)[/red]")

@@ -8,7 +8,9 @@ mean ± half-width of its 95% interval, the best per column marked only when it 
 intervals, and the pretraining cost each checkpoint recorded), with a baseline also a table of paired
 differences marked win / loss / noise and differences.png, fewshot.png (accuracy against labelled
 examples per class, one line per checkpoint), bars.png (a bar chart per protocol), compute.png
-(accuracy against pretraining FLOPs), attention_distance.png and .json (the ViT paper's mean attention
+(accuracy against pretraining FLOPs), with label fractions in a trained protocol label_efficiency.png
+and .csv (accuracy against the labelled training images used, one line per checkpoint, one row per
+checkpoint and fraction), attention_distance.png and .json (the ViT paper's mean attention
 distance against depth, sec 4.5, one curve per checkpoint, on `ATTENTION_IMAGES` images of the first
 dataset's test split), each checkpoint's own results.json (a group's runs under NAME/1, NAME/2, ...),
 and an offline W&B run with the table and the pictures. A checkpoint that fails gets its error in its
@@ -31,7 +33,7 @@ from ssl_vit.data import ShardDataModule
 from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, interval, paired_difference
-from ssl_vit.evaluation.suite import Suite, write_record
+from ssl_vit.evaluation.suite import Suite, TrainedProtocol, write_record
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
 ATTENTION_IMAGES = 64
@@ -88,6 +90,9 @@ def compare(
         plot_bars(rows, columns, out / "bars.png"),
         plot_compute(rows, suite, out / "compute.png"),
     ]
+    if label_efficiency_protocols(suite):
+        write_label_efficiency(rows, suite, out / "label_efficiency.csv")
+        pictures.append(plot_label_efficiency(rows, suite, out / "label_efficiency.png"))
     if differences:
         pictures.append(plot_differences(differences, columns, baseline, out / "differences.png"))
     if curves:
@@ -360,8 +365,9 @@ def plot_bars(rows: list[dict], columns: list[str], path: Path) -> Path | None:
 
 
 def headline(suite: Suite) -> list[str]:
-    """One column per protocol: a few-shot protocol's largest shot count, the others' only column."""
-    return [f"{p.name}_{max(p.shots)}shot" if p.kind == "fewshot" else p.name for p in suite.protocols]
+    """One column per protocol: a few-shot protocol's largest shot count, a trained protocol's largest
+    label fraction, the others' only column."""
+    return [p.headline() for p in suite.protocols]
 
 
 def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
@@ -396,6 +402,74 @@ def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
         ax.set_ylabel("accuracy (%)")
         unknown = [row["name"] for row in good if row["cost"] is None]
         ax.set_title(column + (f"\n(cost not recorded: {', '.join(unknown)})" if unknown else ""), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def label_efficiency_protocols(suite: Suite) -> list[TrainedProtocol]:
+    """The trained protocols that train on part of the labels too: label_efficiency.png's panels."""
+    return [p for p in suite.protocols if isinstance(p, TrainedProtocol) and min(p.label_fractions) < 1]
+
+
+def label_efficiency_points(row: dict, protocol: TrainedProtocol) -> list[tuple[float, int, Interval]]:
+    """(fraction, labels used, accuracy interval) of each label fraction of `protocol` in `row`, by
+    labels used."""
+    points = [
+        (f, row["details"][protocol.column(f)]["labels"], row["intervals"][protocol.column(f)])
+        for f in protocol.label_fractions
+    ]
+    return sorted(points, key=lambda point: point[1])
+
+
+def write_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> None:
+    """One row per checkpoint, protocol and label fraction: the labels it trained on and its accuracy
+    with its interval (the numbers of label_efficiency.png)."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["name", "protocol", "fraction", "labels", "accuracy", "low", "high"])
+        for row in rows:
+            if row["error"]:
+                continue
+            for protocol in label_efficiency_protocols(suite):
+                for fraction, labels, found in label_efficiency_points(row, protocol):
+                    writer.writerow(
+                        [row["name"], protocol.name, fraction, labels, found.mean, found.low, found.high]
+                    )
+
+
+def plot_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> Path | None:
+    """Accuracy (with its interval) against the labelled training images used, one panel per trained
+    protocol with label fractions, one line per checkpoint."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    protocols = label_efficiency_protocols(suite)
+    good = [row for row in rows if not row["error"]]
+    if not protocols or not good:
+        return None
+    fig, axes = plt.subplots(1, len(protocols), figsize=(5 * len(protocols), 4), squeeze=False)
+    for ax, protocol in zip(axes[0], protocols):
+        for i, row in enumerate(good):
+            _, labels, found = zip(*label_efficiency_points(row, protocol))
+            ax.errorbar(
+                labels, [100 * f.mean for f in found], yerr=_errors(found), marker="o", capsize=3,
+                color=f"C{i}", label=row["name"],
+            )  # fmt: skip
+        ax.set_xscale("log")
+        # Ticks at the counts used, written out: a log axis's own labels (2 x 10^1) overlap there.
+        used = sorted({labels for row in good for _, labels, _ in label_efficiency_points(row, protocol)})
+        ax.set_xticks(used, [str(n) for n in used])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlabel("labelled training images used")
+        ax.set_ylabel("accuracy (%)")
+        fractions = ", ".join(f"{100 * f:g}%" for f in sorted(protocol.label_fractions))
+        ax.set_title(f"{protocol.name} ({protocol.kind}; {fractions} of the labels)", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -135,6 +135,23 @@ def test_class_filter_and_epoch_length_from_manifest(digits_shards):
     assert len(val_labels) == sum(val["class_counts"][str(c)] for c in range(5)) and val_labels.max() <= 4
 
 
+def test_train_keys_keep_those_training_samples_and_size_the_epoch(digits_shards):
+    """A labelled subset: training and the train split's exact pass see only its keys, the epoch counts
+    its samples, the other splits are whole."""
+    urls = f"{digits_shards}/val-{{000000..000001}}.tar"
+    every = ShardDataModule(train_urls=urls, batch_size=16, num_workers=0, image_size=16)
+    keys = [k for b in every.exact_dataloader("train") for k in b["key"]][::5]  # 40 of 200
+    dm = ShardDataModule(
+        train_urls=urls, val_urls=urls, train_keys=keys, batch_size=16, num_workers=0, image_size=16
+    )
+    dm.setup("fit")
+    assert dm.batches_per_epoch == len(keys) // 16
+    trained = [k for b in dm.train_dataloader() for k in b["key"]]
+    assert len(trained) == dm.batches_per_epoch * 16 and set(trained) <= set(keys)
+    assert sorted(k for b in dm.exact_dataloader("train") for k in b["key"]) == sorted(keys)
+    assert len([k for b in dm.val_dataloader() for k in b["key"]]) == 200
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_bad_samples_are_skipped_counted_and_logged(tmp_path, unequal_shards, caplog, num_workers):
     good, bad = write_broken_shard(tmp_path / "broken-000000.tar", np.random.default_rng(0))
