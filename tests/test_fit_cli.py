@@ -22,6 +22,7 @@ def test_there_are_recipes_for_every_method():
     names = {p.relative_to(ROOT / "recipes").as_posix() for p in RECIPES}
     assert {
         "quickstart/mpp.yaml",
+        "quickstart/mae.yaml",
         "quickstart/supervised.yaml",
         "vit_paper/mpp_b16.yaml",
         "vit_paper/supervised_b16_in21k.yaml",
@@ -70,7 +71,7 @@ def quickstart_overrides(shards: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["quickstart/mpp.yaml", "quickstart/supervised.yaml"])
+@pytest.mark.parametrize("recipe", [f"quickstart/{name}.yaml" for name in ("mpp", "mae", "supervised")])
 def test_quickstart_recipes_run_fast_dev_run(recipe, digits_shards, tmp_path, cli):
     proc = cli(
         "fit",
@@ -203,3 +204,56 @@ def test_torchrun_two_nodes_ddp_fit_writes_one_checkpoint_and_one_wandb_run(digi
         "--trainer.default_root_dir", str(tmp_path / "validate"), cwd=ROOT,
     )  # fmt: skip
     assert "val/masked_accuracy" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_quickstart_pretrains_three_ways_and_compares_against_three_scratch_inits(
+    digits_shards, tmp_path, cli
+):
+    """`make quickstart`, shrunk: the three quickstart recipes (2 blocks, 4 steps), then `compare` with
+    the quickstart suite (fewer shots and seeds, one probe epoch), 3 scratch inits, `--baseline scratch`."""
+    tiny = ["--model.init_args.backbone.depth", "2", "--trainer.max_steps", "4", "--trainer.max_epochs", "1"]
+    ckpts = {}
+    for name in ("mpp", "mae", "supervised"):
+        run = tmp_path / name
+        cli(
+            "fit", "--config", str(ROOT / f"recipes/quickstart/{name}.yaml"),
+            *quickstart_overrides(digits_shards), *tiny, "--trainer.default_root_dir", str(run),
+            "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.limit_val_batches", "0",
+            cwd=ROOT,
+        )  # fmt: skip
+        ckpts[name] = run / "checkpoints" / "last.ckpt"
+    suite = yaml.safe_load((ROOT / "recipes/eval/quickstart.yaml").read_text())
+    suite["backbone"]["depth"] = 2
+    suite["data"].update(
+        train_urls=str(digits_shards / "train-{000000..000004}.tar"),
+        test_urls=str(digits_shards / "val-{000000..000003}.tar"),
+        num_workers=0,
+    )
+    for protocol in suite["protocols"]:
+        protocol.update({"shots": [1, 5], "seeds": [0, 1]} if protocol["kind"] == "fewshot" else {})
+        protocol.update({"epochs": 1} if protocol["kind"] == "linear_probe" else {})
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "compare"
+    proc = cli(
+        "compare", *[f"{name}={path}" for name, path in ckpts.items()], "--scratch", "3",
+        "--baseline", "scratch", "--suite", str(tmp_path / "suite.yaml"), "--out", str(out),
+    )  # fmt: skip
+    table = (out / "results.md").read_text()
+    assert table in proc.stdout
+    main_table, differences = table.split("Paired differences against scratch")
+    assert [line.split(" | ")[0] for line in main_table.splitlines()[2:6]] == [
+        "| mpp", "| mae", "| supervised", "| scratch (3 runs)",
+    ]  # fmt: skip
+    columns = [f"fewshot_{k}shot" for k in (1, 5)] + [f"fewshot_heldout_{k}shot" for k in (1, 5)]
+    columns += ["knn", "linear"]
+    header = "| checkpoint | " + " | ".join(columns) + " | steps | images | FLOPs | time |"
+    assert main_table.splitlines()[0] == header
+    diff_rows = [line for line in differences.splitlines() if " ± " in line]
+    assert [row.split(" | ")[0] for row in diff_rows] == ["| mpp", "| mae", "| supervised"]
+    for row in diff_rows:
+        cells = row.strip("| ").split(" | ")[1:]
+        assert len(cells) == len(columns) and all(c.split()[-1] in ("win", "loss", "noise") for c in cells)
+    assert len(list((out / "scratch").glob("*/results.json"))) == 3
+    assert "4 | " in main_table.splitlines()[2]  # mpp's cost: the 4 steps it trained

@@ -99,7 +99,7 @@ def compare(
         write_attention_distance(curves, len(images), out / "attention_distance.json")
         attention_distance_curves(curves, out / "attention_distance.png")
         pictures.append(out / "attention_distance.png")
-    log_to_wandb(rows, columns, [p for p in pictures if p is not None], out)
+    log_to_wandb(rows, columns, [p for p in pictures if p is not None], out, differences)
     return rows
 
 
@@ -168,22 +168,32 @@ def paired(rows: list[dict], columns: list[str], baseline: str, suite: Suite) ->
     }
 
 
+STAT_SUFFIXES = ("", "_low", "_high", "_seed_std", "_run_std")
+
+
+def stat_columns(columns: list[str]) -> list[str]:
+    """A results table's columns: per protocol column the accuracy, its interval (low, high), the std
+    across few-shot seeds and across pretraining runs; then the pretraining cost."""
+    stats = [f"{c}{suffix}" for c in columns for suffix in STAT_SUFFIXES]
+    return ["name", "checkpoint", "runs", *stats, *COST, "error"]
+
+
+def stat_values(row: dict) -> dict:
+    """One row of the `stat_columns` table (missing keys: no result, or no recorded cost)."""
+    values = {k: row[k] for k in ("name", "checkpoint", "runs", "error")}
+    for column, found in row.get("intervals", {}).items():
+        values.update({column: found.mean, f"{column}_low": found.low, f"{column}_high": found.high})
+        values.update({f"{column}_seed_std": found.seed_std, f"{column}_run_std": found.run_std})
+    values.update(row.get("cost") or {})
+    return values
+
+
 def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
-    """Per column: the accuracy, its interval (low, high), the std across few-shot seeds and across
-    pretraining runs; then the pretraining cost (empty where the checkpoint did not record it)."""
-    stats = [f"{c}{suffix}" for c in columns for suffix in ("", "_low", "_high", "_seed_std", "_run_std")]
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(
-            f, ["name", "checkpoint", "runs", *stats, *COST, "error"], extrasaction="ignore"
-        )
+        writer = csv.DictWriter(f, stat_columns(columns), extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            values = {k: row[k] for k in ("name", "checkpoint", "runs", "error")}
-            for column, found in row.get("intervals", {}).items():
-                values.update({column: found.mean, f"{column}_low": found.low, f"{column}_high": found.high})
-                values.update({f"{column}_seed_std": found.seed_std, f"{column}_run_std": found.run_std})
-            values.update(row.get("cost") or {})
-            writer.writerow(values)
+            writer.writerow(stat_values(row))
 
 
 def leaders(rows: list[dict], column: str) -> tuple[set[str], bool]:
@@ -513,8 +523,16 @@ def plot_differences(
     return path
 
 
-def log_to_wandb(rows: list[dict], columns: list[str], pictures: list[Path], out: Path) -> None:
-    """The table and pictures as one W&B run (offline unless the user opted in)."""
+def log_to_wandb(
+    rows: list[dict],
+    columns: list[str],
+    pictures: list[Path],
+    out: Path,
+    differences: dict[str, dict[str, Difference]] | None = None,
+) -> None:
+    """The tables and pictures as one W&B run (offline unless the user opted in): `results` with the
+    columns of results.csv (intervals and cost included) and, with a baseline, `paired_differences`: per row
+    and column the paired difference, its interval and the verdict."""
     import wandb
 
     from ssl_vit.tracking import wandb_opted_in
@@ -526,9 +544,18 @@ def log_to_wandb(rows: list[dict], columns: list[str], pictures: list[Path], out
         job_type="compare",
         config={"columns": columns},
     )
-    table = wandb.Table(columns=["name", "checkpoint", *columns, "error"])
+    names = stat_columns(columns)
+    results = wandb.Table(columns=names)
     for row in rows:
-        table.add_data(row["name"], row["checkpoint"], *[row.get(c) for c in columns], row["error"])
-    run.log({"results": table, **{p.stem: wandb.Image(str(p)) for p in pictures}})
+        values = stat_values(row)
+        results.add_data(*[values.get(name) for name in names])
+    tables = {"results": results}
+    if differences:
+        diff_names = ["name", *[f"{c}{s}" for c in columns for s in ("", "_low", "_high", "_verdict")]]
+        tables["paired_differences"] = wandb.Table(columns=diff_names)
+        for name, by_column in differences.items():
+            cells = [[d.mean, d.low, d.high, d.verdict] for d in (by_column[c] for c in columns)]
+            tables["paired_differences"].add_data(name, *[cell for group in cells for cell in group])
+    run.log({**tables, **{p.stem: wandb.Image(str(p)) for p in pictures}})
     run.finish()
     (out / "wandb-run.json").write_text(json.dumps({"id": run.id, "dir": str(run.dir)}) + "\n")

@@ -273,6 +273,19 @@ def test_compare_with_a_baseline_and_groups_of_runs(frozen_suite, tmp_path, cli)
     for picture in ("compute.png", "differences.png", "fewshot.png", "bars.png"):
         with Image.open(out / picture) as image:
             assert image.format == "PNG", picture
+    # The W&B run holds the same table, intervals and cost included, and the paired differences.
+    media = next((out / "wandb").glob("offline-run-*")) / "files" / "media" / "table"
+    results = json.loads(next(media.glob("results_*.table.json")).read_text())
+    header = next(csv.reader((out / "results.csv").open()))
+    assert results["columns"] == header and [r[0] for r in results["data"]] == list(rows)
+    for logged in results["data"]:
+        for name, value in zip(header, logged, strict=True):
+            if name.endswith(("_low", "_high")) and value is not None:
+                assert value == pytest.approx(float(rows[logged[0]][name])), name
+    diffs = json.loads(next(media.glob("paired_differences_*.table.json")).read_text())
+    same = dict(zip(diffs["columns"], next(r for r in diffs["data"] if r[0] == "same"), strict=True))
+    for c in columns:
+        assert (same[c], same[f"{c}_low"], same[f"{c}_high"], same[f"{c}_verdict"]) == (0, 0, 0, "noise")
 
 
 @pytest.mark.parametrize(
