@@ -4,6 +4,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,32 +19,7 @@ def run_cli(*args: str, cwd=None, env=None, timeout: float = 600, check: bool = 
     """Run `ssl-vit ARGS` as its own process, the way a user runs the command: a child forked by the
     CLI fork server (`cli_server.py`, which pays for the imports once), with its own working
     directory, environment, stdout, stderr and exit status. Returns a `subprocess.CompletedProcess`."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **(env or {})}
-    server = _cli_server()
-    with tempfile.TemporaryDirectory(prefix="ssl-vit-cli-") as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        request = {
-            "argv": list(args),
-            "cwd": str(cwd or os.getcwd()),
-            "env": full_env,
-            "out": out,
-            "err": err,
-        }
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        pid = json.loads(server.stdout.readline())["pid"]
-        ready, _, _ = select.select([server.stdout], [], [], timeout)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-            server.stdout.readline()
-            raise subprocess.TimeoutExpired(["ssl-vit", *args], timeout)
-        status = json.loads(server.stdout.readline())["status"]
-        proc = subprocess.CompletedProcess(
-            ["ssl-vit", *args],
-            status,
-            Path(out).read_text(errors="replace"),
-            Path(err).read_text(errors="replace"),
-        )
+    proc = start_cli(*args, cwd=cwd, env=env).wait(timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"ssl-vit {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -64,7 +40,70 @@ def wandb_records(run_dir: Path) -> list[tuple[str, list[dict]]]:
     return out
 
 
+def start_cli(*args: str, cwd=None, env=None, session: bool = False) -> "RunningCli":
+    """Start `ssl-vit ARGS` as `run_cli` does, without waiting for it. `session`: in a session and
+    process group of its own, as a job step runs (a signal sent to the group reaches its DataLoader
+    workers too). No other command can start until it has ended and been waited for."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **(env or {})}
+    tmp = tempfile.mkdtemp(prefix="ssl-vit-cli-")
+    request = {
+        "argv": list(args),
+        "cwd": str(cwd or os.getcwd()),
+        "env": full_env,
+        "out": os.path.join(tmp, "stdout"),
+        "err": os.path.join(tmp, "stderr"),
+        "session": session,
+    }
+    pid = _ask(request)["pid"]
+    return RunningCli(["ssl-vit", *args], pid, tmp)
+
+
+class RunningCli:
+    """A command `start_cli` started: `pid`, `poll()`, `wait()`, `kill()`, as `subprocess.Popen` has."""
+
+    def __init__(self, args: list[str], pid: int, tmp: str) -> None:
+        self.args, self.pid, self._tmp = args, pid, tmp
+        self.returncode: int | None = None
+        self._result: subprocess.CompletedProcess | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([_server.stdout], [], [], 0)[0]:
+            self.returncode = _answer()["status"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> subprocess.CompletedProcess:
+        """Wait for the end (killing the command after `timeout` seconds); its CompletedProcess."""
+        if self.returncode is None:
+            if not select.select([_server.stdout], [], [], timeout)[0]:
+                self.kill()
+                _answer()
+                shutil.rmtree(self._tmp)
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = _answer()["status"]
+        if self._result is None:
+            out, err = (Path(self._tmp, name).read_text(errors="replace") for name in ("stdout", "stderr"))
+            self._result = subprocess.CompletedProcess(self.args, self.returncode, out, err)
+            shutil.rmtree(self._tmp)
+        return self._result
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
 _server: subprocess.Popen | None = None
+
+
+def _ask(request: dict) -> dict:
+    """Send the fork server a request, return its first answer."""
+    server, data = _cli_server(), (json.dumps(request) + "\n").encode()
+    while data:  # unbuffered: a write may take only part
+        data = data[server.stdin.write(data) :]
+    return _answer()
+
+
+def _answer() -> dict:
+    # Unbuffered: a line read never takes the next one along (which `select` would then not see).
+    return json.loads(_server.stdout.readline())
 
 
 def _cli_server() -> subprocess.Popen:
@@ -75,11 +114,11 @@ def _cli_server() -> subprocess.Popen:
             [sys.executable, str(Path(__file__).with_name("cli_server.py"))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            text=True,
+            bufsize=0,
             env={**os.environ, "WANDB_MODE": "offline"},
         )
         line = _server.stdout.readline()
-        if not line.startswith('{"ready"'):
+        if not line.startswith(b'{"ready"'):
             raise RuntimeError(f"the CLI fork server did not start: {line!r}")
         atexit.register(_server.kill)
     return _server

@@ -4,7 +4,8 @@ its own working directory, environment, argv, stdout and stderr, and reports the
 is a fresh process to the command (it runs `ssl_vit.cli.main` from the top, as the console script
 does); only the imports are shared.
 
-Protocol, one JSON object per line: the test writes {"argv", "cwd", "env", "out", "err"}; the server
+Protocol, one JSON object per line: the test writes {"argv", "cwd", "env", "out", "err", "session"}
+(session: true starts the command in a session of its own, as a job step runs); the server
 answers {"pid"} once the child runs, then {"status"} (as `subprocess` reports it) when it ends.
 """
 
@@ -17,6 +18,8 @@ import traceback
 
 def run_child(request: dict) -> None:
     """In the forked child: become the command, run it, exit with its status."""
+    if request.get("session"):
+        os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     for fd, path in ((1, request["out"]), (2, request["err"])):
@@ -28,6 +31,10 @@ def run_child(request: dict) -> None:
     os.environ.update(request["env"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:0] = extra  # PYTHONPATH is read at start-up only
+    if request["env"].get("OMP_NUM_THREADS"):  # so is OMP_NUM_THREADS, by torch's thread pool
+        import torch
+
+        torch.set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
     if request["cwd"]:
         os.chdir(request["cwd"])
     sys.argv = ["ssl-vit", *request["argv"]]

@@ -30,26 +30,6 @@ def test_step_flops_of_b16_are_those_of_ssl_vit_info():
     assert vit_cost("B/16").flops / mae_cost("B/16").flops == pytest.approx(1.80, abs=0.01)
 
 
-@pytest.mark.slow
-def test_bench_step_prints_a_table_and_writes_json(tmp_path):
-    out = tmp_path / "step.json"
-    proc = run_cli("bench", "step", *TINY, "--tasks", "supervised", "mae", "--json", str(out))
-    (report,) = json.loads(out.read_text())
-    rows = {row["name"]: row for row in report["rows"]}
-    assert list(rows) == ["plain", "supervised", "mae"]
-    for row in rows.values():
-        assert len(row["rounds"]) == 2 and all(r > 0 for r in row["rounds"])
-        assert row["images_per_s"] == pytest.approx(sum(row["rounds"]) / 2)  # the median of two
-        assert 0 < row["mfu"] and row["gflops_per_image"] > 0
-    assert rows["plain"]["vs_plain"] == 1.0
-    mae = rows["mae"]
-    supervised_flops = rows["supervised"]["gflops_per_image"]
-    assert mae["flop_ratio"] == pytest.approx(supervised_flops / mae["gflops_per_image"])
-    assert mae["of_flop_ratio"] == pytest.approx(mae["vs_supervised"] / mae["flop_ratio"])
-    assert report["config"]["fused_attention"] is True and report["peak_flops"]["used"] > 0
-    assert "| mae |" in proc.stdout and "of FLOP ratio" in proc.stdout
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -97,15 +77,35 @@ def test_gradient_traffic_grows_with_the_variant_and_fsdp_is_for_the_largest():
     assert all(0 < row["efficiency"] <= 1 for row in rows.values())
 
 
+def assert_step_report(report: dict) -> None:
+    """A `bench step` report of supervised and MAE against the plain loop, over 2 rounds."""
+    rows = {row["name"]: row for row in report["rows"]}
+    assert list(rows) == ["plain", "supervised", "mae"]
+    for row in rows.values():
+        assert len(row["rounds"]) == 2 and all(r > 0 for r in row["rounds"])
+        assert row["images_per_s"] == pytest.approx(sum(row["rounds"]) / 2)  # the median of two
+        assert 0 < row["mfu"] and row["gflops_per_image"] > 0
+    assert rows["plain"]["vs_plain"] == 1.0
+    mae = rows["mae"]
+    supervised_flops = rows["supervised"]["gflops_per_image"]
+    assert mae["flop_ratio"] == pytest.approx(supervised_flops / mae["gflops_per_image"])
+    assert mae["of_flop_ratio"] == pytest.approx(mae["vs_supervised"] / mae["flop_ratio"])
+    assert report["config"]["fused_attention"] is True and report["peak_flops"]["used"] > 0
+
+
 @pytest.mark.slow
-def test_gpu_script_runs_on_the_cpu_with_small_settings(tmp_path):
+def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
+    """benchmarks/gpu.sh: `ssl-vit bench step` of supervised and MAE, compile off and on, tables printed
+    and every report in its JSON."""
     env = {
         **os.environ, "SSLVIT": f"{sys.executable} -m ssl_vit", "VARIANT": "Ti/8", "IMG_SIZE": "32",
-        "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "1", "STEPS": "1", "WARMUP": "1",
+        "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "2", "STEPS": "1", "WARMUP": "1",
         "JSON": str(tmp_path / "gpu.json"), "WANDB_MODE": "offline",
     }  # fmt: skip
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads((tmp_path / "gpu.json").read_text())
     assert [r["config"]["compile"] for r in reports] == [False, True]
-    assert [row["name"] for row in reports[0]["rows"]] == ["plain", "supervised", "mae"]
+    for report in reports:
+        assert_step_report(report)
+    assert proc.stdout.count("| mae |") == 2 and proc.stdout.count("of FLOP ratio") == 2

@@ -3,30 +3,20 @@ every sample of an epoch once, the schedule where it was, the same W&B run."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli, wandb_records
+from cli_helpers import run_cli, start_cli, wandb_records
 from resume_helpers import ROOT, fit_args, read_steps
 
 ENV = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
 
 
 def start_fit(args):
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **ENV}
-    return subprocess.Popen(
-        [sys.executable, "-m", "ssl_vit", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a job step: signals reach its workers too
-    )
+    # its own process group, as a job step: signals reach its workers too
+    return start_cli(*args, cwd=ROOT, env=ENV, session=True)
 
 
 def wait_for_step(record: Path, step: int, proc, timeout: float = 120) -> None:
@@ -34,7 +24,7 @@ def wait_for_step(record: Path, step: int, proc, timeout: float = 120) -> None:
     while time.monotonic() < deadline:
         if record.exists() and any(r["step"] >= step for r in read_steps(record)):
             return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, proc.wait().stderr[-3000:]
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
@@ -59,14 +49,14 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(digits_shards
     proc = start_fit(args)
     wait_for_step(record, 10, proc)
     proc.kill()
-    proc.communicate()
+    proc.wait()
     killed_at = max(r["step"] for r in read_steps(record))
     assert checkpoint_step(run_dir / "checkpoints/last.ckpt") == 8 < killed_at
 
     proc = start_fit([*args, "--ckpt_path", "last"])
     wait_for_step(record, 14, proc)
     os.killpg(proc.pid, signal.SIGTERM)  # the main process and its DataLoader workers, as SLURM does
-    out, err = proc.communicate(timeout=120)
+    err = proc.wait(timeout=120).stderr
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     stopped = checkpoint_step(run_dir / "checkpoints/last.ckpt")
     line = f"ssl-vit: stopped by SIGTERM after step {stopped}; saved {run_dir}/checkpoints/last.ckpt: resume"

@@ -1,2 +1,6 @@
 """Benchmarks of the training step, the whole training loop and multi-process scaling, each reported
 as ratios against a reference measured in the same process (`ssl-vit bench step|loop|scaling`)."""
+
+# Here rather than in `step`, so that the parsers of `ssl-vit bench` need not import torch and Lightning.
+TASKS = ("supervised", "vit_mpp", "mae", "simmim")
+PRECISIONS = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}  # Lightning's: torch's

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from ssl_vit.benchmark import PRECISIONS, TASKS
 from ssl_vit.errors import UserError
 
 
@@ -32,8 +33,6 @@ def add_bench_parsers(bench_subparsers) -> None:
 
 
 def _step_options(parser, variant: str = "B/16", tasks: tuple[str, ...] | None = None) -> None:
-    from ssl_vit.benchmark.step import PRECISIONS, TASKS
-
     parser.add_argument("--variant", default=variant, help=f"ViT variant (default {variant})")
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=8, help="per process (default 8)")

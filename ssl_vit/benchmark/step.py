@@ -30,14 +30,14 @@ import torch.nn.functional as F
 from lightning_fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 
+from ssl_vit.benchmark import PRECISIONS, TASKS
 from ssl_vit.models.vit import ViTConfig, build_vit
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.base import BackboneTask
 from ssl_vit.tasks.compile import compile_blocks
 
-TASKS = ("supervised", "vit_mpp", "mae", "simmim")
 NUM_CLASSES = 1000
-PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+DTYPES = {precision: getattr(torch, dtype) for precision, dtype in PRECISIONS.items()}
 
 
 def build_task(name: str, config: ViTConfig) -> BackboneTask:
@@ -127,7 +127,7 @@ class StepBench:
         if self.compile:
             compile_blocks(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        dtype = PRECISIONS[self.precision]
+        dtype = DTYPES[self.precision]
 
         def run(batch: dict) -> float:
             for step in range(self.warmup + self.steps):
@@ -204,8 +204,8 @@ class StepBench:
         return self.report(results)
 
     def report(self, results: dict[str, Result]) -> dict:
-        peak_table = get_available_flops(self.device, PRECISIONS[self.precision])
-        peak_measured = measure_peak_flops(self.device, PRECISIONS[self.precision])
+        peak_table = get_available_flops(self.device, DTYPES[self.precision])
+        peak_measured = measure_peak_flops(self.device, DTYPES[self.precision])
         peak = peak_table or peak_measured
         rows = []
         for name, result in results.items():

@@ -1,5 +1,30 @@
 """Checkpoint I/O below the tasks: reading any checkpoint kind into a backbone (`load`), MAE's names
-(`mae`), and writing backbones (and classifiers) for timm (`export`)."""
+(`mae`), and writing backbones (and classifiers) for timm (`export`).
 
-from ssl_vit.checkpoints.load import *  # noqa: F403  (the loader's public names, listed there)
-from ssl_vit.checkpoints.load import __all__  # noqa: F401
+The loader's names are imported on first use, so that `ssl-vit --help` and the parsers of `evaluate`,
+`compare` and `export` do not pay for importing torch and timm.
+"""
+
+# What every command that takes a checkpoint accepts (the loader's error messages repeat it).
+SOURCES = (
+    "a Lightning .ckpt, a .safetensors, an exported folder, a .pth/.bin of timm or MAE weights, "
+    "timm:MODEL_NAME or scratch"
+)
+
+__all__ = [
+    "Weights",
+    "config_metadata",
+    "config_of_timm_model",
+    "infer_config",
+    "load_backbone",
+    "load_mae_decoder",
+    "read_weights",
+]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from ssl_vit.checkpoints import load
+
+        return getattr(load, name)
+    raise AttributeError(f"module 'ssl_vit.checkpoints' has no attribute {name!r}")

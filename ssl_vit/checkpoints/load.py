@@ -31,15 +31,11 @@ from timm.models import clean_state_dict
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
-from ssl_vit.checkpoints import mae
+from ssl_vit.checkpoints import SOURCES, mae
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import VARIANTS, ViT, ViTConfig, parse_variant
 
 METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safetensors
-SOURCES = (
-    "a Lightning .ckpt, a .safetensors, an exported folder, a .pth/.bin of timm or MAE weights, "
-    "timm:MODEL_NAME or scratch"
-)
 # What must agree between a checkpoint and the config it is loaded into; img_size, drop path and
 # activation checkpointing may differ (position embeddings are resampled in 2-D, ViT paper sec 3.2).
 ARCHITECTURE = ("width", "depth", "heads", "mlp_dim", "pooling", "hybrid", "patch_size")
@@ -302,14 +298,3 @@ def config_of_timm_model(model, name: str) -> ViTConfig:
 def config_metadata(config: ViTConfig) -> dict[str, str]:
     """safetensors metadata that lets `load_backbone` rebuild the backbone of an exported file."""
     return {METADATA_KEY: json.dumps(asdict(config))}
-
-
-__all__ = [
-    "Weights",
-    "config_metadata",
-    "config_of_timm_model",
-    "infer_config",
-    "load_backbone",
-    "load_mae_decoder",
-    "read_weights",
-]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ssl_vit.checkpoints.load import SOURCES
+from ssl_vit.checkpoints import SOURCES
 from ssl_vit.errors import UserError
 
 CHECKPOINT_HELP = SOURCES

@@ -10,7 +10,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
-from cli_helpers import free_port
+from cli_helpers import free_port, run_cli
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
@@ -29,12 +29,12 @@ def save(model, path) -> str:
 def ssl_vit(args: list[str], ranks: int) -> subprocess.CompletedProcess:
     """`ssl-vit ARGS` alone or as `ranks` processes through torchrun; one thread each, so both see the same
     arithmetic."""
+    if ranks == 1:
+        return run_cli(*args, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, check=False)
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    launch = [sys.executable, "-m", "ssl_vit"]
-    if ranks > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                  "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-                  "--master_port", str(free_port()), "-m", "ssl_vit"]  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+              "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+              "--master_port", str(free_port()), "-m", "ssl_vit"]  # fmt: skip
     return subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

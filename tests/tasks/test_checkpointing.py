@@ -51,6 +51,11 @@ def fit_args(shards: Path, run: Path, *extra: str, recipe: str = "mpp") -> list[
     ]  # fmt: skip
 
 
+def global_step(path: Path) -> int:
+    """The step a checkpoint was saved at; its tensors are mapped, not read."""
+    return torch.load(path, weights_only=True, map_location="cpu", mmap=True)["global_step"]
+
+
 def version(path: Path):
     """Identifies one write of a file: a replaced file has a new inode, mtime or size."""
     try:
@@ -335,7 +340,7 @@ def test_sigkill_during_saves_leaves_loadable_checkpoints_and_resumes(digits_sha
             pid = int(server.stdout.readline())
             t1 = wait(lambda before=before: version(last) not in (before, None), "its first save", kill)
             names = set(os.listdir(checkpoints))
-            step = torch.load(last, weights_only=True, map_location="cpu")["global_step"]
+            step = global_step(last)
             assert step > resumed_from, f"fit {kill} restarted at step {step}, not after {resumed_from}"
             if kill:
                 assert f"Restored all states from the checkpoint at {last}" in log.read_text()
@@ -369,7 +374,7 @@ def test_sigkill_during_saves_leaves_loadable_checkpoints_and_resumes(digits_sha
                     checkpoint = torch.load(checkpoints / name, weights_only=True, map_location="cpu")
                     assert COMPLETE <= set(checkpoint), f"{name}: {sorted(checkpoint)}"
                     checked.add((name, version(checkpoints / name)))
-            resumed_from = torch.load(last, weights_only=True, map_location="cpu")["global_step"]
+            resumed_from = global_step(last)
         leftovers = sorted(p.name for p in tmpdir.iterdir() if p.is_file())  # wandb makes directories
     finally:
         if pid is not None:

@@ -1,0 +1,26 @@
+"""`ssl-vit --help` and the help of every argparse subcommand start without importing torch, Lightning,
+timm or W&B: the parsers are registered by light modules, and a command imports what it runs."""
+
+import subprocess
+import sys
+
+HEAVY = ("torch", "pytorch_lightning", "lightning_fabric", "timm", "wandb", "matplotlib", "sklearn")
+HELP = [
+    [], ["info"], ["data", "convert"], ["data", "inspect"], ["evaluate"], ["compare"], ["export"],
+    ["analyze"], ["bench", "step"], ["bench", "loop"], ["bench", "scaling"], ["bench", "data"],
+]  # fmt: skip
+PROBE = f"""
+import contextlib, io, sys
+from ssl_vit.cli import main
+for argv in {HELP!r}:
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+        main([*argv, "--help"])
+    assert out.getvalue().startswith("usage: ssl-vit"), argv
+print(*sorted(name for name in {HEAVY!r} if name in sys.modules))
+"""
+
+
+def test_help_of_every_argparse_command_imports_nothing_heavy():
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == []
