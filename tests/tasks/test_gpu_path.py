@@ -159,6 +159,7 @@ def test_counting_flops_runs_compiled_blocks_eagerly_and_leaves_them_compiled(di
     of the process, so counting undid `--compile` (`benchmarks/gpu.sh` compile on vs off shows it);
     the count now runs with torch.compiler's eager stance. Here: the count is the eager one, and the
     blocks still compile and run compiled code afterwards."""
+    torch._dynamo.reset()  # shapes start static whatever earlier tests compiled: a new batch size recompiles
     images = digits_batch["image"][:4]
     eager = mae()
     eager.measure_flops(images)
