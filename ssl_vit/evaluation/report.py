@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
 
 from ssl_vit.analysis.attention import attention_distance
 from ssl_vit.analysis.images import read_images
@@ -292,21 +294,29 @@ def _errors(intervals: list[Interval | Difference]) -> list[list[float]]:
     return [[100 * (i.mean - i.low) for i in intervals], [100 * (i.high - i.mean) for i in intervals]]
 
 
+def _panels(n: int, figsize: tuple[float, float]) -> tuple[Figure, list]:
+    """A figure of `n` panels side by side. matplotlib's `Figure` without pyplot: no global figure
+    registry to close, and no interactive backend to choose."""
+    fig = Figure(figsize=figsize)
+    return fig, list(fig.subplots(1, n, squeeze=False)[0])
+
+
+def _saved(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
     """Accuracy against labelled examples per class with its interval, one line per checkpoint, one
     panel per few-shot protocol; trained protocols (linear probe, fine-tune) as points at the full
     training set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fewshots = [p for p in suite.protocols if p.kind == "fewshot"]
     trained = [p for p in suite.protocols if p.kind in ("linear_probe", "finetune")]
     if not fewshots:
         return None
-    fig, axes = plt.subplots(1, len(fewshots), figsize=(5 * len(fewshots), 4), squeeze=False)
-    for ax, protocol in zip(axes[0], fewshots):
+    fig, axes = _panels(len(fewshots), (5 * len(fewshots), 4))
+    for ax, protocol in zip(axes, fewshots):
         for row in rows:
             if row["error"]:
                 continue
@@ -338,24 +348,16 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
         ax.set_title(f"{protocol.name} ({classes})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def plot_bars(rows: list[dict], columns: list[str], path: Path) -> Path | None:
     """A bar chart per result column, one bar per checkpoint, its interval as an error bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     good = [row for row in rows if not row["error"]]
     if not good or not columns:
         return None
-    fig, axes = plt.subplots(1, len(columns), figsize=(2.2 * len(columns) + 1, 3.2), squeeze=False)
-    for ax, column in zip(axes[0], columns):
+    fig, axes = _panels(len(columns), (2.2 * len(columns) + 1, 3.2))
+    for ax, column in zip(axes, columns):
         found = [row["intervals"][column] for row in good]
         ax.bar(
             range(len(good)),
@@ -367,11 +369,8 @@ def plot_bars(rows: list[dict], columns: list[str], path: Path) -> Path | None:
         ax.set_xticks(range(len(good)), [row["name"] for row in good], rotation=45, ha="right", fontsize=8)
         ax.set_title(column, fontsize=9)
         ax.set_ylim(0, 100)
-    axes[0][0].set_ylabel("accuracy (%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    axes[0].set_ylabel("accuracy (%)")
+    return _saved(fig, path)
 
 
 def headline(suite: Suite) -> list[str]:
@@ -385,17 +384,12 @@ def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
     headline column, one point per checkpoint: SSL and supervised compared at equal compute. Rows
     without pretraining (scratch) are a dashed line; rows whose checkpoint recorded no cost are named
     in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     good = [row for row in rows if not row["error"]]
     if not good:
         return None
     columns = headline(suite)
-    fig, axes = plt.subplots(1, len(columns), figsize=(4.5 * len(columns), 3.8), squeeze=False)
-    for ax, column in zip(axes[0], columns):
+    fig, axes = _panels(len(columns), (4.5 * len(columns), 3.8))
+    for ax, column in zip(axes, columns):
         for i, row in enumerate(good):
             found, cost = row["intervals"][column], row["cost"]
             if cost and cost["flops"] > 0:
@@ -414,10 +408,7 @@ def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
         ax.set_title(column + (f"\n(cost not recorded: {', '.join(unknown)})" if unknown else ""), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def label_efficiency_protocols(suite: Suite) -> list[TrainedProtocol]:
@@ -454,17 +445,12 @@ def write_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> None:
 def plot_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> Path | None:
     """Accuracy (with its interval) against the labelled training images used, one panel per trained
     protocol with label fractions, one line per checkpoint."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     protocols = label_efficiency_protocols(suite)
     good = [row for row in rows if not row["error"]]
     if not protocols or not good:
         return None
-    fig, axes = plt.subplots(1, len(protocols), figsize=(5 * len(protocols), 4), squeeze=False)
-    for ax, protocol in zip(axes[0], protocols):
+    fig, axes = _panels(len(protocols), (5 * len(protocols), 4))
+    for ax, protocol in zip(axes, protocols):
         for i, row in enumerate(good):
             _, labels, found = zip(*label_efficiency_points(row, protocol))
             ax.errorbar(
@@ -475,17 +461,14 @@ def plot_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> Path | 
         # Ticks at the counts used, written out: a log axis's own labels (2 x 10^1) overlap there.
         used = sorted({labels for row in good for _, labels, _ in label_efficiency_points(row, protocol)})
         ax.set_xticks(used, [str(n) for n in used])
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("labelled training images used")
         ax.set_ylabel("accuracy (%)")
         fractions = ", ".join(f"{100 * f:g}%" for f in sorted(protocol.label_fractions))
         ax.set_title(f"{protocol.name} ({protocol.kind}; {fractions} of the labels)", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def plot_differences(
@@ -493,14 +476,9 @@ def plot_differences(
 ) -> Path:
     """Each checkpoint minus the baseline per column with its paired interval (a forest plot): green a
     win, red a loss, grey within noise."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colours = {"win": "tab:green", "loss": "tab:red", "noise": "tab:gray"}
     names = list(differences)
-    fig, ax = plt.subplots(figsize=(6, 0.4 * len(columns) * max(1, len(names)) + 1.2))
+    fig, (ax,) = _panels(1, (6, 0.4 * len(columns) * max(1, len(names)) + 1.2))
     for n, name in enumerate(names):
         for c, column in enumerate(columns):
             found = differences[name][column]
@@ -517,10 +495,7 @@ def plot_differences(
     ax.set_title("paired differences: green win, red loss, grey within noise", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def log_to_wandb(
