@@ -126,12 +126,10 @@ def label_subset(
 def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     from ssl_vit.tasks import LinearProbe
 
-    details, correct = {}, {}
     test = _restrict(features.get("test", protocol.feature), protocol.classes)
-    for fraction in protocol.label_fractions:
-        column = protocol.column(fraction)
-        keys, used = _training_set(protocol, features, fraction, suite.seed)
-        model = LinearProbe(
+
+    def build() -> LinearProbe:
+        return LinearProbe(
             backbone=config,
             init_from=source,
             num_classes=features.num_classes(),
@@ -142,26 +140,24 @@ def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tup
             optimizer=optimizer(protocol, protocol.lrs[0]),
             lr_scheduler=schedule(protocol),
         )
-        metrics = _train(model, protocol, suite, features, keys)
+
+    def score(model: LinearProbe, metrics: dict) -> tuple[torch.Tensor, dict]:
         # The best head (on the validation pass, as val/accuracy) scores the cached test features: the
         # probe's frozen backbone is the one they came from (see _train), so no second pass is needed.
         head = min(range(len(model.lrs)), key=lambda i: abs(model.lrs[i] - metrics["val/best_lr"]))
         model.eval()
         with torch.no_grad():
             logits = model.classify(test.x.to(model.device))[head]
-        correct[column] = (logits.argmax(1).cpu() == test.y)[None]
-        details[column] = {**used, "best_lr": metrics.get("val/best_lr"), **metrics}
-    return _scores(correct), details, correct
+        return logits.argmax(1).cpu() == test.y, {"best_lr": metrics.get("val/best_lr")}
+
+    return _per_label_fraction(protocol, features, suite, build, score)
 
 
 def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     from ssl_vit.tasks import FineTune
 
-    details, correct = {}, {}
-    for fraction in protocol.label_fractions:
-        column = protocol.column(fraction)
-        keys, used = _training_set(protocol, features, fraction, suite.seed)
-        model = FineTune(
+    def build() -> FineTune:
+        return FineTune(
             backbone=config,
             init_from=source,
             num_classes=features.num_classes(),
@@ -170,9 +166,25 @@ def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[d
             optimizer=optimizer(protocol, protocol.lr),
             lr_scheduler=schedule(protocol),
         )
+
+    def score(model: FineTune, metrics: dict) -> tuple[torch.Tensor, dict]:
+        return _correct(model, features, protocol.classes), {}
+
+    return _per_label_fraction(protocol, features, suite, build, score)
+
+
+def _per_label_fraction(protocol, features: FeatureCache, suite, build, score) -> tuple[dict, dict, dict]:
+    """A trained protocol's columns: for each label fraction, a fresh task from `build()` trained on
+    that fraction's samples, then `score(task, metrics)` -> ((M,) bool correct test images, details)."""
+    details, correct = {}, {}
+    for fraction in protocol.label_fractions:
+        column = protocol.column(fraction)
+        keys, used = _training_set(protocol, features, fraction, suite.seed)
+        model = build()
         metrics = _train(model, protocol, suite, features, keys)
-        correct[column] = _correct(model, features, protocol.classes)[None]
-        details[column] = {**used, **metrics}
+        hits, extra = score(model, metrics)
+        correct[column] = hits[None]
+        details[column] = {**used, **extra, **metrics}
     return _scores(correct), details, correct
 
 
