@@ -2,6 +2,7 @@
 
 import atexit
 import json
+import multiprocessing
 import os
 import select
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing
 
 
 def run_cli(*args: str, cwd=None, env=None, timeout: float = 600, check: bool = True):
@@ -129,6 +131,15 @@ def skip_or_fail(reason: str):
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"required under CI: {reason}")
     pytest.skip(reason)
+
+
+def start_ranks(fn, *args, nprocs: int = 2) -> None:
+    """`fn(rank, *args)` in `nprocs` new processes, as `torch.multiprocessing.spawn` runs them, but
+    forked from multiprocessing's fork server: a clean process that imports torch and ssl-vit once for
+    the session, where spawning would have every rank import them again (seconds each)."""
+    preload = ["torch.distributed", "ssl_vit.data.datamodule", "ssl_vit.evaluation.features", fn.__module__]
+    multiprocessing.set_forkserver_preload(preload)  # takes effect when the server starts, on first use
+    torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""Code that runs inside the 2-rank tests' processes (kept importable for torch.multiprocessing spawn)."""
+"""Code that runs inside the 2-rank tests' processes (importable: `cli_helpers.start_ranks` starts them)."""
 
 import json
 from pathlib import Path
@@ -16,8 +16,8 @@ def exact_and_training_pass(rank: int, world_size: int, port: int, urls: str, ou
 
     from ssl_vit.data import ShardDataModule
 
-    # A spawned process inherits the "spawn" start method, which would make every DataLoader worker
-    # re-import torch (seconds each); torchrun/Lightning-launched ranks fork their workers, as here.
+    # A rank started by `cli_helpers.start_ranks` inherits the "forkserver" start method; torchrun- and
+    # Lightning-launched ranks fork their DataLoader workers, as here.
     multiprocessing.set_start_method("fork", force=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     dm = ShardDataModule(

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 import webdataset as wds
+from cli_helpers import start_ranks
 from data_helpers import free_port, image_bytes, write_broken_shard
 from PIL import Image
 from torch.utils.data import DataLoader
@@ -34,9 +34,7 @@ def test_two_ranks_two_workers_see_every_key_once_and_step_together(unequal_shar
     from dist_helpers import exact_and_training_pass
 
     urls, keys = unequal_shards
-    mp.start_processes(
-        exact_and_training_pass, args=(2, free_port(), urls, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(exact_and_training_pass, 2, free_port(), urls, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     seen = Counter(k for r in ranks for k in r["exact"])
     assert sorted(seen) == sorted(keys) and set(seen.values()) == {1}  # 31 keys, each exactly once

@@ -1,4 +1,4 @@
-"""Code that runs inside the 2-rank feature-extraction test's processes (importable for spawn)."""
+"""Code that runs inside the 2-rank feature-extraction test's processes (`cli_helpers.start_ranks`)."""
 
 from pathlib import Path
 
@@ -14,7 +14,7 @@ def extract_on_rank(rank: int, world_size: int, port: int, urls: str, out: str) 
     from ssl_vit.evaluation.features import extract_features
     from ssl_vit.models.vit import build_vit
 
-    # spawn is inherited by DataLoader workers, which would then re-import torch; launched ranks fork
+    # the rank's start method ("forkserver") is inherited by DataLoader workers; launched ranks fork
     multiprocessing.set_start_method("fork", force=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     torch.manual_seed(0)  # the same weights on every rank, as DDP guarantees

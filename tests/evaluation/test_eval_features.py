@@ -1,11 +1,10 @@
 """Frozen features: kinds and their values, eval mode and no grad, key order, and a 2-rank exact pass."""
 
 import json
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from cli_helpers import free_port, start_ranks
 from eval_dist_helpers import extract_on_rank  # next to this file; pytest puts its folder on sys.path
 
 from ssl_vit.evaluation.features import Features, extract_features
@@ -134,10 +133,7 @@ def test_two_ranks_see_every_sample_once(seven_val_shards, tmp_path):
     from ssl_vit.data import ShardDataModule
 
     urls = str(seven_val_shards / "val-{000000..000006}.tar")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(extract_on_rank, args=(2, port, urls, str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(extract_on_rank, 2, free_port(), urls, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
     # each rank extracted its own share, and together they cover the split exactly once

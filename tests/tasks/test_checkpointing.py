@@ -289,7 +289,9 @@ for line in sys.stdin:
     print(pid, flush=True)
     print(os.waitpid(pid, 0)[1], flush=True)
 """
-KILLS = 20
+# 12 kills: with the seed below, 7 aimed at a save and 5 at a random moment of a step (a step is mostly
+# its save, so those often land in one too).
+KILLS = 12
 
 
 @pytest.mark.slow
