@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # One GPU, ViT-B/16 at 224 px, bf16: supervised and MAE training steps against a plain timm loop,
-# torch.compile off and on; images/s, MFU and the MAE / supervised ratios, as tables.
-#   bash benchmarks/gpu.sh              (about 90 s on an H200, compilation included)
+# torch.compile off, then per transformer block, then of the whole step as CUDA graphs
+# (`--compile-scope step --compile-mode reduce-overhead`); images/s, MFU and the MAE / supervised
+# ratios, as tables.
+#   bash benchmarks/gpu.sh              (about 5 min on an H200, compilation included; WHOLE_STEP=0: 90 s)
 # Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.
 # The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SSLVIT=${SSLVIT:-.venv/bin/ssl-vit}
 JSON=${JSON:-benchmarks/gpu.json}
-$SSLVIT bench step \
-    --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}" \
-    --tasks supervised mae --precision "${PRECISION:-bf16-mixed}" --compile both \
-    --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
-    --json "$JSON"
-echo "tables above; numbers in $JSON"
+options=(
+    --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
+    --tasks supervised mae --precision "${PRECISION:-bf16-mixed}"
+    --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}"
+)
+$SSLVIT bench step "${options[@]}" --compile both --json "$JSON"
+if [ "${WHOLE_STEP:-1}" = 1 ]; then
+    $SSLVIT bench step "${options[@]}" --compile on --compile-scope step --compile-mode reduce-overhead \
+        --json "${JSON%.json}-step.json"
+    echo "tables above; numbers in $JSON and ${JSON%.json}-step.json"
+else
+    echo "tables above; numbers in $JSON"
+fi

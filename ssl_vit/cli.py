@@ -59,7 +59,7 @@ def lightning_cli(argv: list[str]):
         resumed_checkpoint,
         with_safe_io,
     )
-    from ssl_vit.tasks.compile import CompileBlocks
+    from ssl_vit.tasks.compile import CompileTask
     from ssl_vit.tasks.nonfinite import NonFiniteGuard
     from ssl_vit.tasks.preemption import Preemption
     from ssl_vit.tasks.resume import RandomState
@@ -96,8 +96,8 @@ def lightning_cli(argv: list[str]):
             )
             # What a NaN or inf loss does: `nonfinite.policy` skip (up to `max_skips`) or stop.
             parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
-            # torch.compile of the transformer blocks: `compile.enabled`, `compile.mode`.
-            parser.add_lightning_class_args(CompileBlocks, "compile")
+            # torch.compile of the blocks or the step: `compile.enabled`, `compile.mode`, `compile.scope`.
+            parser.add_lightning_class_args(CompileTask, "compile")
             # Values that must agree between data and model are given once, on the data side.
             parser.link_arguments("data.init_args.image_size", "model.init_args.backbone.img_size")
             parser.link_arguments("data.init_args.mean", "model.init_args.mean")

@@ -48,12 +48,20 @@ def test_bench_step_mistakes_are_one_line(args, message, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bench_loop_mistakes_are_one_line(tmp_path):
+    proc = run_cli("bench", "loop", "--threads", "0", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "ssl-vit: error: --steps, --batch-size and --threads must be at least 1"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_bench_loop_runs_ssl_vit_fit_on_shards_against_a_bare_loop(tmp_path):
     out = tmp_path / "loop.json"
-    proc = run_cli("bench", "loop", "--steps", "6", "--batch-size", "4", "--json", str(out))
+    proc = run_cli("bench", "loop", "--steps", "6", "--batch-size", "4", "--threads", "1", "--json", str(out))
     report = json.loads(out.read_text())
     assert report["steps"] == 6
+    assert report["threads"] == report["fit_threads"] == 1  # the fit's child computed on one thread too
     assert report["fit_process_s"] > report["fit_loop_s"] > 0 and report["bare_loop_s"] > 0
     assert report["overhead"] == pytest.approx(report["fit_loop_s"] / report["bare_loop_s"])
     assert "whole-loop time / bare loop" in proc.stdout
@@ -95,8 +103,9 @@ def assert_step_report(report: dict) -> None:
 
 @pytest.mark.slow
 def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
-    """benchmarks/gpu.sh: `ssl-vit bench step` of supervised and MAE, compile off and on, tables printed
-    and every report in its JSON."""
+    """benchmarks/gpu.sh: `ssl-vit bench step` of supervised and MAE, compile off, per block, and the
+    whole step under CUDA graphs' mode (inductor without CUDA graphs on the CPU); tables printed and
+    every report in its JSON."""
     env = {
         **os.environ, "SSLVIT": f"{sys.executable} -m ssl_vit", "VARIANT": "Ti/8", "IMG_SIZE": "32",
         "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "2", "STEPS": "1", "WARMUP": "1",
@@ -105,7 +114,10 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads((tmp_path / "gpu.json").read_text())
-    assert [r["config"]["compile"] for r in reports] == [False, True]
+    reports += json.loads((tmp_path / "gpu-step.json").read_text())
+    compiled = [tuple(r["config"][k] for k in ("compile", "compile_scope", "compile_mode")) for r in reports]
+    assert compiled == [(False, None, None), (True, "blocks", "default"), (True, "step", "reduce-overhead")]
     for report in reports:
         assert_step_report(report)
-    assert proc.stdout.count("| mae |") == 2 and proc.stdout.count("of FLOP ratio") == 2
+    assert proc.stdout.count("| mae |") == 3 and proc.stdout.count("of FLOP ratio") == 3
+    assert "compile on (step, reduce-overhead)" in proc.stdout

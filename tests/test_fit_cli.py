@@ -87,6 +87,19 @@ def test_quickstart_recipes_run_fast_dev_run(recipe, digits_shards, tmp_path, cl
     assert "fast_dev_run" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["blocks", "step"])
+def test_fit_compiles_the_blocks_or_the_whole_step(scope, digits_shards, tmp_path, cli):
+    proc = cli(
+        "fit", "--config", str(ROOT / "recipes/quickstart/mae.yaml"), *quickstart_overrides(digits_shards),
+        "--compile.enabled", "true", "--compile.scope", scope, "--trainer.fast_dev_run", "2",
+        "--trainer.default_root_dir", str(tmp_path / "run"), cwd=ROOT,
+    )  # fmt: skip
+    expected = {"blocks": "transformer blocks", "step": "the whole training step of MaskedPatchPretraining"}
+    assert f"torch.compile (default): {'' if scope == 'step' else '6 '}{expected[scope]}" in proc.stderr
+    assert "fast_dev_run" in proc.stdout + proc.stderr
+
+
 def test_bad_recipe_value_is_a_clear_error(cli, tmp_path):
     proc = cli(
         "fit",

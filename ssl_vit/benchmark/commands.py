@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from ssl_vit.benchmark import PRECISIONS, TASKS
+from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
 from ssl_vit.errors import UserError
 
 
@@ -22,6 +22,9 @@ def add_bench_parsers(bench_subparsers) -> None:
     )
     loop.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
     loop.add_argument("--batch-size", type=int, default=32)
+    loop.add_argument(
+        "--threads", type=int, help="torch threads of both sides (default: every core but the loader's)"
+    )
     loop.add_argument("--json", type=Path, help="also write the report here")
     loop.set_defaults(func=_loop)
 
@@ -40,9 +43,15 @@ def _step_options(parser, variant: str = "B/16", tasks: tuple[str, ...] | None =
         "--tasks", nargs="+", choices=TASKS, default=list(tasks or TASKS), help="default: all"
     )
     parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true")
+    parser.add_argument("--compile", choices=("off", "on", "both"), default="off", help="torch.compile")
     parser.add_argument(
-        "--compile", choices=("off", "on", "both"), default="off", help="torch.compile of the blocks"
-    )
+        "--compile-scope", choices=("blocks", "step"), default="blocks",
+        help="compile every transformer block (default) or each side's whole step",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-mode", choices=COMPILE_MODES, default="default",
+        help="torch.compile's mode (reduce-overhead: CUDA graphs)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -82,6 +91,7 @@ def _step_reports(args, progress=print) -> list[dict]:
         bench = StepBench(
             args.variant, args.img_size, args.batch_size, tuple(args.tasks), args.precision, compiled,
             args.device, args.rounds, args.steps, args.warmup,
+            compile_scope=args.compile_scope, compile_mode=args.compile_mode,
         )  # fmt: skip
         reports.append(bench.run(progress))
     return reports
@@ -108,9 +118,9 @@ def _step(args) -> int:
 def _loop(args) -> int:
     from ssl_vit.benchmark.loop import format_loop, run_loop_bench
 
-    if args.steps < 1 or args.batch_size < 1:
-        raise UserError("--steps and --batch-size must be at least 1")
-    report = run_loop_bench(args.steps, args.batch_size)
+    if args.steps < 1 or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
+        raise UserError("--steps, --batch-size and --threads must be at least 1")
+    report = run_loop_bench(args.steps, args.batch_size, args.threads)
     print(format_loop(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))

@@ -7,6 +7,11 @@ non-finite callbacks. Against it, in this process, a bare PyTorch loop of the sa
 held in memory: `forward_loss`, `backward`, AdamW. The fit is timed from its first training batch to
 its end (`StepClock`), so the ratio is the loop's overhead, not the interpreter's start-up, which is
 reported on its own.
+
+Both sides compute on `threads` torch threads, by default every core but the one the fit's DataLoader
+worker decodes on: as on a GPU node, where the loader has cores of its own. With the model's threads
+on every core, the worker's decoding would take turns with them, and the ratio would measure the
+machine's shortage of cores rather than the loop.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ TRAIN_IMAGES, VAL_IMAGES = 2000, 200
 
 
 class StepClock(pl.Callback):
-    """Writes to `path` when the first training batch started and when training ended."""
+    """Writes to `path` the seconds from the first training batch's start to the end of training, the
+    steps, and the torch threads the fit computed on."""
 
     def __init__(self, path: str) -> None:
         self.path, self.first = path, None
@@ -42,8 +48,9 @@ class StepClock(pl.Callback):
             self.first = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module) -> None:
-        end = time.perf_counter()
-        Path(self.path).write_text(json.dumps({"loop_s": end - self.first, "steps": trainer.global_step}))
+        seconds = time.perf_counter() - self.first
+        report = {"loop_s": seconds, "steps": trainer.global_step, "threads": torch.get_num_threads()}
+        Path(self.path).write_text(json.dumps(report))
 
 
 def fit_args(shards: Path, run_dir: Path, clock: Path, steps: int, batch_size: int) -> list[str]:
@@ -82,8 +89,15 @@ def bare_loop(steps: int, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def _ssl_vit(*args: str, cwd: Path) -> float:
+def default_threads() -> int:
+    """Every core but one (the DataLoader worker's), at least one."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def _ssl_vit(*args: str, cwd: Path, threads: int | None = None) -> float:
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+    if threads is not None:  # torch's intra-op threads in the child, read when torch starts
+        env["OMP_NUM_THREADS"] = str(threads)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "ssl_vit", *args], cwd=cwd, env=env, capture_output=True, text=True
@@ -93,7 +107,9 @@ def _ssl_vit(*args: str, cwd: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_loop_bench(steps: int, batch_size: int) -> dict:
+def run_loop_bench(steps: int, batch_size: int, threads: int | None = None) -> dict:
+    threads = threads or default_threads()
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ssl-vit-bench-loop-") as tmp:
         tmp = Path(tmp)
         for split, count in (("train", TRAIN_IMAGES), ("val", VAL_IMAGES)):
@@ -102,7 +118,8 @@ def run_loop_bench(steps: int, batch_size: int) -> dict:
                 "--shard-size", str(TRAIN_IMAGES // 2), "--no-progress", cwd=tmp,
             )  # fmt: skip
         clock = tmp / "clock.json"
-        process_s = _ssl_vit(*fit_args(tmp / "shards", tmp / "run", clock, steps, batch_size), cwd=tmp)
+        args = fit_args(tmp / "shards", tmp / "run", clock, steps, batch_size)
+        process_s = _ssl_vit(*args, cwd=tmp, threads=threads)
         fit = json.loads(clock.read_text())
         bare_s = bare_loop(steps, batch_size)
     return {
@@ -113,13 +130,15 @@ def run_loop_bench(steps: int, batch_size: int) -> dict:
         "fit_process_s": process_s,
         "bare_loop_s": bare_s,
         "overhead": fit["loop_s"] / bare_s,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "fit_threads": fit["threads"],
     }
 
 
 def format_loop(report: dict) -> str:
     return (
-        f"MAE, {report['backbone']}, {report['steps']} steps of batch {report['batch_size']}\n"
+        f"MAE, {report['backbone']}, {report['steps']} steps of batch {report['batch_size']}, "
+        f"{report['threads']} torch thread(s) on each side, 1 DataLoader worker\n"
         f"ssl-vit fit (shards, validation, checkpoints, W&B): {report['fit_loop_s']:.1f} s from its first "
         f"step ({report['fit_process_s']:.1f} s with start-up)\n"
         f"bare in-memory PyTorch loop: {report['bare_loop_s']:.1f} s\n"

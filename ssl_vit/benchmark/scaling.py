@@ -46,6 +46,7 @@ def run_scaling(args) -> dict:
     options = [
         "--variant", args.variant, "--img-size", str(args.img_size), "--batch-size", str(args.batch_size),
         "--tasks", *args.tasks, "--precision", args.precision, "--compile", args.compile,
+        "--compile-scope", args.compile_scope, "--compile-mode", args.compile_mode,
         "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--threads", "1",
     ]  # fmt: skip

@@ -34,7 +34,7 @@ from ssl_vit.benchmark import PRECISIONS, TASKS
 from ssl_vit.models.vit import ViTConfig, build_vit
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.base import BackboneTask
-from ssl_vit.tasks.compile import compile_blocks
+from ssl_vit.tasks.compile import compile_blocks, compile_step, compiled_step
 
 NUM_CLASSES = 1000
 DTYPES = {precision: getattr(torch, dtype) for precision, dtype in PRECISIONS.items()}
@@ -102,10 +102,13 @@ class StepBench:
         steps: int = 3,
         warmup: int = 1,
         seed: int = 0,
+        compile_scope: str = "blocks",
+        compile_mode: str = "default",
     ) -> None:
         self.config = ViTConfig(variant, img_size)
         self.batch_size, self.tasks, self.precision = batch_size, tuple(tasks), precision
         self.compile, self.device = compile, torch.device(device)
+        self.compile_scope, self.compile_mode = compile_scope, compile_mode
         self.rounds, self.steps, self.warmup, self.seed = rounds, steps, warmup, seed
         self.world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
@@ -124,10 +127,16 @@ class StepBench:
         model = build_vit(self.config.variant, self.config.img_size, num_classes=NUM_CLASSES).to(self.device)
         if self.world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
-        if self.compile:
-            compile_blocks(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         dtype = DTYPES[self.precision]
+
+        def train_loss(images: Tensor, labels: Tensor) -> Tensor:
+            return F.cross_entropy(model(images), labels)
+
+        if self.compile and self.compile_scope == "blocks":
+            compile_blocks(model, self.compile_mode)
+        elif self.compile:
+            train_loss = compiled_step(train_loss, self.compile_mode)
 
         def run(batch: dict) -> float:
             for step in range(self.warmup + self.steps):
@@ -139,7 +148,7 @@ class StepBench:
                 with torch.autocast(
                     self.device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False
                 ):
-                    loss = F.cross_entropy(model(batch["image"]), batch["label"])
+                    loss = train_loss(batch["image"], batch["label"])
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -151,8 +160,10 @@ class StepBench:
     def task_loop(self, name: str) -> tuple[BackboneTask, Callable[[dict], float]]:
         torch.manual_seed(self.seed)
         task = build_task(name, self.config)
-        if self.compile:
-            compile_blocks(task)
+        if self.compile and self.compile_scope == "blocks":
+            compile_blocks(task, self.compile_mode)
+        elif self.compile:
+            compile_step(task, self.compile_mode)
 
         def run(batch: dict) -> float:
             window = _Window(self.warmup, self.sync)
@@ -229,6 +240,8 @@ class StepBench:
                 "batch_size": self.batch_size,
                 "precision": self.precision,
                 "compile": self.compile,
+                "compile_scope": self.compile_scope if self.compile else None,
+                "compile_mode": self.compile_mode if self.compile else None,
                 "device": str(self.device),
                 "device_name": _device_name(self.device),
                 "world_size": self.world_size,
@@ -295,12 +308,19 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def _compiled(config: dict) -> str:
+    if not config["compile"]:
+        return "off"
+    mode = "" if config["compile_mode"] == "default" else f", {config['compile_mode']}"
+    return f"on ({config['compile_scope']}{mode})"
+
+
 def format_table(report: dict) -> str:
     """The report as a Markdown table (also what `ssl-vit bench step` prints)."""
     c = report["config"]
     head = (
         f"{c['variant']} at {c['img_size']} px, batch {c['batch_size']} per process x {c['world_size']}, "
-        f"{c['precision']}, compile {'on' if c['compile'] else 'off'}, {c['device']} ({c['device_name']}), "
+        f"{c['precision']}, compile {_compiled(c)}, {c['device']} ({c['device_name']}), "
         f"{c['threads']} threads, median of {c['rounds']} rounds x {c['steps']} steps"
     )
     lines = [

@@ -21,6 +21,7 @@ from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
 from ssl_vit.models.vit import FeatureKind, ViTConfig
+from ssl_vit.tasks.base import off_the_clock
 from ssl_vit.tracking import logging_step
 
 
@@ -99,7 +100,8 @@ class FewShotMonitor(pl.Callback):
         # (`ssl_vit.tracking.logging_step`), while the weights after k updates belong at step k, with the
         # loss and learning rate of the next batch, which starts from them.
         if trainer.global_step and trainer.global_step % self.every_n_steps == 0:
-            self._evaluate(trainer, pl_module)
+            with off_the_clock(trainer):  # the logged images/s stays training's own
+                self._evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._evaluate(trainer, pl_module)

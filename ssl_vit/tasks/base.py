@@ -4,6 +4,8 @@ that rebuild it, optimizer groups and schedule, lr scaling by global batch, thro
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import pytorch_lightning as pl
@@ -23,6 +25,14 @@ RGB = tuple[float, float, float]
 # The checkpoint key of a task's training cost (`BackboneTask.on_save_checkpoint`): optimizer steps,
 # images and training FLOPs summed over ranks, and seconds of `fit`, all cumulative over resumes.
 COST_KEY = "ssl_vit_cost"
+# What a training step computes on; the batch's other entries (sample keys, skip counts) are bookkeeping
+# that changes every step and would make a compiled step recompile.
+STEP_INPUTS = ("image", "label", "target")
+
+
+def step_inputs(batch: dict) -> dict[str, Tensor]:
+    """The tensors of `batch` that `BackboneTask.train_loss` reads."""
+    return {key: batch[key] for key in STEP_INPUTS if key in batch}
 
 
 class BackboneTask(pl.LightningModule):
@@ -94,6 +104,12 @@ class BackboneTask(pl.LightningModule):
         # Lightning calls the steps, not `forward`: they are what gathers the task's own parameters.
         for step in ("training_step", "validation_step", "test_step"):
             register_fsdp_forward_method(self, step)
+
+    def train_loss(self, batch: dict[str, Tensor]):
+        """The compute of one training step, loss included, on `step_inputs(batch)`: what
+        `--compile.scope step` compiles as one graph, so no logging in here (a value read on the host,
+        such as MPP's split sizes, breaks the graph in two)."""
+        raise NotImplementedError
 
     def unnormalize(self, images: Tensor) -> Tensor:
         """Model inputs (B, 3, H, W) -> pixels in [0, 1]."""
@@ -172,11 +188,16 @@ class Throughput(pl.Callback):
 
     Lightning's ThroughputMonitor synchronises the GPU after every step to time it; here the clock is
     read (and the device synchronised) only when a value is logged: a host sync every step would
-    stall the GPU's queue.
+    stall the GPU's queue. Validation and evaluations run from training hooks (`off_the_clock`, e.g.
+    the few-shot monitor) are left out, so the rate is training's own, data loading and checkpoint
+    saves included.
     """
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self) -> None:
         self._start: float | None = None
+        self._paused: float | None = None
         self._images = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -184,14 +205,14 @@ class Throughput(pl.Callback):
             if pl_module.flops_per_image is None:
                 pl_module.measure_flops(batch["image"])
             self._sync(pl_module)
-            self._start, self._images = time.perf_counter(), 0
+            self._start, self._images = self.clock(), 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._images += batch["image"].shape[0]
         if (trainer.global_step % trainer.log_every_n_steps) or trainer.fit_loop._should_accumulate():
             return
         self._sync(pl_module)
-        now = time.perf_counter()
+        now = self.clock()
         per_second = self._images * trainer.world_size / max(now - self._start, 1e-9)
         metrics = {"perf/images_per_s": per_second}
         tokens = getattr(pl_module, "tokens_per_image", None)
@@ -203,10 +224,42 @@ class Throughput(pl.Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self._start, self._images = now, 0
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.pause(pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.resume(pl_module)
+
+    def pause(self, pl_module) -> None:
+        """Stop the clock (a no-op before training's first batch, e.g. in the sanity check)."""
+        if self._start is not None and self._paused is None:
+            self._sync(pl_module)
+            self._paused = self.clock()
+
+    def resume(self, pl_module) -> None:
+        if self._paused is not None:
+            self._sync(pl_module)
+            self._start += self.clock() - self._paused
+            self._paused = None
+
     @staticmethod
     def _sync(pl_module) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
+
+
+@contextmanager
+def off_the_clock(trainer: pl.Trainer) -> Iterator[None]:
+    """Leave the time of this block out of the images/s `Throughput` logs: for work a callback does
+    from a training hook that is not training (an evaluation)."""
+    clocks = [callback for callback in trainer.callbacks if isinstance(callback, Throughput)]
+    for clock in clocks:
+        clock.pause(trainer.lightning_module)
+    try:
+        yield
+    finally:
+        for clock in clocks:
+            clock.resume(trainer.lightning_module)
 
 
 def _compute_dtype(trainer) -> torch.dtype:

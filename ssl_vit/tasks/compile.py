@@ -1,22 +1,38 @@
-"""`--compile.enabled true`: torch.compile of every transformer block, in place.
+"""`--compile.enabled true`: torch.compile of the task, per transformer block or as one training step.
 
-Regional compilation (PyTorch's recipe for transformers): the blocks hold nearly all the FLOPs and
-are identical, so one compiled graph serves every block of a stack, compiling takes seconds rather
-than minutes, and the masking code around them (gathers with data-dependent shapes, host-side
-choices) stays eager instead of breaking the graph. `Module.compile` keeps the module and its
-parameter names, so checkpoints, FSDP sharding (applied after, in the task's `configure_model`) and
-`load_backbone` see the same keys as without it.
+- `scope: blocks` (default): regional compilation (PyTorch's recipe for transformers). The blocks hold
+  nearly all the FLOPs and are identical, so one compiled graph serves every block of a stack,
+  compiling takes seconds rather than minutes, and the code around them stays eager. Each block's
+  backward is its own graph, so DDP's and FSDP's per-bucket communication still overlaps the backward.
+- `scope: step`: the task's whole `train_loss` (patch embedding, mask drawing, gathers, encoder,
+  decoder, targets and loss) as one graph, forward and backward. Inductor then fuses the element-wise
+  work between the blocks too, and with `mode: reduce-overhead` the step runs as CUDA graphs: one
+  launch instead of thousands, for steps too short to keep the GPU fed (MAE's encoder sees a quarter
+  of the tokens). Compiling takes minutes for a large model; for one GPU or one node. Under DDP the
+  gradients arrive at the end of the compiled backward, so their all-reduce no longer overlaps it.
+
+Both keep the module and its parameter names, so checkpoints, FSDP sharding (applied after, in the
+task's `configure_model`) and `load_backbone` see the same keys as without it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_info
 from timm.models.vision_transformer import Block
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
+
+from ssl_vit.errors import UserError
+from ssl_vit.tasks.base import BackboneTask
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+Scope = Literal["blocks", "step"]
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def compile_blocks(module: nn.Module, mode: Mode = "default") -> int:
@@ -27,17 +43,55 @@ def compile_blocks(module: nn.Module, mode: Mode = "default") -> int:
     return len(blocks)
 
 
-class CompileBlocks(pl.Callback):
-    """Compiles the task's transformer blocks (backbone and MAE decoder) before the run starts.
+def compile_step(task: BackboneTask, mode: Mode = "default") -> None:
+    """Replace `task.train_loss` by its compiled self (one graph for the step's forward and backward)."""
+    task.train_loss = compiled_step(task.train_loss, mode)
+
+
+def compiled_step(fn: Callable, mode: Mode = "default") -> Callable:
+    """`fn` compiled; under CUDA graphs, each call starts a new step and returns copies of its outputs.
+
+    CUDA graphs replay into the same output memory every step, so an output still referenced after the
+    next step (a logged loss Lightning keeps in `callback_metrics`, the pictures' predictions) would
+    read the next step's values or fail; copying them costs a few small kernels.
+    """
+    compiled = torch.compile(fn, mode=mode)
+    if mode not in CUDA_GRAPH_MODES:
+        return compiled
+
+    def step(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return tree_map_only(Tensor, torch.clone, compiled(*args, **kwargs))
+
+    return step
+
+
+class CompileTask(pl.Callback):
+    """Compiles the task before the run starts.
 
     Args:
         enabled: compile (off by default: compiling costs time at start, pays on long GPU runs).
-        mode: torch.compile's mode; `max-autotune` searches kernels longer for a little more speed.
+        mode: torch.compile's mode; `max-autotune` searches kernels longer for a little more speed,
+            `reduce-overhead` replays CUDA graphs (with `scope: step`: the whole step).
+        scope: `blocks` (every transformer block of the encoder and decoder) or `step` (the task's
+            whole training computation as one graph).
     """
 
-    def __init__(self, enabled: bool = False, mode: Mode = "default") -> None:
-        self.enabled, self.mode = enabled, mode
+    def __init__(self, enabled: bool = False, mode: Mode = "default", scope: Scope = "blocks") -> None:
+        self.enabled, self.mode, self.scope = enabled, mode, scope
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.enabled:
-            compile_blocks(pl_module, self.mode)
+        if not self.enabled:
+            return
+        if self.scope == "blocks":
+            count = compile_blocks(pl_module, self.mode)
+            rank_zero_info(f"torch.compile ({self.mode}): {count} transformer blocks")
+        elif isinstance(pl_module, BackboneTask):
+            compile_step(pl_module, self.mode)
+            name = type(pl_module).__name__
+            rank_zero_info(f"torch.compile ({self.mode}): the whole training step of {name}")
+        else:
+            raise UserError(
+                f"--compile.scope step needs an ssl-vit task, got {type(pl_module).__name__}; "
+                "use --compile.scope blocks"
+            )

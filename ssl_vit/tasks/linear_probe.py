@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB, BackboneTask
+from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # The heads take one token's width D; `lastk` (k x D) is for the frozen-feature protocols only.
@@ -119,8 +119,11 @@ class LinearProbe(BackboneTask):
         heads = logits.shape[0]
         return heads * F.cross_entropy(logits.flatten(0, 1), labels.repeat(heads), ignore_index=-1)
 
+    def train_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.forward_loss(self(batch["image"]), batch["label"])
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.forward_loss(self(batch["image"]), batch["label"])
+        loss = self.train_loss(step_inputs(batch))
         size = batch["image"].shape[0]
         self.log("train/loss", loss / len(self.heads), on_step=True, prog_bar=True, batch_size=size)
         return loss

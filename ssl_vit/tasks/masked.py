@@ -18,7 +18,7 @@ from ssl_vit import masking, targets
 from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.models.heads import MAEDecoder, PatchHead
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB, BackboneTask
+from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 from ssl_vit.tasks.pictures import masked_prediction_picture
 from ssl_vit.tracking import log_picture
@@ -214,8 +214,11 @@ class MaskedPatchPretraining(BackboneTask):
 
     # --- Lightning ------------------------------------------------------------------------------------
 
+    def train_loss(self, batch: dict[str, Tensor]) -> MaskedOutput:
+        return self.forward_loss(batch["image"])
+
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        out = self.forward_loss(batch["image"])
+        out = self.train_loss(step_inputs(batch))
         self.log_metrics("train", out, on_step=True)
         return {"loss": out.loss, "output": out}
 

@@ -14,7 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB, BackboneTask
+from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 
@@ -86,8 +86,11 @@ class SupervisedPretraining(BackboneTask):
         per_image = F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1)
         return (per_image * weight).sum() / weight.sum().clamp(min=1)
 
+    def train_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.forward_loss(self(batch["image"]), batch)
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.forward_loss(self(batch["image"]), batch)
+        loss = self.train_loss(step_inputs(batch))
         self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch["image"].shape[0])
         return loss
 

@@ -172,3 +172,65 @@ def test_a_monitor_without_a_labelled_set_is_one_line(digits_shards, tmp_path):
     with pytest.raises(UserError, match=r"^FewShotMonitor has no labelled set: give its train_urls") as err:
         trainer.fit(TinyClassifier(), data)
     assert "\n" not in str(err.value)
+
+
+def test_logged_throughput_leaves_out_validation_and_the_monitor(digits_shards, tmp_path, monkeypatch):
+    """`perf/images_per_s` is training's own rate: the clock stops for validation and for the few-shot
+    monitor's evaluations. A fake clock makes every training batch take 1 s and every validation
+    batch and evaluation 100 s, so each logged rate is exactly the batch size."""
+    from ssl_vit.models.vit import ViTConfig
+    from ssl_vit.tasks import SupervisedPretraining
+    from ssl_vit.tasks.base import Throughput
+
+    now = [0.0]
+
+    class Tick(pl.Callback):
+        def on_train_batch_end(self, *args):
+            now[0] += 1.0
+
+        def on_validation_batch_end(self, *args):
+            now[0] += 100.0
+
+    evaluate = FewShotMonitor._evaluate
+
+    def slow_evaluate(self, trainer, pl_module):
+        now[0] += 100.0
+        evaluate(self, trainer, pl_module)
+
+    monkeypatch.setattr(FewShotMonitor, "_evaluate", slow_evaluate)
+    throughput = Throughput()
+    throughput.clock = lambda: now[0]
+    val = str(digits_shards / "val-000000.tar")
+    monitor = FewShotMonitor(val, val, every_n_steps=2, shots=(1,), seeds=(0,), batch_size=100)
+    data = ShardDataModule(
+        train_urls=str(digits_shards / "train-{000000..000004}.tar"),
+        val_urls=val,
+        batch_size=8,
+        num_workers=0,
+        image_size=32,
+        train_batches=6,
+    )
+    torch.manual_seed(0)
+    model = SupervisedPretraining(ViTConfig("S/8", 32, width=32, depth=1, heads=2), num_classes=10)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        val_check_interval=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+        log_every_n_steps=1,
+        callbacks=[Tick(), monitor, throughput],
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    rates = [float(r["perf/images_per_s"]) for r in rows if r.get("perf/images_per_s")]
+    assert sum(1 for r in rows if r.get("val/loss")) == 3  # validation after steps 2, 4 and 6
+    assert sum(1 for r in rows if r.get("fewshot/1shot")) == 3  # the monitor at steps 2, 4 and the end
+    assert now[0] == 6 + 3 * 200 + 3 * 100 + 100  # sanity check's batch included: the clock did move
+    assert rates == [8.0] * 6
