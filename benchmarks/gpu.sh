@@ -2,7 +2,8 @@
 # One GPU, ViT-B/16 at 224 px, bf16: supervised and MAE training steps against a plain timm loop,
 # torch.compile off, then per transformer block, then of the whole step as CUDA graphs
 # (`--compile-scope step --compile-mode reduce-overhead`); images/s, MFU and the MAE / supervised
-# ratios, as tables.
+# ratios, as tables. The third table's heading counts the compiled graphs that ran without CUDA
+# graphs, if any (inductor's "skipping cudagraphs due to ..." warning above it says why).
 #   bash benchmarks/gpu.sh              (about 5 min on an H200, compilation included; WHOLE_STEP=0: 90 s)
 # Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.
 # The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.

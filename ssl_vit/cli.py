@@ -59,7 +59,7 @@ def lightning_cli(argv: list[str]):
         resumed_checkpoint,
         with_safe_io,
     )
-    from ssl_vit.tasks.compile import CompileTask
+    from ssl_vit.tasks.compile import CompileTask, check_compile
     from ssl_vit.tasks.nonfinite import NonFiniteGuard
     from ssl_vit.tasks.preemption import Preemption
     from ssl_vit.tasks.resume import RandomState
@@ -149,6 +149,9 @@ def lightning_cli(argv: list[str]):
                     "--weights_only false: ssl-vit never unpickles code from a checkpoint; drop the option "
                     "(checkpoints written by ssl-vit load with weights only)"
                 )
+            if config.compile.enabled:  # CompileTask checks again at setup, after the trainer's banner
+                compile_args = config.compile
+                check_compile(compile_args.scope, compile_args.mode, config.trainer.accumulate_grad_batches)
             # The datamodule checks this again in its setup, after the trainer has printed its banner;
             # here first, the error is the command's only output.
             data_args = getattr(config.get("data"), "init_args", None)

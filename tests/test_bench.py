@@ -121,3 +121,6 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
         assert_step_report(report)
     assert proc.stdout.count("| mae |") == 3 and proc.stdout.count("of FLOP ratio") == 3
     assert "compile on (step, reduce-overhead)" in proc.stdout
+    skips = [r["config"]["cudagraph_skips"] for r in reports]
+    assert skips[:2] == [None, None] and skips[2] > 0  # inductor has no CUDA graphs for the CPU
+    assert f"{skips[2]} compiled graphs ran without CUDA graphs" in proc.stdout

@@ -34,7 +34,7 @@ from ssl_vit.benchmark import PRECISIONS, TASKS
 from ssl_vit.models.vit import ViTConfig, build_vit
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.base import BackboneTask
-from ssl_vit.tasks.compile import compile_blocks, compile_step, compiled_step
+from ssl_vit.tasks.compile import CUDA_GRAPH_MODES, compile_blocks, compile_step, compiled_step
 
 NUM_CLASSES = 1000
 DTYPES = {precision: getattr(torch, dtype) for precision, dtype in PRECISIONS.items()}
@@ -214,6 +214,15 @@ class StepBench:
         results["plain"].flops_per_image = 3 * _forward_flops(plain, self.config.img_size)
         return self.report(results)
 
+    def cudagraph_skips(self) -> int | None:
+        """Under a CUDA-graph mode, how many compiled graphs inductor ran without them (each says why
+        in a `skipping cudagraphs due to ...` warning): 0 on a GPU when the whole step is replayed."""
+        if not (self.compile and self.compile_mode in CUDA_GRAPH_MODES):
+            return None
+        from torch._dynamo.utils import counters
+
+        return counters["inductor"]["cudagraph_skips"]
+
     def report(self, results: dict[str, Result]) -> dict:
         peak_table = get_available_flops(self.device, DTYPES[self.precision])
         peak_measured = measure_peak_flops(self.device, DTYPES[self.precision])
@@ -242,6 +251,7 @@ class StepBench:
                 "compile": self.compile,
                 "compile_scope": self.compile_scope if self.compile else None,
                 "compile_mode": self.compile_mode if self.compile else None,
+                "cudagraph_skips": self.cudagraph_skips(),
                 "device": str(self.device),
                 "device_name": _device_name(self.device),
                 "world_size": self.world_size,
@@ -255,6 +265,11 @@ class StepBench:
             "peak_flops": {"lightning_table": peak_table, "measured_matmul": peak_measured, "used": peak},
             "rows": rows,
         }
+
+
+def _cudagraph_skips_note(config: dict) -> str:
+    skips = config.get("cudagraph_skips")
+    return f", {skips} compiled graphs ran without CUDA graphs" if skips else ""
 
 
 def _paired_ratio(result: Result, reference: Result) -> float:
@@ -322,6 +337,7 @@ def format_table(report: dict) -> str:
         f"{c['variant']} at {c['img_size']} px, batch {c['batch_size']} per process x {c['world_size']}, "
         f"{c['precision']}, compile {_compiled(c)}, {c['device']} ({c['device_name']}), "
         f"{c['threads']} threads, median of {c['rounds']} rounds x {c['steps']} steps"
+        f"{_cudagraph_skips_note(c)}"
     )
     lines = [
         head,

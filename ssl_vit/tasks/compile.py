@@ -66,6 +66,18 @@ def compiled_step(fn: Callable, mode: Mode = "default") -> Callable:
     return step
 
 
+def check_compile(scope: Scope, mode: Mode, accumulate_grad_batches: int) -> None:
+    """Refuse what would train wrongly rather than fail: CUDA graphs of the whole step with gradient
+    accumulation. The backward's replay writes each parameter's gradient into the graph's own memory,
+    and the next micro-batch's replay overwrites it before the optimizer has seen the sum."""
+    if scope == "step" and mode in CUDA_GRAPH_MODES and accumulate_grad_batches > 1:
+        raise UserError(
+            f"--compile.mode {mode} with --compile.scope step replays the step as CUDA graphs, which "
+            f"cannot accumulate gradients (--trainer.accumulate_grad_batches {accumulate_grad_batches}); "
+            "use --compile.mode default, or --compile.scope blocks"
+        )
+
+
 class CompileTask(pl.Callback):
     """Compiles the task before the run starts.
 
@@ -83,6 +95,7 @@ class CompileTask(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.enabled:
             return
+        check_compile(self.scope, self.mode, trainer.accumulate_grad_batches)
         if self.scope == "blocks":
             count = compile_blocks(pl_module, self.mode)
             rank_zero_info(f"torch.compile ({self.mode}): {count} transformer blocks")

@@ -3,6 +3,7 @@ checkpointing, fused AdamW and bf16 in the GPU recipes, timm's fused attention."
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,9 +11,11 @@ import torch._dynamo.utils as dynamo_utils
 import yaml
 
 from ssl_vit.benchmark import COMPILE_MODES
+from ssl_vit.errors import UserError
+from ssl_vit.masking import bert_corruption
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
-from ssl_vit.tasks.compile import Mode, compile_blocks, compile_step
+from ssl_vit.tasks.compile import CompileTask, Mode, compile_blocks, compile_step
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
@@ -92,6 +95,35 @@ def test_a_compiled_step_gives_the_eager_loss_and_gradients(digits_batch, preset
     assert list(task.state_dict()) == names
 
 
+@pytest.mark.slow
+def test_a_compiled_mpp_step_settles_whatever_its_80_10_10_split(digits_batch):
+    """MPP's group sizes change from step to step (stochastic rounding, drawn on the host). Its
+    corruption runs eagerly; the compiled rest recompiles once for the new sizes, then serves every
+    step, each with eager's numbers."""
+    torch._dynamo.reset()
+    batch = {"image": digits_batch["image"][:4], "label": digits_batch["label"][:4] % 10}
+    torch.manual_seed(0)
+    task = MaskedPatchPretraining(TINY, preset="vit_mpp")
+    compiled = MaskedPatchPretraining(TINY, preset="vit_mpp")
+    compiled.load_state_dict(task.state_dict())
+    compile_step(compiled)
+    splits, graphs = set(), []
+    with torch._inductor.config.patch(fallback_random=True):
+        for seed in range(10):
+            torch.manual_seed(seed)
+            expected = task.train_loss(batch)
+            torch.manual_seed(seed)
+            got = compiled.train_loss(batch)
+            torch.testing.assert_close(got.loss, expected.loss, atol=1e-5, rtol=0)
+            got.loss.backward()
+            torch.manual_seed(seed)
+            c = bert_corruption(4, task.num_patches, task.mask_ratio)
+            splits.add((c.idx_mask.shape[1], c.idx_random.shape[1]))
+            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert len(splits) == 3  # every split this batch can draw was seen (6/1/1, 7/0/1, 7/1/0 of 8)
+    assert graphs[-1] == graphs[len(graphs) // 2]  # no recompiles in the second half
+
+
 def test_a_cuda_graph_step_marks_each_step_and_hands_back_copies(digits_batch, monkeypatch):
     """With CUDA graphs (`reduce-overhead`) every call starts a new step and returns copies: the graph
     replays into the same memory, and Lightning keeps the logged loss past the next step. (On the CPU
@@ -108,6 +140,17 @@ def test_a_cuda_graph_step_marks_each_step_and_hands_back_copies(digits_batch, m
     assert marks == [1, 1]
     assert losses[0].data_ptr() != losses[1].data_ptr()
     torch.testing.assert_close(losses[0].detach(), eager, atol=1e-5, rtol=0)
+
+
+def test_the_callback_refuses_cuda_graphs_of_the_step_with_gradient_accumulation():
+    """Also for a Trainer built in Python, where the CLI's own check never ran; nothing is compiled."""
+    task = SupervisedPretraining(TINY, num_classes=10)
+    train_loss, trainer = task.train_loss, SimpleNamespace(accumulate_grad_batches=4)
+    with pytest.raises(UserError, match="accumulate_grad_batches 4"):
+        CompileTask(True, "reduce-overhead", "step").setup(trainer, task, "fit")
+    assert task.train_loss == train_loss
+    CompileTask(True, "default", "step").setup(trainer, task, "fit")
+    assert task.train_loss != train_loss
 
 
 def test_the_bench_offers_every_compile_mode_the_tasks_take():
