@@ -9,6 +9,9 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 import yaml
+from cli_helpers import free_port, start_ranks
+from ddp_compile_helpers import TINY as DDP_TINY  # next to this file; pytest puts its folder on sys.path
+from ddp_compile_helpers import batch_of, compiled_ddp_gradients
 
 from ssl_vit.benchmark import COMPILE_MODES
 from ssl_vit.errors import UserError
@@ -122,6 +125,26 @@ def test_a_compiled_mpp_step_settles_whatever_its_80_10_10_split(digits_batch):
             graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
     assert len(splits) == 3  # every split this batch can draw was seen (6/1/1, 7/0/1, 7/1/0 of 8)
     assert graphs[-1] == graphs[len(graphs) // 2]  # no recompiles in the second half
+
+
+@pytest.mark.slow
+def test_ddp_averages_the_gradients_of_a_compiled_step(tmp_path):
+    """`--compile.scope step` on one node: 2 DDP ranks (gloo), each backward through its compiled
+    step; each rank ends with the mean of both ranks' eager gradients (DDP's hooks fire on what the
+    compiled backward hands back)."""
+    start_ranks(compiled_ddp_gradients, 2, free_port(), str(tmp_path))
+    torch.manual_seed(0)
+    task = SupervisedPretraining(DDP_TINY, num_classes=10)
+    for rank in range(2):
+        task.train_loss(batch_of(rank)).backward()
+    expected = {name: p.grad / 2 for name, p in task.named_parameters() if p.grad is not None}
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["compiled_graphs"] == 1  # the whole step, one graph
+        got = saved["grads"]
+        assert got.keys() == expected.keys() and len(got) > 20
+        for name in got:
+            torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_cuda_graph_step_marks_each_step_and_hands_back_copies(digits_batch, monkeypatch):
