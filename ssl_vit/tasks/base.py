@@ -105,6 +105,13 @@ class BackboneTask(pl.LightningModule):
         for step in ("training_step", "validation_step", "test_step"):
             register_fsdp_forward_method(self, step)
 
+    def __getstate__(self) -> dict:
+        # A compiled step (`compile_step`) is this instance's own attribute, bound to it: a copy or a
+        # pickle gets the plain method, or it would train the original's weights.
+        state = super().__getstate__()
+        state.pop("train_loss", None)
+        return state
+
     def train_loss(self, batch: dict[str, Tensor]):
         """The compute of one training step, loss included, on `step_inputs(batch)`: what
         `--compile.scope step` compiles as one graph, so no logging in here (a value read on the host,

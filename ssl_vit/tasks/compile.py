@@ -43,9 +43,13 @@ def compile_blocks(module: nn.Module, mode: Mode = "default") -> int:
     return len(blocks)
 
 
-def compile_step(task: BackboneTask, mode: Mode = "default") -> None:
-    """Replace `task.train_loss` by its compiled self (one graph for the step's forward and backward)."""
+def compile_step(task: BackboneTask, mode: Mode = "default") -> bool:
+    """Replace `task.train_loss` by its compiled self (one graph for the step's forward and backward);
+    False if it is compiled already (a second `fit` or a `test` before it set the task up again)."""
+    if "train_loss" in vars(task):
+        return False
     task.train_loss = compiled_step(task.train_loss, mode)
+    return True
 
 
 def compiled_step(fn: Callable, mode: Mode = "default") -> Callable:
@@ -100,9 +104,9 @@ class CompileTask(pl.Callback):
             count = compile_blocks(pl_module, self.mode)
             rank_zero_info(f"torch.compile ({self.mode}): {count} transformer blocks")
         elif isinstance(pl_module, BackboneTask):
-            compile_step(pl_module, self.mode)
-            name = type(pl_module).__name__
-            rank_zero_info(f"torch.compile ({self.mode}): the whole training step of {name}")
+            if compile_step(pl_module, self.mode):
+                name = type(pl_module).__name__
+                rank_zero_info(f"torch.compile ({self.mode}): the whole training step of {name}")
         else:
             raise UserError(
                 f"--compile.scope step needs an ssl-vit task, got {type(pl_module).__name__}; "

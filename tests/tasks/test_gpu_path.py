@@ -1,6 +1,8 @@
 """The GPU path, checked for correctness on the CPU: compiled blocks and steps, activation
 checkpointing, fused AdamW and bf16 in the GPU recipes, timm's fused attention."""
 
+import copy
+import pickle
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -206,6 +208,20 @@ def test_a_cuda_graph_step_marks_each_step_and_hands_back_copies(digits_batch, m
     assert marks == [1, 1]
     assert losses[0].data_ptr() != losses[1].data_ptr()
     torch.testing.assert_close(losses[0].detach(), eager, atol=1e-5, rtol=0)
+
+
+def test_a_step_is_compiled_once_and_copies_get_the_plain_method(digits_batch):
+    """A second `fit` (or a `test` first) sets the task up again: its step is not wrapped twice. A deep
+    copy or a pickle of a compiled task holds the plain method (the compiled one is bound to the
+    original and its weights)."""
+    task = SupervisedPretraining(TINY, num_classes=10)
+    assert compile_step(task, "reduce-overhead") and not compile_step(task)
+    twin = copy.deepcopy(task)
+    assert "train_loss" in vars(task) and "train_loss" not in vars(twin)
+    assert twin.train_loss.__self__ is twin
+    restored = pickle.loads(pickle.dumps(task))
+    batch = {"image": digits_batch["image"][:2], "label": digits_batch["label"][:2] % 10}
+    torch.testing.assert_close(restored.train_loss(batch), twin.train_loss(batch))
 
 
 def test_the_callback_refuses_cuda_graphs_of_the_step_with_gradient_accumulation():
