@@ -8,8 +8,9 @@
   decoder, targets and loss) as one graph, forward and backward. Inductor then fuses the element-wise
   work between the blocks too, and with `mode: reduce-overhead` the step runs as CUDA graphs: one
   launch instead of thousands, for steps too short to keep the GPU fed (MAE's encoder sees a quarter
-  of the tokens). Compiling takes minutes for a large model; for one GPU or one node. Under DDP the
-  gradients arrive at the end of the compiled backward, so their all-reduce no longer overlaps it.
+  of the tokens). Compiling takes minutes for a large model. Under DDP, torch's DDPOptimizer splits
+  the compiled step at DDP's gradient buckets, so each bucket's all-reduce still starts while the rest
+  of the backward runs (under CUDA graphs, each piece is a graph of its own).
 
 Both keep the module and its parameter names, so checkpoints, FSDP sharding (applied after, in the
 task's `configure_model`) and `load_backbone` see the same keys as without it.

@@ -135,9 +135,9 @@ def test_a_compiled_mpp_step_settles_whatever_its_80_10_10_split(digits_batch):
 
 @pytest.mark.slow
 def test_ddp_averages_the_gradients_of_a_compiled_step(tmp_path):
-    """`--compile.scope step` on one node: 2 DDP ranks (gloo), each backward through its compiled
-    step; each rank ends with the mean of both ranks' eager gradients (DDP's hooks fire on what the
-    compiled backward hands back)."""
+    """`--compile.scope step` under DDP: 2 ranks (gloo), each backward through its compiled step, split
+    by torch at DDP's gradient buckets so their all-reduce overlaps the backward; each rank ends with
+    the mean of both ranks' eager gradients."""
     start_ranks(compiled_ddp_gradients, 2, free_port(), str(tmp_path))
     torch.manual_seed(0)
     task = SupervisedPretraining(DDP_TINY, num_classes=10)
@@ -146,7 +146,7 @@ def test_ddp_averages_the_gradients_of_a_compiled_step(tmp_path):
     expected = {name: p.grad / 2 for name, p in task.named_parameters() if p.grad is not None}
     for rank in range(2):
         saved = torch.load(tmp_path / f"rank{rank}.pt")
-        assert saved["compiled_graphs"] == 1  # the whole step, one graph
+        assert saved["compiled_graphs"] > 2  # the step, split at the gradient buckets
         got = saved["grads"]
         assert got.keys() == expected.keys() and len(got) > 20
         for name in got:
