@@ -74,32 +74,43 @@ def random_keep(
     return _mask_first(noise.argsort(dim=1), num_masked)
 
 
-class BertCorruption(NamedTuple):
-    """The ViT paper's corruption of one batch (sec 4.6, appendix B.1.2); all index rows sorted.
+# What each corrupted token becomes (`BertCorruption.group`).
+MASK, RANDOM, UNCHANGED = 0, 1, 2
 
-    idx_corrupt [B, C] is the union of the three disjoint groups, the tokens the loss is computed on.
-    random_source [B, Cr, 2] holds the (sample, token) of the patch embedding copied into each
-    idx_random slot.
+
+class BertCorruption(NamedTuple):
+    """The ViT paper's corruption of one batch (sec 4.6, appendix B.1.2).
+
+    idx_corrupt [B, C] (sorted) lists the corrupted tokens, the ones the loss is computed on. group
+    [B, C] says what each becomes: MASK (the learned [mask] embedding, 80%), RANDOM (another patch's
+    embedding, 10%) or UNCHANGED (10%). random_source [B, C, 2] holds the (sample, token) whose patch
+    embedding a RANDOM slot receives (drawn for every slot, used by the RANDOM ones). The shapes are
+    the same whatever the split, so a compiled step sees one shape and nothing is read to the host.
     """
 
-    idx_corrupt: Tensor  # [B, C]   every selected token
-    idx_mask: Tensor  # [B, Cm]  replaced by the learned [mask] embedding (80%)
-    idx_random: Tensor  # [B, Cr]  replaced by another patch's embedding (10%)
-    idx_unchanged: Tensor  # [B, Cu]  selected, left as is (10%)
-    random_source: Tensor  # [B, Cr, 2] (sample, token) pairs, any patch of the batch but the slot itself
+    idx_corrupt: Tensor  # [B, C]    every selected token
+    group: Tensor  # [B, C]          MASK, RANDOM or UNCHANGED
+    random_source: Tensor  # [B, C, 2] (sample, token): any patch of the batch but the slot itself
+
+    def of(self, group: int, values: Tensor | None = None) -> Tensor:
+        """`values` [B, C, ...] (default `idx_corrupt`) at one group's slots: [B, Cg, ...], every
+        sample having the same count. Reads that count on the host: for inspection, not in a step."""
+        values = self.idx_corrupt if values is None else values
+        return values[self.group == group].unflatten(0, (self.group.shape[0], -1))
+
+    @property
+    def idx_mask(self) -> Tensor:
+        return self.of(MASK)
+
+    @property
+    def idx_random(self) -> Tensor:
+        return self.of(RANDOM)
+
+    @property
+    def idx_unchanged(self) -> Tensor:
+        return self.of(UNCHANGED)
 
 
-def _host_uniform(generator: torch.Generator | None) -> float:
-    """One U[0, 1) draw read on the host, because it sets tensor shapes. From `generator`, or torch's
-    default CPU generator when None, so no device sync happens unless `generator` lives on an accelerator."""
-    device = generator.device if generator is not None else "cpu"
-    return torch.rand((), generator=generator, device=device).item()
-
-
-# Left out of torch.compile: the group sizes are read on the host and set tensor shapes. Traced, the
-# draw u became a symbolic float after one recompile and `torch.randint` of a symbolic shape failed;
-# eager, the compiled rest of the step sees at most three index shapes and settles after two compiles.
-@torch.compiler.disable
 def bert_corruption(
     batch_size: int,
     num_tokens: int,
@@ -114,12 +125,13 @@ def bert_corruption(
     as is (10%)".
 
     C = max(1, round(corrupt_ratio * N)) tokens per sample are chosen uniformly. The three groups have
-    the same sizes in every sample of a call (rectangular index tensors), and those sizes are rounded
-    stochastically per call with a single shared draw u ~ U[0, 1):
+    the same sizes in every sample of a call, and those sizes are rounded stochastically per call with
+    a single shared draw u ~ U[0, 1):
         Cm = floor(mask_prob * C + u),  Cm + Cr = floor((mask_prob + random_prob) * C + u),  Cu = C - Cm - Cr.
     Since E[floor(a + u)] = a, the expected split is exactly 80/10/10 for any C, and each size is
     within one token of its exact share; fixed rounding would bias small C (C = 8 gives 75/12.5/12.5).
-    The sizes are tensor shapes, so u is read on the host: no device sync unless `generator` is on one.
+    u stays a tensor on the device: the chosen tokens, in their random order, take the groups by rank
+    (the first Cm MASK, the next Cr RANDOM), so no size is ever read on the host.
 
     Random replacements copy a patch drawn uniformly from the other B*N - 1 patches of the batch
     (any sample, any position).
@@ -132,35 +144,36 @@ def bert_corruption(
         )
     device = _device(generator, device)
     num_corrupt = max(1, _count(corrupt_ratio, num_tokens, "corrupt_ratio"))
-    u = _host_uniform(generator)
-    num_mask = math.floor(mask_prob * num_corrupt + u)
-    num_random = math.floor((mask_prob + random_prob) * num_corrupt + u) - num_mask
+    u = _rand(1, generator=generator, device=device)
+    rank = torch.arange(num_corrupt, device=device)
+    by_rank = (rank >= torch.floor(mask_prob * num_corrupt + u)).long()  # 0 MASK, 1 past the masked
+    by_rank += rank >= torch.floor((mask_prob + random_prob) * num_corrupt + u)  # 2 UNCHANGED
 
     order = _rand(batch_size, num_tokens, generator=generator, device=device).argsort(dim=1)
-    corrupt = order[:, :num_corrupt]
-    idx_mask, idx_random, idx_unchanged = (
-        part.sort(dim=1).values
-        for part in corrupt.split([num_mask, num_random, num_corrupt - num_mask - num_random], dim=1)
-    )
+    idx_corrupt, position = order[:, :num_corrupt].sort(dim=1)
+    group = by_rank[position]
 
     # Uniform over the batch's patches minus the slot itself: draw among B*N - 1, skip over own index.
-    own = torch.arange(batch_size, device=device)[:, None] * num_tokens + idx_random
+    own = torch.arange(batch_size, device=device)[:, None] * num_tokens + idx_corrupt
     flat = _randint(batch_size * num_tokens - 1, own.shape, generator=generator, device=device)
     flat = flat + (flat >= own).long()
     random_source = torch.stack([flat // num_tokens, flat % num_tokens], dim=-1)
-    return BertCorruption(corrupt.sort(dim=1).values, idx_mask, idx_random, idx_unchanged, random_source)
+    return BertCorruption(idx_corrupt, group, random_source)
 
 
 def apply_bert_corruption(x: Tensor, mask_embedding: Tensor, c: BertCorruption) -> Tensor:
     """Corrupted copy of patch embeddings `x` [B, N, D] (before position embeddings, as in the paper).
 
-    `mask_embedding` [D] goes to `c.idx_mask`, the source patches of the uncorrupted `x` go to
-    `c.idx_random`, every other value is untouched. `x` itself is not modified; gradients flow to both.
+    `mask_embedding` [D] goes to the MASK slots, the source patches of the uncorrupted `x` go to the
+    RANDOM slots, every other value is untouched. `x` itself is not modified; gradients flow to both.
     """
     rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    group = c.group[..., None]
+    other = x[c.random_source[..., 0], c.random_source[..., 1]]  # [B, C, D]
+    value = torch.where(group == RANDOM, other, x[rows, c.idx_corrupt])
+    value = torch.where(group == MASK, mask_embedding.to(x.dtype), value)
     out = x.clone()
-    out[rows, c.idx_mask] = mask_embedding.to(x.dtype)
-    out[rows, c.idx_random] = x[c.random_source[..., 0], c.random_source[..., 1]]
+    out[rows, c.idx_corrupt] = value
     return out
 
 

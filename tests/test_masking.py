@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ssl_vit.masking import (
+    RANDOM,
     apply_bert_corruption,
     bert_corruption,
     block_mask,
@@ -77,7 +78,7 @@ def test_bert_corruption_groups_partition_the_corrupted(batch_size):
     groups = torch.cat([c.idx_mask, c.idx_random, c.idx_unchanged], dim=1).sort(dim=1).values
     assert torch.equal(groups, c.idx_corrupt)
     assert c.idx_corrupt.unique(dim=1).shape == c.idx_corrupt.shape  # no token twice
-    assert c.random_source.shape == (*c.idx_random.shape, 2)
+    assert c.group.shape == c.idx_corrupt.shape and c.random_source.shape == (*c.idx_corrupt.shape, 2)
 
 
 @pytest.mark.parametrize("num_tokens", [16, 196])
@@ -117,7 +118,8 @@ def test_apply_bert_corruption_places_exactly_and_keeps_the_rest():
 
     rows = torch.arange(batch_size)[:, None]
     assert torch.equal(out[rows, c.idx_mask], mask_embedding.detach().expand(*c.idx_mask.shape, width))
-    assert torch.equal(out[rows, c.idx_random], x_before[c.random_source[..., 0], c.random_source[..., 1]])
+    source = c.of(RANDOM, c.random_source)
+    assert torch.equal(out[rows, c.idx_random], x_before[source[..., 0], source[..., 1]])
     touched = indices_to_mask(torch.cat([c.idx_mask, c.idx_random], dim=1), num_tokens)
     assert torch.equal(out[~touched], x_before[~touched])  # unchanged ones included, bit-identical
     assert torch.equal(x.detach(), x_before)

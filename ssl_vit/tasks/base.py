@@ -114,8 +114,8 @@ class BackboneTask(pl.LightningModule):
 
     def train_loss(self, batch: dict[str, Tensor]):
         """The compute of one training step, loss included, on `step_inputs(batch)`: what
-        `--compile.scope step` compiles as one graph, so no logging in here (a value read on the host,
-        such as MPP's split sizes, breaks the graph in two)."""
+        `--compile.scope step` compiles as one graph, so no logging in here and nothing read on the
+        host (either breaks the graph in two)."""
         raise NotImplementedError
 
     def unnormalize(self, images: Tensor) -> Tensor:

@@ -167,8 +167,6 @@ class MaskedPatchPretraining(BackboneTask):
         """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M))."""
         batch, device = images.shape[0], images.device
         if self.corruption == "bert":
-            # Drawn before any compute: under `--compile.scope step` its host-side draw is a graph
-            # break, and here it leaves the rest of the step whole.
             c = masking.bert_corruption(
                 batch, self.num_patches, self.mask_ratio, generator=generator, device=device
             )

@@ -18,7 +18,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ssl_vit import masking
 from ssl_vit.benchmark import COMPILE_MODES
 from ssl_vit.errors import UserError
 from ssl_vit.masking import bert_corruption
@@ -80,8 +79,7 @@ def step_loss_and_grads(task, batch) -> tuple[torch.Tensor, dict[str, torch.Tens
 def test_a_compiled_step_gives_the_eager_loss_and_gradients(digits_batch, preset):
     """`--compile.scope step`: the whole `train_loss` (masks, gathers, encoder, decoder, targets, loss)
     as one graph. Inductor draws random numbers its own way; `fallback_random` makes it draw torch's,
-    so both sides mask the same patches. MPP reads its 80/10/10 split sizes on the host: a graph break,
-    still the same numbers."""
+    so both sides mask the same patches."""
     torch._dynamo.reset()
     batch = {"image": digits_batch["image"][:8], "label": digits_batch["label"][:8] % 10}
     torch.manual_seed(0)
@@ -105,10 +103,11 @@ def test_a_compiled_step_gives_the_eager_loss_and_gradients(digits_batch, preset
 
 
 @pytest.mark.slow
-def test_a_compiled_mpp_step_settles_whatever_its_80_10_10_split(digits_batch):
-    """MPP's group sizes change from step to step (stochastic rounding, drawn on the host). Its
-    corruption runs eagerly; the compiled rest recompiles once for the new sizes, then serves every
-    step, each with eager's numbers."""
+def test_a_compiled_mpp_step_is_one_graph_whatever_its_80_10_10_split(digits_batch):
+    """MPP's group sizes change from step to step (stochastic rounding), but its corruption keeps
+    them on the device in fixed shapes: the step compiles once, as one graph, and gives eager's
+    numbers at every split. MAE compiled after it in the same process (as `bench step` runs them)
+    is one graph of its own too."""
     torch._dynamo.reset()
     batch = {"image": digits_batch["image"][:4], "label": digits_batch["label"][:4] % 10}
     torch.manual_seed(0)
@@ -116,6 +115,7 @@ def test_a_compiled_mpp_step_settles_whatever_its_80_10_10_split(digits_batch):
     compiled = MaskedPatchPretraining(TINY, preset="vit_mpp")
     compiled.load_state_dict(task.state_dict())
     compile_step(compiled)
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
     splits, graphs = set(), []
     with torch._inductor.config.patch(fallback_random=True):
         for seed in range(10):
@@ -128,9 +128,13 @@ def test_a_compiled_mpp_step_settles_whatever_its_80_10_10_split(digits_batch):
             torch.manual_seed(seed)
             c = bert_corruption(4, task.num_patches, task.mask_ratio)
             splits.add((c.idx_mask.shape[1], c.idx_random.shape[1]))
-            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
-    assert len(splits) == 3  # every split this batch can draw was seen (6/1/1, 7/0/1, 7/1/0 of 8)
-    assert graphs[-1] == graphs[len(graphs) // 2]  # no recompiles in the second half
+            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"] - before)
+        assert len(splits) == 3  # every split this batch can draw was seen (6/1/1, 7/0/1, 7/1/0 of 8)
+        assert graphs == [1] * 10  # one graph, never recompiled
+        mae = MaskedPatchPretraining(TINY, preset="mae", decoder_dim=32, decoder_depth=1, decoder_heads=2)
+        compile_step(mae)
+        mae.train_loss(batch).loss.backward()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - before == 2
 
 
 @pytest.mark.slow
@@ -170,13 +174,10 @@ class HostWork(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("preset", ["supervised", "mae", "simmim", "vit_mpp"])
-def test_a_training_step_on_cuda_stays_on_the_device(preset, monkeypatch):
+def test_a_training_step_on_cuda_stays_on_the_device(preset):
     """What CUDA graphs and an unsynchronised GPU need: each task's `train_loss` on CUDA makes no CPU
     tensor and reads nothing back to the host (`.item()`, or an op whose output shape depends on the
-    data, raises under fake tensors). Checked with fake CUDA tensors, so no GPU is needed. MPP's one
-    host draw (the u of its 80/10/10 split) is by design and left out of the compiled step; a
-    constant stands in for it here."""
-    monkeypatch.setattr(masking, "_host_uniform", lambda generator: 0.7)
+    data, raises under fake tensors). Checked with fake CUDA tensors, so no GPU is needed."""
     torch.manual_seed(0)
     if preset == "supervised":
         task = SupervisedPretraining(TINY, num_classes=10)
