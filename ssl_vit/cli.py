@@ -150,8 +150,7 @@ def lightning_cli(argv: list[str]):
                     "(checkpoints written by ssl-vit load with weights only)"
                 )
             if config.compile.enabled:  # CompileTask checks again at setup, after the trainer's banner
-                compile_args = config.compile
-                check_compile(compile_args.scope, compile_args.mode, config.trainer.accumulate_grad_batches)
+                check_compile(config.compile.mode, config.trainer.accumulate_grad_batches)
             # The datamodule checks this again in its setup, after the trainer has printed its banner;
             # here first, the error is the command's only output.
             data_args = getattr(config.get("data"), "init_args", None)

@@ -64,10 +64,10 @@ def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
     assert listing(tmp_path) == []
 
 
-def test_fit_with_cuda_graphs_of_the_step_and_gradient_accumulation(digits_shards, tmp_path):
+def test_fit_with_cuda_graphs_and_gradient_accumulation(digits_shards, tmp_path):
     proc = fit(
-        digits_shards, tmp_path, "--compile.enabled", "true", "--compile.scope", "step",
-        "--compile.mode", "reduce-overhead", "--trainer.accumulate_grad_batches", "2",
+        digits_shards, tmp_path, "--compile.enabled", "true", "--compile.mode", "reduce-overhead",
+        "--trainer.accumulate_grad_batches", "2",
     )  # fmt: skip
     error_line(proc, "--compile.mode reduce-overhead", "accumulate_grad_batches 2", "--compile.mode default")
     assert listing(tmp_path) == []

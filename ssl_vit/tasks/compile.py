@@ -71,15 +71,16 @@ def compiled_step(fn: Callable, mode: Mode = "default") -> Callable:
     return step
 
 
-def check_compile(scope: Scope, mode: Mode, accumulate_grad_batches: int) -> None:
-    """Refuse what would train wrongly rather than fail: CUDA graphs of the whole step with gradient
-    accumulation. The backward's replay writes each parameter's gradient into the graph's own memory,
-    and the next micro-batch's replay overwrites it before the optimizer has seen the sum."""
-    if scope == "step" and mode in CUDA_GRAPH_MODES and accumulate_grad_batches > 1:
+def check_compile(mode: Mode, accumulate_grad_batches: int) -> None:
+    """Refuse what would train wrongly rather than fail: CUDA graphs (of the step or of the blocks)
+    with gradient accumulation. A backward's replay writes the parameters' gradients into the
+    graphs' own memory, and the next micro-batch's replay overwrites them before the optimizer has
+    seen the sum (pytorch/pytorch#169545)."""
+    if mode in CUDA_GRAPH_MODES and accumulate_grad_batches > 1:
         raise UserError(
-            f"--compile.mode {mode} with --compile.scope step replays the step as CUDA graphs, which "
-            f"cannot accumulate gradients (--trainer.accumulate_grad_batches {accumulate_grad_batches}); "
-            "use --compile.mode default, or --compile.scope blocks"
+            f"--compile.mode {mode} replays CUDA graphs, which cannot accumulate gradients "
+            f"(--trainer.accumulate_grad_batches {accumulate_grad_batches}): each micro-batch would "
+            "overwrite the last one's; use --compile.mode default or max-autotune-no-cudagraphs"
         )
 
 
@@ -100,7 +101,7 @@ class CompileTask(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.enabled:
             return
-        check_compile(self.scope, self.mode, trainer.accumulate_grad_batches)
+        check_compile(self.mode, trainer.accumulate_grad_batches)
         if self.scope == "blocks":
             count = compile_blocks(pl_module, self.mode)
             rank_zero_info(f"torch.compile ({self.mode}): {count} transformer blocks")

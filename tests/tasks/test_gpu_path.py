@@ -225,15 +225,17 @@ def test_a_step_is_compiled_once_and_copies_get_the_plain_method(digits_batch):
     torch.testing.assert_close(restored.train_loss(batch), twin.train_loss(batch))
 
 
-def test_the_callback_refuses_cuda_graphs_of_the_step_with_gradient_accumulation():
+@pytest.mark.parametrize("scope", ["blocks", "step"])
+def test_the_callback_refuses_cuda_graphs_with_gradient_accumulation(scope):
     """Also for a Trainer built in Python, where the CLI's own check never ran; nothing is compiled."""
     task = SupervisedPretraining(TINY, num_classes=10)
     train_loss, trainer = task.train_loss, SimpleNamespace(accumulate_grad_batches=4)
     with pytest.raises(UserError, match="accumulate_grad_batches 4"):
-        CompileTask(True, "reduce-overhead", "step").setup(trainer, task, "fit")
+        CompileTask(True, "reduce-overhead", scope).setup(trainer, task, "fit")
     assert task.train_loss == train_loss
-    CompileTask(True, "default", "step").setup(trainer, task, "fit")
-    assert task.train_loss != train_loss
+    assert all(block._compiled_call_impl is None for block in task.backbone.blocks)
+    CompileTask(True, "default", scope).setup(trainer, task, "fit")
+    assert (task.train_loss != train_loss) == (scope == "step")
 
 
 def test_the_bench_offers_every_compile_mode_the_tasks_take():
