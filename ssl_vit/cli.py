@@ -150,7 +150,9 @@ def lightning_cli(argv: list[str]):
                     "(checkpoints written by ssl-vit load with weights only)"
                 )
             if config.compile.enabled:  # CompileTask checks again at setup, after the trainer's banner
-                check_compile(config.compile.mode, config.trainer.accumulate_grad_batches)
+                strategy = config.trainer.strategy
+                strategy = str(getattr(strategy, "class_path", strategy))  # a name, or class_path + init_args
+                check_compile(config.compile.mode, config.trainer.accumulate_grad_batches, strategy)
             # The datamodule checks this again in its setup, after the trainer has printed its banner;
             # here first, the error is the command's only output.
             data_args = getattr(config.get("data"), "init_args", None)

@@ -64,12 +64,23 @@ def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
     assert listing(tmp_path) == []
 
 
-def test_fit_with_cuda_graphs_and_gradient_accumulation(digits_shards, tmp_path):
-    proc = fit(
-        digits_shards, tmp_path, "--compile.enabled", "true", "--compile.mode", "reduce-overhead",
-        "--trainer.accumulate_grad_batches", "2",
-    )  # fmt: skip
-    error_line(proc, "--compile.mode reduce-overhead", "accumulate_grad_batches 2", "--compile.mode default")
+@pytest.mark.parametrize(
+    "option,words",
+    [
+        (("--trainer.accumulate_grad_batches", "2"), ("accumulate_grad_batches 2",)),
+        (("--trainer.strategy", "fsdp"), ("FSDP", "--trainer.strategy fsdp")),
+        (
+            ("--trainer.strategy", "pytorch_lightning.strategies.ModelParallelStrategy"),
+            ("FSDP", "--trainer.strategy pytorch_lightning.strategies.ModelParallelStrategy"),
+        ),
+    ],
+)
+def test_fit_with_cuda_graphs_where_they_cannot_work(digits_shards, tmp_path, option, words):
+    """Gradient accumulation (the replays would overwrite gradients) and FSDP (its hooks cannot be
+    captured): refused before anything is built."""
+    cuda_graphs = ("--compile.enabled", "true", "--compile.mode", "reduce-overhead")
+    proc = fit(digits_shards, tmp_path, *cuda_graphs, *option)
+    error_line(proc, "--compile.mode reduce-overhead", *words, "--compile.mode default")
     assert listing(tmp_path) == []
 
 

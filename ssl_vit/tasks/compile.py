@@ -71,16 +71,29 @@ def compiled_step(fn: Callable, mode: Mode = "default") -> Callable:
     return step
 
 
-def check_compile(mode: Mode, accumulate_grad_batches: int) -> None:
-    """Refuse what would train wrongly rather than fail: CUDA graphs (of the step or of the blocks)
-    with gradient accumulation. A backward's replay writes the parameters' gradients into the
-    graphs' own memory, and the next micro-batch's replay overwrites them before the optimizer has
-    seen the sum (pytorch/pytorch#169545)."""
-    if mode in CUDA_GRAPH_MODES and accumulate_grad_batches > 1:
+def check_compile(mode: Mode, accumulate_grad_batches: int, strategy: str) -> None:
+    """Refuse CUDA graphs (of the step or of the blocks) where they would train wrongly or fail deep
+    inside torch, before anything is built:
+    - with gradient accumulation: a backward's replay writes the parameters' gradients into the
+      graphs' own memory, and the next micro-batch's replay overwrites them before the optimizer has
+      seen the sum (pytorch/pytorch#169545);
+    - with FSDP (`strategy`, a strategy's name or class path): its per-block all-gathers and frees
+      run in hooks that CUDA graphs cannot capture (pytorch/pytorch#127225).
+    """
+    if mode not in CUDA_GRAPH_MODES:
+        return
+    if accumulate_grad_batches > 1:
         raise UserError(
             f"--compile.mode {mode} replays CUDA graphs, which cannot accumulate gradients "
             f"(--trainer.accumulate_grad_batches {accumulate_grad_batches}): each micro-batch would "
             "overwrite the last one's; use --compile.mode default or max-autotune-no-cudagraphs"
+        )
+    name = strategy.rsplit(".", 1)[-1].lower().replace("_", "")
+    if name.startswith(("fsdp", "modelparallel")):
+        raise UserError(
+            f"--compile.mode {mode} replays CUDA graphs, which cannot capture FSDP's sharded "
+            f"parameters (--trainer.strategy {strategy}); use --compile.mode default or "
+            "max-autotune-no-cudagraphs"
         )
 
 
@@ -101,7 +114,7 @@ class CompileTask(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.enabled:
             return
-        check_compile(self.mode, trainer.accumulate_grad_batches)
+        check_compile(self.mode, trainer.accumulate_grad_batches, type(trainer.strategy).__name__)
         if self.scope == "blocks":
             count = compile_blocks(pl_module, self.mode)
             rank_zero_info(f"torch.compile ({self.mode}): {count} transformer blocks")

@@ -14,6 +14,7 @@ import yaml
 from cli_helpers import free_port, start_ranks
 from ddp_compile_helpers import TINY as DDP_TINY  # next to this file; pytest puts its folder on sys.path
 from ddp_compile_helpers import batch_of, compiled_ddp_gradients
+from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -226,11 +227,14 @@ def test_a_step_is_compiled_once_and_copies_get_the_plain_method(digits_batch):
 
 
 @pytest.mark.parametrize("scope", ["blocks", "step"])
-def test_the_callback_refuses_cuda_graphs_with_gradient_accumulation(scope):
-    """Also for a Trainer built in Python, where the CLI's own check never ran; nothing is compiled."""
+@pytest.mark.parametrize("accumulate,strategy", [(4, DDPStrategy()), (1, ModelParallelStrategy())])
+def test_the_callback_refuses_cuda_graphs_where_they_cannot_work(scope, accumulate, strategy):
+    """Gradient accumulation or FSDP, also for a Trainer built in Python (where the CLI's own check never
+    ran); nothing is compiled. Without CUDA graphs, both compile."""
     task = SupervisedPretraining(TINY, num_classes=10)
-    train_loss, trainer = task.train_loss, SimpleNamespace(accumulate_grad_batches=4)
-    with pytest.raises(UserError, match="accumulate_grad_batches 4"):
+    train_loss = task.train_loss
+    trainer = SimpleNamespace(accumulate_grad_batches=accumulate, strategy=strategy)
+    with pytest.raises(UserError, match="accumulate_grad_batches 4" if accumulate > 1 else "ModelParallel"):
         CompileTask(True, "reduce-overhead", scope).setup(trainer, task, "fit")
     assert task.train_loss == train_loss
     assert all(block._compiled_call_impl is None for block in task.backbone.blocks)
