@@ -165,15 +165,14 @@ class MaskedPatchPretraining(BackboneTask):
 
     def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
         """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M))."""
+        tokens = self.backbone.embed_patches(images)  # (B, N, D)
         batch, device = images.shape[0], images.device
         if self.corruption == "bert":
             c = masking.bert_corruption(
                 batch, self.num_patches, self.mask_ratio, generator=generator, device=device
             )
-            tokens = self.backbone.embed_patches(images)  # (B, N, D)
             encoded = self.backbone.encode(masking.apply_bert_corruption(tokens, self.mask_embedding, c))
             return self.head(encoded.patches), c.idx_corrupt
-        tokens = self.backbone.embed_patches(images)  # (B, N, D)
         idx_keep, idx_mask = self.draw_mask(batch, generator, device)
         if self.corruption == "drop":
             encoded = self.backbone.encode(tokens, idx_keep=idx_keep)
