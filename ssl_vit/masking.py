@@ -98,18 +98,6 @@ class BertCorruption(NamedTuple):
         values = self.idx_corrupt if values is None else values
         return values[self.group == group].unflatten(0, (self.group.shape[0], -1))
 
-    @property
-    def idx_mask(self) -> Tensor:
-        return self.of(MASK)
-
-    @property
-    def idx_random(self) -> Tensor:
-        return self.of(RANDOM)
-
-    @property
-    def idx_unchanged(self) -> Tensor:
-        return self.of(UNCHANGED)
-
 
 def bert_corruption(
     batch_size: int,

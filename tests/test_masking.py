@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from ssl_vit.masking import (
+    MASK,
     RANDOM,
+    UNCHANGED,
     apply_bert_corruption,
     bert_corruption,
     block_mask,
@@ -75,7 +77,7 @@ def test_random_keep_is_uniform():
 def test_bert_corruption_groups_partition_the_corrupted(batch_size):
     c = bert_corruption(batch_size, 20, generator=gen())
     assert c.idx_corrupt.shape == (batch_size, 10)
-    groups = torch.cat([c.idx_mask, c.idx_random, c.idx_unchanged], dim=1).sort(dim=1).values
+    groups = torch.cat([c.of(MASK), c.of(RANDOM), c.of(UNCHANGED)], dim=1).sort(dim=1).values
     assert torch.equal(groups, c.idx_corrupt)
     assert c.idx_corrupt.unique(dim=1).shape == c.idx_corrupt.shape  # no token twice
     assert c.group.shape == c.idx_corrupt.shape and c.random_source.shape == (*c.idx_corrupt.shape, 2)
@@ -88,7 +90,7 @@ def test_bert_split_is_80_10_10_over_draws(num_tokens):
     counts = torch.zeros(3)
     for _ in range(2000):
         c = bert_corruption(2, num_tokens, generator=g)
-        counts += torch.tensor([c.idx_mask.numel(), c.idx_random.numel(), c.idx_unchanged.numel()])
+        counts += torch.tensor([c.of(MASK).numel(), c.of(RANDOM).numel(), c.of(UNCHANGED).numel()])
     assert torch.allclose(counts / counts.sum(), torch.tensor([0.8, 0.1, 0.1]), atol=0.01)
 
 
@@ -98,7 +100,7 @@ def test_bert_random_sources_are_other_patches_of_the_batch():
         bert_corruption(batch_size, num_tokens, mask_prob=0.0, random_prob=1.0, generator=gen(s))
         for s in range(40)
     ]
-    idx_random = torch.cat([c.idx_random for c in draws])
+    idx_random = torch.cat([c.of(RANDOM) for c in draws])
     sample, token = torch.cat([c.random_source for c in draws]).unbind(-1)
     own = torch.arange(batch_size).repeat(len(draws))[:, None]
     assert sample.min() >= 0 and sample.max() < batch_size and token.min() >= 0 and token.max() < num_tokens
@@ -117,15 +119,15 @@ def test_apply_bert_corruption_places_exactly_and_keeps_the_rest():
     out = apply_bert_corruption(x, mask_embedding, c)
 
     rows = torch.arange(batch_size)[:, None]
-    assert torch.equal(out[rows, c.idx_mask], mask_embedding.detach().expand(*c.idx_mask.shape, width))
+    assert torch.equal(out[rows, c.of(MASK)], mask_embedding.detach().expand(*c.of(MASK).shape, width))
     source = c.of(RANDOM, c.random_source)
-    assert torch.equal(out[rows, c.idx_random], x_before[source[..., 0], source[..., 1]])
-    touched = indices_to_mask(torch.cat([c.idx_mask, c.idx_random], dim=1), num_tokens)
+    assert torch.equal(out[rows, c.of(RANDOM)], x_before[source[..., 0], source[..., 1]])
+    touched = indices_to_mask(torch.cat([c.of(MASK), c.of(RANDOM)], dim=1), num_tokens)
     assert torch.equal(out[~touched], x_before[~touched])  # unchanged ones included, bit-identical
     assert torch.equal(x.detach(), x_before)
 
     out.sum().backward()
-    assert torch.equal(mask_embedding.grad, torch.full((width,), float(c.idx_mask.numel())))
+    assert torch.equal(mask_embedding.grad, torch.full((width,), float(c.of(MASK).numel())))
     assert x.grad.abs().sum() > 0
 
 

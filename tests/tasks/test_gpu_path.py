@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from ssl_vit.benchmark import COMPILE_MODES
 from ssl_vit.errors import UserError
-from ssl_vit.masking import bert_corruption
+from ssl_vit.masking import MASK, RANDOM, bert_corruption
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.compile import CompileTask, Mode, compile_blocks, compile_step
@@ -128,7 +128,7 @@ def test_a_compiled_mpp_step_is_one_graph_whatever_its_80_10_10_split(digits_bat
             got.loss.backward()
             torch.manual_seed(seed)
             c = bert_corruption(4, task.num_patches, task.mask_ratio)
-            splits.add((c.idx_mask.shape[1], c.idx_random.shape[1]))
+            splits.add((c.of(MASK).shape[1], c.of(RANDOM).shape[1]))
             graphs.append(dynamo_utils.counters["stats"]["unique_graphs"] - before)
         assert len(splits) == 3  # every split this batch can draw was seen (6/1/1, 7/0/1, 7/1/0 of 8)
         assert graphs == [1] * 10  # one graph, never recompiled
