@@ -34,7 +34,7 @@ from ssl_vit.benchmark import PRECISIONS, TASKS
 from ssl_vit.models.vit import ViTConfig, build_vit
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.base import BackboneTask
-from ssl_vit.tasks.compile import CUDA_GRAPH_MODES, compile_blocks, compile_step, compiled_step
+from ssl_vit.tasks.compile import CUDA_GRAPH_MODES, compile_blocks, compiled_step
 
 NUM_CLASSES = 1000
 DTYPES = {precision: getattr(torch, dtype) for precision, dtype in PRECISIONS.items()}
@@ -121,6 +121,15 @@ class StepBench:
         labels = torch.randint(0, NUM_CLASSES, (self.batch_size,), generator=generator)
         return {"image": images.to(self.device), "label": labels.to(self.device)}
 
+    def compiled(self, module: torch.nn.Module, train_loss: Callable) -> Callable:
+        """What `--compile` does, alike on both sides: `module`'s transformer blocks compiled in place,
+        or its `train_loss` compiled whole (and returned)."""
+        if self.compile and self.compile_scope == "blocks":
+            compile_blocks(module, self.compile_mode)
+        elif self.compile:
+            return compiled_step(train_loss, self.compile_mode)
+        return train_loss
+
     def plain_loop(self) -> Callable[[dict], float]:
         """A timm model, its optimizer and a function that runs `warmup + steps` steps and returns the
         seconds of the timed ones."""
@@ -133,10 +142,7 @@ class StepBench:
         def train_loss(images: Tensor, labels: Tensor) -> Tensor:
             return F.cross_entropy(model(images), labels)
 
-        if self.compile and self.compile_scope == "blocks":
-            compile_blocks(model, self.compile_mode)
-        elif self.compile:
-            train_loss = compiled_step(train_loss, self.compile_mode)
+        train_loss = self.compiled(model, train_loss)
 
         def run(batch: dict) -> float:
             for step in range(self.warmup + self.steps):
@@ -160,10 +166,7 @@ class StepBench:
     def task_loop(self, name: str) -> tuple[BackboneTask, Callable[[dict], float]]:
         torch.manual_seed(self.seed)
         task = build_task(name, self.config)
-        if self.compile and self.compile_scope == "blocks":
-            compile_blocks(task, self.compile_mode)
-        elif self.compile:
-            compile_step(task, self.compile_mode)
+        task.train_loss = self.compiled(task, task.train_loss)
 
         def run(batch: dict) -> float:
             window = _Window(self.warmup, self.sync)
