@@ -35,9 +35,12 @@ def mae(config: ViTConfig = TINY) -> MaskedPatchPretraining:
     return MaskedPatchPretraining(config, preset="mae", decoder_dim=32, decoder_depth=1, decoder_heads=2)
 
 
-def loss_and_grads(task, images) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(task, images, labels=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`train_loss` as the training step calls it, its masks drawn from the global RNG seeded at 3."""
     task.zero_grad(set_to_none=True)
-    loss = task.forward_loss(images, torch.Generator().manual_seed(3)).loss
+    torch.manual_seed(3)
+    out = task.train_loss({"image": images} if labels is None else {"image": images, "label": labels})
+    loss = out if isinstance(out, torch.Tensor) else out.loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in task.named_parameters() if p.grad is not None}
 
@@ -65,16 +68,6 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(digits_batch):
     assert all(block._compiled_call_impl is not None for block in task.backbone.blocks)
 
 
-def step_loss_and_grads(task, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`train_loss` as the training step calls it, on the global RNG (its masks drawn inside)."""
-    task.zero_grad(set_to_none=True)
-    torch.manual_seed(3)
-    out = task.train_loss(batch)
-    loss = out if isinstance(out, torch.Tensor) else out.loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in task.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["supervised", "mae", "vit_mpp"])
 def test_a_compiled_step_gives_the_eager_loss_and_gradients(digits_batch, preset):
@@ -82,20 +75,20 @@ def test_a_compiled_step_gives_the_eager_loss_and_gradients(digits_batch, preset
     as one graph. Inductor draws random numbers its own way; `fallback_random` makes it draw torch's,
     so both sides mask the same patches."""
     torch._dynamo.reset()
-    batch = {"image": digits_batch["image"][:8], "label": digits_batch["label"][:8] % 10}
+    images, labels = digits_batch["image"][:8], digits_batch["label"][:8] % 10
     torch.manual_seed(0)
     if preset == "supervised":
         task = SupervisedPretraining(TINY, num_classes=10)
     else:
         task = MaskedPatchPretraining(TINY, preset=preset, decoder_dim=32, decoder_depth=1, decoder_heads=2)
-    eager = step_loss_and_grads(task, batch)
+    eager = loss_and_grads(task, images, labels)
     names = list(task.state_dict())
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     compile_step(task)
     with torch._inductor.config.patch(fallback_random=True):
-        compiled = step_loss_and_grads(task, batch)
+        compiled = loss_and_grads(task, images, labels)
         compiled_graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-        again = step_loss_and_grads(task, batch)
+        again = loss_and_grads(task, images, labels)
     assert compiled_graphs > graphs  # it did compile
     assert dynamo_utils.counters["stats"]["unique_graphs"] == compiled_graphs  # and reused it
     assert_same(eager, compiled, atol=1e-5)
