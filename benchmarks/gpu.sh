@@ -3,24 +3,29 @@
 # torch.compile off, then per transformer block, then of the whole step as CUDA graphs
 # (`--compile-scope step --compile-mode reduce-overhead`); images/s, MFU and the MAE / supervised
 # ratios, as tables. The third table's heading counts the compiled graphs that ran without CUDA
-# graphs, if any (inductor's "skipping cudagraphs due to ..." warning above it says why).
-#   bash benchmarks/gpu.sh              (about 5 min on an H200, compilation included; WHOLE_STEP=0: 90 s)
+# graphs, if any (inductor's "skipping cudagraphs due to ..." warning above it says why). Last, MAE's
+# eager step piece by piece (`ssl-vit bench parts`): encoder blocks, decoder blocks and the rest, each
+# with its FLOP rate against supervised's blocks.
+#   bash benchmarks/gpu.sh              (about 5 min on an H200, compilation included; WHOLE_STEP=0: 2 min)
 # Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.
 # The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SSLVIT=${SSLVIT:-.venv/bin/ssl-vit}
 JSON=${JSON:-benchmarks/gpu.json}
-options=(
+common=(
     --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
-    --tasks supervised mae --precision "${PRECISION:-bf16-mixed}"
+    --precision "${PRECISION:-bf16-mixed}"
     --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}"
 )
+options=("${common[@]}" --tasks supervised mae)
+written=("$JSON")
 $SSLVIT bench step "${options[@]}" --compile both --json "$JSON"
 if [ "${WHOLE_STEP:-1}" = 1 ]; then
     $SSLVIT bench step "${options[@]}" --compile on --compile-scope step --compile-mode reduce-overhead \
         --json "${JSON%.json}-step.json"
-    echo "tables above; numbers in $JSON and ${JSON%.json}-step.json"
-else
-    echo "tables above; numbers in $JSON"
+    written+=("${JSON%.json}-step.json")
 fi
+$SSLVIT bench parts "${common[@]}" --task mae --json "${JSON%.json}-parts.json"
+written+=("${JSON%.json}-parts.json")
+echo "tables above; numbers in ${written[*]}"

@@ -1,4 +1,4 @@
-"""`ssl-vit bench step|loop|scaling` and benchmarks/gpu.sh run end to end (tiny sizes, CPU) and count
+"""`ssl-vit bench step|parts|loop|scaling` and benchmarks/gpu.sh run end to end (tiny sizes, CPU) and count
 FLOPs as `ssl-vit info` does. Only correctness: no timing is asserted."""
 
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_cli
+from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.benchmark.scaling import traffic_table
 from ssl_vit.benchmark.step import NUM_CLASSES, build_task, task_flops
@@ -37,12 +38,19 @@ def test_step_flops_of_b16_are_those_of_ssl_vit_info():
         (["--device", "cuda"], "--device cuda: no CUDA device is visible here"),
         (["--rounds", "0"], "--rounds must be at least 1"),
         (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: directory"),
+        (["--json", "."], "--json .: is a directory; give a file in an existing directory"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--warmup", "-1"], "--warmup must be at least 0"),
+        (["--img-size", "30"], "--img-size 30: give a multiple of Ti/8's 8-pixel patches"),
+        (["--device", "mps"], "--device mps: use cpu or cuda"),
+        (["--device", "gpu0"], "--device gpu0: use cpu or cuda"),
     ],
 )
-def test_bench_step_mistakes_are_one_line(args, message, tmp_path):
-    if args[0] == "--device" and torch.cuda.is_available():
+@pytest.mark.parametrize("command", ["step", "parts"])
+def test_bench_step_and_parts_mistakes_are_one_line(command, args, message, tmp_path):
+    if args == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
-    proc = run_cli("bench", "step", *TINY, *args, cwd=tmp_path, check=False)
+    proc = run_cli("bench", command, *TINY, *args, cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert list(tmp_path.iterdir()) == []
@@ -85,6 +93,75 @@ def test_gradient_traffic_grows_with_the_variant_and_fsdp_is_for_the_largest():
     assert all(0 < row["efficiency"] <= 1 for row in rows.values())
 
 
+def forward_flops(module: torch.nn.Module, shape: tuple[int, ...]) -> int:
+    """FLOPs of one forward on the meta device, attention included, as `ssl-vit info` counts them."""
+    with FlopCounterMode(display=False) as counter:
+        module(torch.empty(shape, device="meta"))
+    return counter.get_total_flops()
+
+
+def flops_without_blocks(name: str, config: ViTConfig) -> int:
+    """FLOPs of a task's step (forward and backward) with its block stacks swapped for identities."""
+    task = build_task(name, config)
+    task.backbone.blocks = torch.nn.Identity()
+    if name == "mae":
+        task.decoder.blocks = torch.nn.Identity()
+    images = torch.randn(2, 3, config.img_size, config.img_size)
+    with FlopCounterMode(display=False) as counter:
+        out = task.train_loss({"image": images, "label": torch.tensor([0, 1])})
+        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.slow
+def test_bench_parts_times_each_piece_of_mae_against_supervised_blocks(tmp_path):
+    """`ssl-vit bench parts`: the block stacks on the token shapes MAE's own step feeds them (Ti/8 at
+    32 px: 16 patches, 4 kept), forward and backward, each with its FLOPs (attention counted on the
+    CPU too), the whole step, and the rest between them."""
+    out = tmp_path / "parts.json"
+    proc = run_cli("bench", "parts", *TINY, "--json", str(out))
+    report = json.loads(out.read_text())
+    rows = {(row["task"], row["piece"]): row for row in report["rows"]}
+    assert list(rows) == [
+        ("supervised", "blocks"), ("supervised", "rest"), ("supervised", "step"),
+        ("mae", "blocks"), ("mae", "decoder blocks"), ("mae", "rest"), ("mae", "step"),
+    ]  # fmt: skip
+    stacks = {("supervised", "blocks"): [1 + 16, 192], ("mae", "blocks"): [1 + 4, 192]}
+    stacks["mae", "decoder blocks"] = [1 + 16, 512]
+    config = ViTConfig("Ti/8", 32)
+    with torch.device("meta"):
+        mae = build_task("mae", config)
+    modules = {"blocks": mae.backbone.blocks, "decoder blocks": mae.decoder.blocks}
+    for (task, piece), tokens in stacks.items():
+        assert rows[task, piece]["tokens"] == tokens
+        # The backward too, input gradient included (2 x the forward), as in a step.
+        flops = 3 * forward_flops(modules[piece], (2, *tokens))
+        assert rows[task, piece]["gflops"] * 1e9 == pytest.approx(flops, rel=1e-9)
+    for task in ("supervised", "mae"):
+        rest, step = rows[task, "rest"], rows[task, "step"]
+        assert rest["gflops"] * 1e9 == pytest.approx(flops_without_blocks(task, config), rel=1e-9)
+        assert rest["vs_reference"] is None and step["share"] == 1.0
+        assert 0 < step["seconds"] and 0 < rows[task, "blocks"]["vs_reference"]
+    assert rows["supervised", "blocks"]["vs_reference"] == 1.0
+    assert report["flop_ratio"] == pytest.approx(
+        rows["supervised", "step"]["gflops"] / rows["mae", "step"]["gflops"]
+    )
+    assert report["of_flop_ratio"] == pytest.approx(report["speedup"] / report["flop_ratio"])
+    assert "| mae | decoder blocks | 17 x 512 |" in proc.stdout and "of its FLOP ratio" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["vit_mpp", "simmim"])
+def test_bench_parts_of_the_full_sequence_tasks(task, tmp_path):
+    """MPP and SimMIM run the encoder on every patch and have no decoder."""
+    out = tmp_path / "parts.json"
+    run_cli("bench", "parts", *TINY, "--task", task, "--rounds", "1", "--json", str(out))
+    rows = {(row["task"], row["piece"]): row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows)[3:] == [(task, "blocks"), (task, "rest"), (task, "step")]
+    assert rows[task, "blocks"]["tokens"] == [1 + 16, 192]
+    assert rows[task, "blocks"]["gflops"] == rows["supervised", "blocks"]["gflops"]
+
+
 def assert_step_report(report: dict) -> None:
     """A `bench step` report of supervised and MAE against the plain loop, over 2 rounds."""
     rows = {row["name"]: row for row in report["rows"]}
@@ -104,8 +181,8 @@ def assert_step_report(report: dict) -> None:
 @pytest.mark.slow
 def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     """benchmarks/gpu.sh: `ssl-vit bench step` of supervised and MAE, compile off, per block, and the
-    whole step under CUDA graphs' mode (inductor without CUDA graphs on the CPU); tables printed and
-    every report in its JSON."""
+    whole step under CUDA graphs' mode (inductor without CUDA graphs on the CPU), then `bench parts` of
+    MAE; tables printed and every report in its JSON."""
     env = {
         **os.environ, "SSLVIT": f"{sys.executable} -m ssl_vit", "VARIANT": "Ti/8", "IMG_SIZE": "32",
         "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "2", "STEPS": "1", "WARMUP": "1",
@@ -119,8 +196,12 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     assert compiled == [(False, None, None), (True, "blocks", "default"), (True, "step", "reduce-overhead")]
     for report in reports:
         assert_step_report(report)
-    assert proc.stdout.count("| mae |") == 3 and proc.stdout.count("of FLOP ratio") == 3
+    step_tables, parts_table = proc.stdout.split("forward + backward without the optimizer")
+    assert step_tables.count("| mae |") == 3 and step_tables.count("of FLOP ratio") == 3
     assert "compile on (step, reduce-overhead)" in proc.stdout
     skips = [r["config"]["cudagraph_skips"] for r in reports]
     assert skips[:2] == [None, None] and skips[2] > 0  # inductor has no CUDA graphs for the CPU
     assert f"{skips[2]} compiled graphs ran without CUDA graphs" in proc.stdout
+    parts = json.loads((tmp_path / "gpu-parts.json").read_text())
+    assert parts["config"]["task"] == "mae" and len(parts["rows"]) == 7
+    assert "| mae | decoder blocks |" in parts_table

@@ -1,5 +1,5 @@
 """Benchmarks of the training step, the whole training loop and multi-process scaling, each reported
-as ratios against a reference measured in the same process (`ssl-vit bench step|loop|scaling`)."""
+as ratios against a reference measured in the same process (`ssl-vit bench step|parts|loop|scaling`)."""
 
 # Here rather than in `step`, so that the parsers of `ssl-vit bench` need not import torch and Lightning.
 TASKS = ("supervised", "vit_mpp", "mae", "simmim")

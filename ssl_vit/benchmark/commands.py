@@ -1,4 +1,5 @@
-"""`ssl-vit bench step|loop|scaling`: the training-step, training-loop and scaling benchmarks."""
+"""`ssl-vit bench step|parts|loop|scaling`: the training-step (whole, and piece by piece), training-loop
+and scaling benchmarks."""
 
 from __future__ import annotations
 
@@ -34,15 +35,22 @@ def add_bench_parsers(bench_subparsers) -> None:
     _step_options(scaling, variant="Ti/16", tasks=("mae",))
     scaling.set_defaults(func=_scaling)
 
+    parts = bench_subparsers.add_parser(
+        "parts", help="a masked task's step, piece by piece (blocks, decoder, the rest), vs supervised's"
+    )
+    _model_options(parts)
+    parts.add_argument(
+        "--task", choices=[t for t in TASKS if t != "supervised"], default="mae", help="default: mae"
+    )
+    _run_options(parts, steps=2)
+    parts.set_defaults(func=_parts)
+
 
 def _step_options(parser, variant: str = "B/16", tasks: tuple[str, ...] | None = None) -> None:
-    parser.add_argument("--variant", default=variant, help=f"ViT variant (default {variant})")
-    parser.add_argument("--img-size", type=int, default=224)
-    parser.add_argument("--batch-size", type=int, default=8, help="per process (default 8)")
+    _model_options(parser, variant)
     parser.add_argument(
         "--tasks", nargs="+", choices=TASKS, default=list(tasks or TASKS), help="default: all"
     )
-    parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true")
     parser.add_argument("--compile", choices=("off", "on", "both"), default="off", help="torch.compile")
     parser.add_argument(
         "--compile-scope", choices=("blocks", "step"), default="blocks",
@@ -52,9 +60,20 @@ def _step_options(parser, variant: str = "B/16", tasks: tuple[str, ...] | None =
         "--compile-mode", choices=COMPILE_MODES, default="default",
         help="torch.compile's mode (reduce-overhead: CUDA graphs)",
     )  # fmt: skip
+    _run_options(parser, steps=3)
+
+
+def _model_options(parser, variant: str = "B/16") -> None:
+    parser.add_argument("--variant", default=variant, help=f"ViT variant (default {variant})")
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=8, help="per process (default 8)")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
+def _run_options(parser, steps: int) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per round (default {steps})")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them, per round")
     parser.add_argument("--threads", type=int, help="torch threads per process (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the report(s) here")
@@ -66,16 +85,31 @@ def _check(args) -> None:
     from ssl_vit.models.vit import parse_variant
 
     try:
-        parse_variant(args.variant)
+        patch = parse_variant(args.variant).patch_size
     except ValueError as err:
         raise UserError(str(err)) from None
     for name in ("batch_size", "rounds", "steps"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.warmup < 0:
+        raise UserError("--warmup must be at least 0")
+    if args.threads is not None and args.threads < 1:
+        raise UserError("--threads must be at least 1")
+    if args.img_size < patch or args.img_size % patch:
+        raise UserError(
+            f"--img-size {args.img_size}: give a multiple of {args.variant}'s {patch}-pixel patches"
+        )
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {args.device}: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible here; use --device cpu")
-    if args.json is not None and not args.json.parent.is_dir():
-        raise UserError(f"--json {args.json}: directory {args.json.parent} does not exist")
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        where = "is a directory" if args.json.is_dir() else f"directory {args.json.parent} does not exist"
+        raise UserError(f"--json {args.json}: {where}; give a file in an existing directory")
 
 
 def _step_reports(args, progress=print) -> list[dict]:
@@ -122,6 +156,26 @@ def _loop(args) -> int:
         raise UserError("--steps, --batch-size and --threads must be at least 1")
     report = run_loop_bench(args.steps, args.batch_size, args.threads)
     print(format_loop(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _parts(args) -> int:
+    import torch
+
+    from ssl_vit.benchmark.parts import PartsBench, format_parts
+    from ssl_vit.benchmark.step import StepBench
+
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench = StepBench(
+        args.variant, args.img_size, args.batch_size, precision=args.precision, device=args.device,
+        rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+    )  # fmt: skip
+    report = PartsBench(bench, args.task).run(print)
+    print("\n" + format_parts(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -31,7 +31,7 @@ from lightning_fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 
 from ssl_vit.benchmark import PRECISIONS, TASKS
-from ssl_vit.models.vit import ViTConfig, build_vit
+from ssl_vit.models.vit import ViTConfig, build_vit, parse_variant
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.base import BackboneTask
 from ssl_vit.tasks.compile import CUDA_GRAPH_MODES, compile_blocks, compiled_step
@@ -45,10 +45,18 @@ def build_task(name: str, config: ViTConfig) -> BackboneTask:
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True)  # noqa: E731
     if name == "supervised":
         return SupervisedPretraining(config, num_classes=NUM_CLASSES, optimizer=optimizer)
-    cell = {"simmim": min(32, config.img_size)}.get(name, 32)
+    cell = simmim_cell(config) if name == "simmim" else 32
     return MaskedPatchPretraining(
         config, preset=name, cell_size=cell, picture_every_n_steps=0, optimizer=optimizer
     )
+
+
+def simmim_cell(config: ViTConfig) -> int:
+    """SimMIM's 32-pixel mask cells, or the largest cell below them that tiles the patch grid, so that
+    every size the other tasks run at runs SimMIM too (28 for H/14's 14-pixel patches, 16 at 48 px)."""
+    patch = parse_variant(config.variant).patch_size
+    grid = config.img_size // patch
+    return patch * max(k for k in range(1, max(1, 32 // patch) + 1) if grid % k == 0)
 
 
 def task_flops(task: BackboneTask, img_size: int) -> int:
@@ -137,7 +145,6 @@ class StepBench:
         if self.world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        dtype = DTYPES[self.precision]
 
         def train_loss(images: Tensor, labels: Tensor) -> Tensor:
             return F.cross_entropy(model(images), labels)
@@ -149,11 +156,7 @@ class StepBench:
                 if step == self.warmup:
                     self.sync()
                     start = time.perf_counter()
-                # Lightning's autocast (cache_enabled=False): with the tasks' global state, compiled
-                # blocks keep one graph for both sides instead of recompiling at every switch.
-                with torch.autocast(
-                    self.device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False
-                ):
+                with self.autocast():
                     loss = train_loss(batch["image"], batch["label"])
                 loss.backward()
                 optimizer.step()
@@ -189,6 +192,15 @@ class StepBench:
             return window.end - window.start
 
         return task, run
+
+    def autocast(self) -> torch.autocast:
+        """Lightning's autocast for the precision (cache_enabled=False, as its precision plugin): with the
+        tasks' global state, compiled blocks keep one graph for both sides instead of recompiling at
+        every switch."""
+        dtype = DTYPES[self.precision]
+        return torch.autocast(
+            self.device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False
+        )
 
     def sync(self) -> None:
         if self.device.type == "cuda":
