@@ -41,7 +41,8 @@ DTYPES = {precision: getattr(torch, dtype) for precision, dtype in PRECISIONS.it
 
 
 def build_task(name: str, config: ViTConfig) -> BackboneTask:
-    """The task as a recipe builds it: MAE's 8 x 512 decoder, SimMIM's 32-pixel cells, fused AdamW."""
+    """The task as a recipe builds it: MAE's 8 x 512 decoder, SimMIM's 32-pixel cells (or the nearest
+    that tile the grid, `simmim_cell`), fused AdamW."""
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True)  # noqa: E731
     if name == "supervised":
         return SupervisedPretraining(config, num_classes=NUM_CLASSES, optimizer=optimizer)
