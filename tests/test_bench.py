@@ -19,6 +19,7 @@ from ssl_vit.benchmark.scaling import traffic_table
 from ssl_vit.benchmark.step import NUM_CLASSES, StepBench, build_task, simmim_cell, task_flops
 from ssl_vit.info import mae_cost, vit_cost
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks.base import step_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--variant", "Ti/8", "--img-size", "32", "--batch-size", "2", "--rounds", "2", "--steps", "1"]
@@ -112,7 +113,7 @@ def flops_without_blocks(name: str, config: ViTConfig) -> int:
     images = torch.randn(2, 3, config.img_size, config.img_size)
     with FlopCounterMode(display=False) as counter:
         out = task.train_loss({"image": images, "label": torch.tensor([0, 1])})
-        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+        step_loss(out).backward()
     return counter.get_total_flops()
 
 
@@ -189,7 +190,7 @@ def test_bench_parts_runs_every_piece_under_the_precision_it_is_given():
     Lightning step; the stacks' inputs are what the step feeds them (fp32 after the position embedding)."""
     parts = PartsBench(StepBench("Ti/8", 32, 2, precision="bf16-mixed"), "mae")
     pieces = parts.pieces("mae")
-    assert [(p.name, p.tokens) for p in pieces] == [
+    assert [(p.name, p.shape) for p in pieces] == [
         ("blocks", (2, 5, 192)), ("decoder blocks", (2, 17, 512)), ("step", ()),
     ]  # fmt: skip
     for piece in pieces:

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ssl_vit.benchmark.step import StepBench, build_task
-from ssl_vit.tasks.base import BackboneTask, step_inputs
+from ssl_vit.benchmark.step import StepBench, build_task, paired_ratio
+from ssl_vit.tasks.base import BackboneTask, step_inputs, step_loss
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Piece:
     task: str
     name: str
     run: Callable[[], None]  # one forward and backward
-    tokens: tuple[int, ...] = ()  # a block stack's input shape (B, tokens, width)
+    shape: tuple[int, ...] = ()  # a block stack's input shape (B, tokens, width)
     flops: int = 0
     seconds: list[float] = field(default_factory=list)  # per step, one per round
 
@@ -69,7 +69,7 @@ class PartsBench:
         def step() -> None:
             with bench.autocast():
                 out = task.train_loss(inputs)
-            (out if isinstance(out, Tensor) else out.loss).backward()
+            step_loss(out).backward()
             task.zero_grad(set_to_none=True)
 
         return pieces + [Piece(name, "step", step)]
@@ -145,7 +145,7 @@ class PartsBench:
             rows += [_row(rest, step, None), _row(step, step, _paired_rate(step, reference))]
             steps[task] = step
         supervised, task = steps["supervised"], steps[self.task_name]
-        speedup = statistics.median(s / t for s, t in zip(supervised.seconds, task.seconds))
+        speedup = paired_ratio(supervised.seconds, task.seconds)
         flop_ratio = supervised.flops / task.flops
         b = self.bench
         config = dict(
@@ -163,18 +163,18 @@ class PartsBench:
 
 
 def _paired_rate(piece: Piece, reference: Piece) -> float:
-    """`piece`'s FLOP rate over `reference`'s, the median of the rounds' ratios (each pair measured
-    moments apart, so a slow spell of a shared machine cancels)."""
-    ratios = [(piece.flops / p) / (reference.flops / r) for p, r in zip(piece.seconds, reference.seconds)]
-    return statistics.median(ratios)
+    """`piece`'s FLOP rate over `reference`'s, round by round (`paired_ratio`)."""
+    return paired_ratio(
+        [piece.flops / s for s in piece.seconds], [reference.flops / s for s in reference.seconds]
+    )
 
 
 def _row(piece: Piece, step: Piece, vs_reference: float | None) -> dict:
     """`vs_reference` None: no FLOP rate is given (the rest)."""
     median = statistics.median(piece.seconds)
-    share = statistics.median(p / s for p, s in zip(piece.seconds, step.seconds))
+    share = paired_ratio(piece.seconds, step.seconds)
     return dict(
-        task=piece.task, piece=piece.name, tokens=list(piece.tokens[1:]), seconds=median,
+        task=piece.task, piece=piece.name, tokens=list(piece.shape[1:]), seconds=median,
         gflops=piece.flops / 1e9, tflop_s=None if vs_reference is None else piece.flops / 1e12 / median,
         vs_reference=vs_reference, share=share, rounds=piece.seconds,
     )  # fmt: skip

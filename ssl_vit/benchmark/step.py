@@ -249,13 +249,13 @@ class StepBench:
                 "name": name,
                 "images_per_s": result.median,
                 "rounds": result.images_per_s,
-                "vs_plain": _paired_ratio(result, results["plain"]),
+                "vs_plain": paired_ratio(result.images_per_s, results["plain"].images_per_s),
                 "gflops_per_image": result.flops_per_image / 1e9,
                 "mfu": result.median * result.flops_per_image / (peak * self.world_size),
             }
             supervised = results.get("supervised")
             if supervised is not None and name not in ("plain", "supervised"):
-                speedup = _paired_ratio(result, supervised)
+                speedup = paired_ratio(result.images_per_s, supervised.images_per_s)
                 flop_ratio = supervised.flops_per_image / result.flops_per_image
                 row.update(vs_supervised=speedup, flop_ratio=flop_ratio, of_flop_ratio=speedup / flop_ratio)
             rows.append(row)
@@ -288,10 +288,10 @@ def _cudagraph_skips_note(config: dict) -> str:
     return f", {skips} compiled graphs ran without CUDA graphs" if skips else ""
 
 
-def _paired_ratio(result: Result, reference: Result) -> float:
+def paired_ratio(values: list[float], reference: list[float]) -> float:
     """Median over rounds of the ratio within each round: both were measured moments apart, so a
     slow spell of a shared machine that spans a round cancels out of its ratio."""
-    return statistics.median(a / b for a, b in zip(result.images_per_s, reference.images_per_s, strict=True))
+    return statistics.median(a / b for a, b in zip(values, reference, strict=True))
 
 
 def _forward_flops(model: torch.nn.Module, img_size: int) -> int:

@@ -35,6 +35,11 @@ def step_inputs(batch: dict) -> dict[str, Tensor]:
     return {key: batch[key] for key in STEP_INPUTS if key in batch}
 
 
+def step_loss(out) -> Tensor:
+    """The scalar loss of what any task's `train_loss` returns (the loss, or a named tuple with it)."""
+    return out if isinstance(out, Tensor) else out.loss
+
+
 class BackboneTask(pl.LightningModule):
     """Base of the Lightning tasks. Subclasses build their heads; their `forward(images)` is the
     compute of one training step without the loss (what the FLOPs are counted on).

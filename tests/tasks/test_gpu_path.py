@@ -24,6 +24,7 @@ from ssl_vit.errors import UserError
 from ssl_vit.masking import MASK, RANDOM, bert_corruption
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
+from ssl_vit.tasks.base import step_loss
 from ssl_vit.tasks.compile import CompileTask, Mode, compile_blocks, compile_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def loss_and_grads(task, images, labels=None) -> tuple[torch.Tensor, dict[str, t
     task.zero_grad(set_to_none=True)
     torch.manual_seed(3)
     out = task.train_loss({"image": images} if labels is None else {"image": images, "label": labels})
-    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss = step_loss(out)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in task.named_parameters() if p.grad is not None}
 
@@ -182,7 +183,7 @@ def test_a_training_step_on_cuda_stays_on_the_device(preset):
         batch = {"image": torch.randn(4, 3, 32, 32, device="cuda"), "label": torch.arange(4, device="cuda")}
         with HostWork() as host:
             out = task.train_loss(batch)
-    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss = step_loss(out)
     assert loss.device.type == "cuda" and host.count > 100
     assert host.ops == []
 
