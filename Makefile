@@ -27,7 +27,7 @@ RUNS := runs/quickstart
 # intervals and each against scratch (few-shot on all and on held-out digits 5-9, k-NN, linear probe)
 # -> the ViT paper's look inside MPP and supervised (attention distance, embeddings, rollout, MPP
 # predictions) on 256 validation digits, seconds each. Each run writes config.yaml, checkpoints/,
-# pictures/ and an offline W&B run under $(RUNS)/NAME; a rerun starts those runs afresh.
+# pictures/ (the masked tasks) and an offline W&B run under $(RUNS)/NAME; a rerun starts those runs afresh.
 quickstart: $(STAMP)
 	test -f $(SHARDS)/train.json || $(SSLVIT) data convert digits $(SHARDS) --split train --shard-size 300
 	test -f $(SHARDS)/val.json || $(SSLVIT) data convert digits $(SHARDS) --split val --shard-size 100
