@@ -210,8 +210,15 @@ def leaders(rows: list[dict], column: str) -> tuple[set[str], bool]:
     return tied, len(tied) == 1
 
 
-def _cell(value: Interval | Difference, signed: bool = False) -> str:
-    return f"{100 * value.mean:{'+' if signed else ''}.1f} ± {100 * value.half_width:.1f}"
+def _cell(value: Interval) -> str:
+    return f"{100 * value.mean:.1f} ± {100 * value.half_width:.1f}"
+
+
+def _difference_cell(value: Difference) -> str:
+    """The mean difference, its interval's bounds and the verdict read from them. The bounds rather
+    than a half-width: a percentile interval need not be centred on the mean, and `mean ± half-width`
+    could then contain 0 while the interval does not (or the other way round)."""
+    return f"{100 * value.mean:+.1f} [{100 * value.low:+.1f}, {100 * value.high:+.1f}] {value.verdict}"
 
 
 def _amount(value: float, unit: str = "") -> str:
@@ -273,7 +280,8 @@ def markdown_table(
     if differences is not None:
         lines += [
             "",
-            f"Paired differences against {baseline} (percentage points, {level} paired bootstrap):",
+            f"Paired differences against {baseline} (percentage points: mean [{level} paired bootstrap "
+            "interval]):",
             "",
         ]
         lines += [
@@ -281,7 +289,7 @@ def markdown_table(
             "|---|" + "---:|" * len(columns),
         ]
         for name, found in differences.items():
-            cells = [f"{_cell(found[c], signed=True)} {found[c].verdict}" for c in columns]
+            cells = [_difference_cell(found[c]) for c in columns]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         if not differences:
             lines.append(f"| (none: {baseline} failed or is the only row) |" + " |" * len(columns))

@@ -264,10 +264,14 @@ def test_compare_with_a_baseline_and_groups_of_runs(frozen_suite, tmp_path, cli)
     assert sum(line.count(" ± ") for line in cells) == 5 * len(columns) and "| group (2 runs) |" in main
     assert "| n/a | n/a | n/a | n/a |" in main  # old
     assert "**" in main or "(tie)" in main
-    diff_rows = {line.split(" | ")[0].strip("| "): line for line in differences.splitlines() if " ± " in line}
+    diff_rows = {
+        line.split(" | ")[0].strip("| "): line
+        for line in differences.splitlines()
+        if line.startswith("| ") and " [" in line
+    }
     assert list(diff_rows) == ["same", "group", "old", "scratch"]
     # The checkpoint against itself: exactly zero, zero width, within noise.
-    assert diff_rows["same"].count("+0.0 ± 0.0 noise") == len(columns)
+    assert diff_rows["same"].count("+0.0 [+0.0, +0.0] noise") == len(columns)
     marks = [cell.split()[-1] for line in diff_rows.values() for cell in line.strip("| ").split(" | ")[1:]]
     assert set(marks) <= {"win", "loss", "noise"} and len(marks) == 4 * len(columns)
     for picture in ("compute.png", "differences.png", "fewshot.png", "bars.png"):

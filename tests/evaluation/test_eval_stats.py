@@ -5,7 +5,10 @@ import torch
 
 from ssl_vit.evaluation.fewshot import fewshot_correct
 from ssl_vit.evaluation.knn import knn_correct
-from ssl_vit.evaluation.stats import interval, paired_difference
+from ssl_vit.evaluation.report import markdown_table
+from ssl_vit.evaluation.stats import Difference, Interval, interval, paired_difference
+from ssl_vit.evaluation.suite import Suite
+from ssl_vit.models.vit import ViTConfig
 
 TRUE_ACCURACY = 0.8
 
@@ -83,3 +86,21 @@ def test_paired_differences_win_lose_or_are_noise():
     assert paired.verdict == "win" and unpaired[0].low < unpaired[1].high
     with pytest.raises(ValueError, match="same seeds and test images"):
         paired_difference(base, base[:, :, :10])
+
+
+def test_the_differences_table_states_the_bounds_its_verdict_is_read_from():
+    """A percentile interval need not be centred on its mean: -3.8 with bounds -8.2 and -0.04 is a
+    loss, yet `-3.8 ± 4.1` would read as containing 0. The table prints the bounds themselves."""
+    skewed = Difference(mean=-0.038, low=-0.0824, high=-0.0004, verdict="loss")
+    assert skewed.mean + skewed.half_width > 0 > skewed.high
+    row = {
+        "name": "mpp",
+        "runs": 1,
+        "error": None,
+        "cost": None,
+        "intervals": {"knn": Interval(0.5, 0.4, 0.6, 0, 0)},
+    }
+    suite = Suite(ViTConfig("S/8", 32, width=32, depth=1, heads=2), {}, [])
+    table = markdown_table([row], ["knn"], suite, baseline="scratch", differences={"mpp": {"knn": skewed}})
+    assert "| mpp | -3.8 [-8.2, -0.0] loss |" in table
+    assert "| mpp | **50.0 ± 10.0** |" in table  # accuracies keep mean ± half-width (bold: the only row)
