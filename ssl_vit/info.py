@@ -81,6 +81,27 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def _check_mae(args: argparse.Namespace) -> None:
+    """MAE's options, before any model is built: one line each instead of a traceback from inside."""
+    import inspect
+
+    from ssl_vit.models.heads import MAEDecoder
+    from ssl_vit.models.vit import parse_variant
+
+    patches = min((args.img_size // parse_variant(v).patch_size) ** 2 for v in args.variants)
+    if not 0 <= args.mask_ratio < 1 or round(args.mask_ratio * patches) >= patches:
+        raise UserError(
+            f"--mask-ratio {args.mask_ratio}: give a fraction in [0, 1) that keeps a patch, e.g. 0.75"
+        )
+    heads = inspect.signature(MAEDecoder).parameters["heads"].default  # what mae_cost builds
+    if args.decoder_dim < heads or args.decoder_dim % heads:
+        raise UserError(
+            f"--decoder-dim {args.decoder_dim}: give a multiple of the decoder's {heads} heads, e.g. 512"
+        )
+    if args.decoder_depth < 1:
+        raise UserError(f"--decoder-depth {args.decoder_depth}: give at least 1 block, e.g. MAE's 8")
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -90,9 +111,14 @@ def run(args: argparse.Namespace) -> int:
     args.variants = args.variants or list(EXAMPLE_VARIANTS)
     for variant in args.variants:
         try:
-            parse_variant(variant)
+            patch = parse_variant(variant).patch_size
         except ValueError as err:
             raise UserError(str(err)) from None
+        if args.img_size < patch or args.img_size % patch:
+            raise UserError(
+                f"--img-size {args.img_size}: give a multiple of {variant}'s {patch}-pixel patches"
+            )
+    _check_mae(args)
     table = Table(title=f"ViT variants at {args.img_size}px (forward, per image; FLOPs = 2 x MACs)")
     for column in (
         "variant",

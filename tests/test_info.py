@@ -1,6 +1,7 @@
 """`ssl-vit info`: parameter counts and FLOPs, checked against published numbers."""
 
 import pytest
+from test_errors import error_line
 
 from ssl_vit.info import mae_cost, vit_cost
 
@@ -27,3 +28,21 @@ def test_info_rejects_an_unknown_variant(cli):
     proc = cli("info", "--variants", "Q/16", check=False)
     assert proc.returncode == 2
     assert "unknown ViT variant 'Q/16'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["--img-size", "0"], ["--img-size 0", "multiple of B/16's 16-pixel patches"]),
+        (["--img-size", "100"], ["--img-size 100", "multiple of B/16's 16-pixel patches"]),
+        (["--mask-ratio", "1.5"], ["--mask-ratio 1.5", "keeps a patch"]),
+        (["--mask-ratio", "0.999"], ["--mask-ratio 0.999", "keeps a patch"]),
+        (["--decoder-dim", "0"], ["--decoder-dim 0", "multiple of the decoder's 16 heads"]),
+        (["--decoder-dim", "40"], ["--decoder-dim 40", "multiple of the decoder's 16 heads"]),
+        (["--decoder-depth", "0"], ["--decoder-depth 0", "at least 1 block"]),
+    ],
+)
+def test_info_mistakes_are_one_line(cli, arguments, words):
+    proc = cli("info", "--variants", "B/16", *arguments, check=False)
+    error_line(proc, *words)
+    assert proc.stdout == ""  # no table printed
