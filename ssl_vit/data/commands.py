@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 
 from ssl_vit.data.sources import SOURCES_HELP
+from ssl_vit.errors import UserError
+
+MAX_STORED = 8192  # `bench data` holds its generated JPEGs in memory; larger sides only exhaust it
 
 
 def add_parser(subparsers) -> None:
@@ -92,8 +95,17 @@ def _size(text: str) -> tuple[int, int]:
     return w, h
 
 
+def _at_least_one(args, *names: str) -> None:
+    """One line for a count option below 1 (argparse's `type=int` takes any integer)."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
+
+
 def _convert(args) -> int:
     from ssl_vit.data.writer import convert, manifest_path
+
+    _at_least_one(args, "workers")
 
     manifest = convert(
         args.source,
@@ -116,6 +128,8 @@ def _convert(args) -> int:
 def _inspect(args) -> int:
     from ssl_vit.data.inspect import format_report, inspect_urls
 
+    _at_least_one(args, "workers")
+
     reports, problems = inspect_urls(args.urls, workers=args.workers)
     print(format_report(reports, problems))
     return 1 if problems else 0
@@ -123,6 +137,15 @@ def _inspect(args) -> int:
 
 def _bench(args) -> int:
     from ssl_vit.data.bench import format_results, run
+
+    _at_least_one(args, "images", "samples", "memory_samples", "image_size", "batch_size", "repeats")
+    if not all(1 <= side <= MAX_STORED for side in args.stored):
+        raise UserError(f"--stored {args.stored[0]}x{args.stored[1]}: give sides of 1 to {MAX_STORED} pixels")
+    if not 1 <= args.quality <= 100:
+        raise UserError(f"--quality {args.quality}: give a JPEG quality of 1 to 100")
+    low, high = args.crop_scale
+    if not 0 < low <= high <= 1:
+        raise UserError(f"--crop-scale {low} {high}: give MIN MAX with 0 < MIN <= MAX <= 1, e.g. 0.2 1.0")
 
     results = run(
         args.images,

@@ -1,0 +1,41 @@
+"""Out-of-range options of `ssl-vit data convert|inspect` and `ssl-vit bench data`: one line each, exit
+2, before anything is generated or written."""
+
+import pytest
+from test_errors import error_line
+
+BENCH = ["bench", "data", "--images", "4", "--samples", "8", "--memory-samples", "8", "--batch-size", "4"]
+BENCH += ["--stored", "64x48", "--image-size", "32"]
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["--images", "0"], ["--images 0", "at least 1"]),
+        (["--samples", "0"], ["--samples 0", "at least 1"]),
+        (["--memory-samples", "0"], ["--memory-samples 0", "at least 1"]),
+        (["--batch-size", "-1"], ["--batch-size -1", "at least 1"]),
+        (["--image-size", "0"], ["--image-size 0", "at least 1"]),
+        (["--repeats", "0"], ["--repeats 0", "at least 1"]),
+        (["--stored", "0x0"], ["--stored 0x0", "1 to 8192"]),
+        (["--stored", "100000x100000"], ["--stored 100000x100000", "1 to 8192"]),
+        (["--quality", "500"], ["--quality 500", "1 to 100"]),
+        (["--quality", "-3"], ["--quality -3", "1 to 100"]),
+        (["--crop-scale", "-1", "0.5"], ["--crop-scale -1.0 0.5", "0 < MIN <= MAX <= 1"]),
+        (["--crop-scale", "2", "1"], ["--crop-scale 2.0 1.0", "0 < MIN <= MAX <= 1"]),
+    ],
+)
+def test_bench_data_mistakes_are_one_line(cli, arguments, words):
+    proc = cli(*BENCH, *arguments, check=False)
+    error_line(proc, *words)
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("workers", ["0", "-2"])
+def test_convert_and_inspect_need_a_worker(cli, tmp_path, workers):
+    out = tmp_path / "shards"
+    proc = cli("data", "convert", "synthetic:8", str(out), "--workers", workers, check=False)
+    error_line(proc, f"--workers {workers}", "at least 1")
+    assert not out.exists()
+    proc = cli("data", "inspect", str(tmp_path / "x-000000.tar"), "--workers", workers, check=False)
+    error_line(proc, f"--workers {workers}", "at least 1")
