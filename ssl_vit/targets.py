@@ -12,13 +12,15 @@ import torch
 from einops import rearrange, reduce
 from torch import Tensor
 
+from ssl_vit.errors import BadValue
+
 LEVELS = 8  # per channel: 3 bits, so 8**3 = 512 colour classes (ViT paper, appendix B.1.2)
 
 
 def _check_divisible(images: Tensor, size: int, what: str) -> None:
     height, width = images.shape[-2:]
     if height % size or width % size:
-        raise ValueError(f"image size {height}x{width} is not divisible by the {what} {size}")
+        raise BadValue(f"image size {height}x{width} is not divisible by the {what} {size}")
 
 
 def _quantise(colours: Tensor) -> Tensor:
@@ -44,7 +46,7 @@ def mean_color_3bit_4x4(images: Tensor, patch_size: int) -> Tensor:
     """ViT paper's variant: each patch downsized to 4x4 by average pooling, the 16 colours quantised
     as in `mean_color_3bit` -> LongTensor [B, N, 16], sub-blocks row-major within the patch."""
     if patch_size % 4:
-        raise ValueError(f"the 4x4 target needs a patch size divisible by 4, got {patch_size}")
+        raise BadValue(f"the 4x4 target needs a patch size divisible by 4, got {patch_size}")
     _check_divisible(images, patch_size, "patch size")
     s = patch_size // 4
     means = reduce(images, "b c (h i s1) (w j s2) -> b (h w) (i j) c", "mean", i=4, j=4, s1=s, s2=s)

@@ -65,6 +65,24 @@ def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "option, words",
+    [
+        (("--data.init_args.batch_size", "0"), ("batch_size", "must be positive", "got 0")),
+        (("--data.init_args.num_workers", "-2"), ("num_workers >= 0", "-2")),
+        (("--data.init_args.train_batches", "0"), ("train_batches must be positive, got 0",)),
+        (("--data.init_args.mixup_alpha", "0.8"), ("mixup/cutmix belong to train_preset 'supervised'",)),
+        (("--data.init_args.randaugment", "rand-m9"), ("randaugment is part of the 'supervised' preset",)),
+        (("--model.init_args.mask_ratio", "1.5"), ("mask_ratio must be in (0, 1)", "got 1.5")),
+    ],
+)
+def test_fit_with_an_out_of_range_value(digits_shards, tmp_path, option, words):
+    """Checked by the data module's and the task's constructors, before anything is written."""
+    proc = fit(digits_shards, tmp_path, *option)
+    error_line(proc, *words)
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize(
     "option,words",
     [
         (("--trainer.accumulate_grad_batches", "2"), ("accumulate_grad_batches 2",)),

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import check_urls, expand, read_manifest
-from ssl_vit.errors import UserError
+from ssl_vit.errors import BadValue, UserError
 
 log = logging.getLogger("ssl_vit.data")
 
@@ -175,16 +175,16 @@ class ShardDataModule(pl.LightningDataModule):
         # No save_hyperparameters: the CLI logs the whole config (data included) to W&B, and Lightning
         # refuses to log a datamodule's hparams that share a key (num_classes) with the model's.
         if batch_size <= 0 or num_workers < 0 or image_size <= 0:
-            raise ValueError(
+            raise BadValue(
                 f"batch_size and image_size must be positive and num_workers >= 0, got "
                 f"{batch_size}, {image_size}, {num_workers}"
             )
         if segment_shards <= 0:
-            raise ValueError(f"segment_shards must be positive, got {segment_shards}")
+            raise BadValue(f"segment_shards must be positive, got {segment_shards}")
         if train_batches is not None and train_batches <= 0:
-            raise ValueError(f"train_batches must be positive, got {train_batches}")
+            raise BadValue(f"train_batches must be positive, got {train_batches}")
         if (mixup_alpha or cutmix_alpha) and train_preset != "supervised":
-            raise ValueError(f"mixup/cutmix belong to train_preset 'supervised', not {train_preset!r}")
+            raise BadValue(f"mixup/cutmix belong to train_preset 'supervised', not {train_preset!r}")
         # build once to validate the preset/randaugment combination at construction time
         build_transform(
             train_preset,

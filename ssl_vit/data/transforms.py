@@ -27,6 +27,8 @@ import torchvision.transforms.v2 as v2
 from PIL import Image
 from timm.data.auto_augment import rand_augment_transform
 
+from ssl_vit.errors import BadValue
+
 Preset = Literal["pretrain", "supervised", "eval"]
 # How `eval` frames an image (`ShardDataModule.eval_view` chooses from the data): `whole` for images stored
 # at the model's resolution, `crop` (resize to image_size / crop_pct, centre crop) for larger ones.
@@ -48,9 +50,9 @@ def build_transform(
     `ShardStream.collate` stacks without a transposing copy). With `draft`, JPEGs are decoded at the
     smallest DCT scale that loses no pixel the output needs."""
     if preset not in ("pretrain", "supervised", "eval"):
-        raise ValueError(f"preset must be one of 'pretrain', 'supervised', 'eval', got {preset!r}")
+        raise BadValue(f"preset must be one of 'pretrain', 'supervised', 'eval', got {preset!r}")
     if randaugment and preset != "supervised":
-        raise ValueError(f"randaugment is part of the 'supervised' preset, not {preset!r}")
+        raise BadValue(f"randaugment is part of the 'supervised' preset, not {preset!r}")
     if preset == "eval":
         resize = eval_resize(image_size, crop_pct)
         steps = [

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytorch_lightning as pl
 from torch.distributed.fsdp import FSDPModule
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import BadValue, UserError
 from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
 from ssl_vit.models.vit import FeatureKind, ViTConfig
@@ -59,7 +59,7 @@ class FewShotMonitor(pl.Callback):
         batch_size: int = 64,
     ) -> None:
         if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+            raise BadValue(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.train_urls, self.test_urls = train_urls, test_urls
         self.every_n_steps = every_n_steps
         self.shots, self.seeds, self.ridge, self.classes = tuple(shots), tuple(seeds), ridge, classes

@@ -13,6 +13,7 @@ from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
+from ssl_vit.errors import BadValue
 from ssl_vit.models.vit import Tokens
 
 
@@ -64,7 +65,7 @@ class MAEDecoder(nn.Module):
     ) -> None:
         super().__init__()
         if dim % 4:
-            raise ValueError(f"decoder width {dim} must be divisible by 4 (2-D sin-cos position embedding)")
+            raise BadValue(f"decoder width {dim} must be divisible by 4 (2-D sin-cos position embedding)")
         self.embed = nn.Linear(encoder_dim, dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
         # Fixed, not learned (MAE uses fixed sin-cos for both encoder and decoder); not saved, rebuilt.

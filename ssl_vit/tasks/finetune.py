@@ -14,6 +14,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.optim import param_groups_layer_decay
 from torch import Tensor, nn
 
+from ssl_vit.errors import BadValue
 from ssl_vit.models.vit import ViTConfig, parse_variant
 from ssl_vit.tasks.base import RGB
 from ssl_vit.tasks.linear_probe import Feature
@@ -43,14 +44,14 @@ def mae_layer_decay(variant: str) -> float:
 def resolve_choices(preset: str | None, variant: str, feature, layer_decay, loss) -> dict:
     """Fill unset choices from the preset (else DEFAULTS) and check them."""
     if preset is not None and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+        raise BadValue(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     base = {**DEFAULTS, **PRESETS.get(preset, {})}
     if preset == "mae":
         base["layer_decay"] = mae_layer_decay(variant)
     given = dict(feature=feature, layer_decay=layer_decay, loss=loss)
     choices = {key: base[key] if value is None else value for key, value in given.items()}
     if choices["layer_decay"] is not None and not 0 < choices["layer_decay"] <= 1:
-        raise ValueError(f"layer_decay must be in (0, 1] (1: off), got {choices['layer_decay']}")
+        raise BadValue(f"layer_decay must be in (0, 1] (1: off), got {choices['layer_decay']}")
     return choices
 
 

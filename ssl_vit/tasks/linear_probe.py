@@ -16,6 +16,7 @@ from torch.optim import SGD, Optimizer
 from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics.classification import MulticlassAccuracy
 
+from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
@@ -71,9 +72,9 @@ class LinearProbe(BackboneTask):
     ) -> None:
         lrs = [float(lr) for lr in lrs]
         if not lrs or len(set(lrs)) != len(lrs) or min(lrs) <= 0:
-            raise ValueError(f"lrs must be distinct positive learning rates, got {lrs}")
+            raise BadValue(f"lrs must be distinct positive learning rates, got {lrs}")
         if num_classes < 1:
-            raise ValueError(f"num_classes must be positive, got {num_classes}")
+            raise BadValue(f"num_classes must be positive, got {num_classes}")
         super().__init__(
             backbone, init_from, optimizer, lr_scheduler, lr_reference_batch, mean, std,
             hparams=dict(num_classes=num_classes, feature=feature, batch_norm=batch_norm, lrs=lrs),

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ssl_vit import masking, targets
 from ssl_vit.checkpoints import load_mae_decoder
+from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import MAEDecoder, PatchHead
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
@@ -119,7 +120,7 @@ class MaskedPatchPretraining(BackboneTask):
         if self.mask_shape == "cells" and (
             cell_size % self.patch_size or self.grid[0] % (cell_size // self.patch_size)
         ):
-            raise ValueError(
+            raise BadValue(
                 f"cell_size {cell_size} must be a multiple of the patch size {self.patch_size} that divides "
                 f"the {self.grid[0]}x{self.grid[1]} patch grid; pick another cell_size"
             )
@@ -259,7 +260,7 @@ class MaskedPatchPretraining(BackboneTask):
 def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss) -> dict:
     """Fill unset choices from the preset and check they form a method."""
     if preset is not None and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+        raise BadValue(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     given = dict(
         corruption=corruption,
         target=target,
@@ -272,11 +273,11 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
     valid = {"corruption": Corruption, "target": Target, "mask_shape": MaskShape, "pixel_loss": PixelLoss}
     for key, kind in valid.items():
         if choices[key] not in kind.__args__:
-            raise ValueError(
+            raise BadValue(
                 f"{key} must be one of {', '.join(kind.__args__)} (or set a preset), got {choices[key]!r}"
             )
     if choices["mask_ratio"] is None or not 0 < choices["mask_ratio"] < 1:
-        raise ValueError(f"mask_ratio must be in (0, 1) (or set a preset), got {choices['mask_ratio']}")
+        raise BadValue(f"mask_ratio must be in (0, 1) (or set a preset), got {choices['mask_ratio']}")
     if choices["corruption"] == "bert" and choices["mask_shape"] != "random":
-        raise ValueError("corruption 'bert' draws its own random positions: use mask_shape 'random'")
+        raise BadValue("corruption 'bert' draws its own random positions: use mask_shape 'random'")
     return choices

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import BadValue, UserError
 
 
 class NonFiniteError(UserError):
@@ -44,9 +44,9 @@ class NonFiniteGuard(pl.Callback):
         check_every_n_steps: int | None = None,
     ) -> None:
         if policy not in ("skip", "stop"):
-            raise ValueError(f"policy must be 'skip' or 'stop', got {policy!r}")
+            raise BadValue(f"policy must be 'skip' or 'stop', got {policy!r}")
         if max_skips < 0:
-            raise ValueError(f"max_skips must be >= 0, got {max_skips}")
+            raise BadValue(f"max_skips must be >= 0, got {max_skips}")
         self.policy, self.max_skips, self.check_every = policy, max_skips, check_every_n_steps
         self.skipped = 0
         self._first_bad: torch.Tensor | None = None  # `stop`: first bad step, -1 while none, on the device

@@ -11,6 +11,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from ssl_vit.errors import BadValue
+
 # What recipes give as `lr_scheduler`: the optimizer and the run's total optimizer steps come from the
 # task at `configure_optimizers`, everything else from the YAML (jsonargparse skips the first two).
 SchedulerCallable = Callable[[Optimizer, int], LRScheduler]
@@ -34,7 +36,7 @@ class WarmupDecay(LambdaLR):
         min_lr_ratio: float = 0.0,
     ) -> None:
         if decay not in ("cosine", "linear"):
-            raise ValueError(f"unknown decay {decay!r}; valid: 'cosine', 'linear'")
+            raise BadValue(f"unknown decay {decay!r}; valid: 'cosine', 'linear'")
         self.total_steps, self.warmup_steps = max(1, total_steps), max(0, warmup_steps)
         self.decay, self.min_lr_ratio = decay, min_lr_ratio
         super().__init__(optimizer, self.factor)

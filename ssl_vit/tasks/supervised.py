@@ -12,6 +12,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
+from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
@@ -45,9 +46,9 @@ class SupervisedPretraining(BackboneTask):
         std: RGB = IMAGENET_DEFAULT_STD,
     ) -> None:
         if loss not in ("softmax", "sigmoid"):
-            raise ValueError(f"unknown loss {loss!r}; valid: 'softmax', 'sigmoid'")
+            raise BadValue(f"unknown loss {loss!r}; valid: 'softmax', 'sigmoid'")
         if num_classes < 1:
-            raise ValueError(f"num_classes must be positive, got {num_classes}")
+            raise BadValue(f"num_classes must be positive, got {num_classes}")
         super().__init__(
             backbone,
             init_from,
