@@ -227,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ssl-vit: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.
+        print("ssl-vit: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except SystemExit as stop:
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, raised on every rank at one step
             raise

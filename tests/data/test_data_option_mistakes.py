@@ -1,7 +1,12 @@
 """Out-of-range options of `ssl-vit data convert|inspect` and `ssl-vit bench data`: one line each, exit
-2, before anything is generated or written."""
+2, before anything is generated or written; and Ctrl-C in the middle of a conversion."""
+
+import os
+import signal
+import time
 
 import pytest
+from cli_helpers import start_cli
 from test_errors import error_line
 
 BENCH = ["bench", "data", "--images", "4", "--samples", "8", "--memory-samples", "8", "--batch-size", "4"]
@@ -39,3 +44,18 @@ def test_convert_and_inspect_need_a_worker(cli, tmp_path, workers):
     assert not out.exists()
     proc = cli("data", "inspect", str(tmp_path / "x-000000.tar"), "--workers", workers, check=False)
     error_line(proc, f"--workers {workers}", "at least 1")
+
+
+def test_ctrl_c_is_one_line_and_leaves_no_partial_split(tmp_path):
+    """Ctrl-C reaches the command's whole process group: exit 130, one line, no traceback, and the
+    split being written is neither left half-written nor published."""
+    out = tmp_path / "shards"
+    running = start_cli("data", "convert", "synthetic:200000", str(out), "--no-progress", session=True)
+    deadline = time.monotonic() + 120
+    while not (out / ".train.partial").exists() and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running.poll() is None, running.wait().stderr
+    os.killpg(running.pid, signal.SIGINT)
+    proc = running.wait(120)
+    assert proc.returncode == 130 and proc.stderr == "ssl-vit: interrupted\n", proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == []
