@@ -112,7 +112,8 @@ def read_weights(source: str) -> Weights:
     if path.is_dir() and (path / WEIGHTS_FILE).is_file():
         path = path / WEIGHTS_FILE
     if not path.is_file():
-        raise UserError(f"checkpoint {source!r} does not exist; give {SOURCES}")
+        what = f"is a folder without {WEIGHTS_FILE}" if path.is_dir() else "does not exist"
+        raise UserError(f"checkpoint {source!r} {what}; give {SOURCES}")
     if path.suffix == ".safetensors":
         return _read_safetensors(path)
     return _read_torch(path)

@@ -270,7 +270,8 @@ def load_suite(path: str | Path) -> Suite:
     """Parse and check a suite file; every problem is a one-line UserError naming the fix."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"suite {path} does not exist; see recipes/eval/ for examples")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise UserError(f"suite {path} {what}; give a suite file (see recipes/eval/ for examples)")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
