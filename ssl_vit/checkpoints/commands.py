@@ -14,7 +14,9 @@ def add_parser(subparsers) -> None:
         metavar="CKPT",
         help="a Lightning .ckpt, a .safetensors, an exported folder, or a .pth/.bin of timm or MAE weights",
     )
-    export.add_argument("out", metavar="OUT", help="the file (--format timm) or folder (--format hf) to make")
+    export.add_argument(
+        "out", metavar="OUT", help="the .safetensors file (--format timm) or folder (--format hf) to make"
+    )
     export.add_argument(
         "--format",
         dest="fmt",

@@ -51,6 +51,12 @@ def export(source: str, out: str, fmt: Format, with_head: bool) -> str:
         raise UserError(f"{out} already exists; give a new path, or remove it first")
     if not target.parent.is_dir():
         raise UserError(f"{target.parent} is not a directory; create it first or give another OUT")
+    if fmt == "timm" and target.suffix != ".safetensors":
+        # timm chooses its loader by the file's suffix: any other name fails in `timm.create_model`.
+        raise UserError(
+            f"{out} does not end in .safetensors, which timm needs to load it: name OUT "
+            f"{target.with_suffix('.safetensors').name}, or give --format hf for a folder"
+        )
     weights = read_weights(source)
     if weights.config is None:
         raise UserError(

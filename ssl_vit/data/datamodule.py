@@ -238,8 +238,8 @@ class ShardDataModule(pl.LightningDataModule):
 
     def _check_labels(self) -> None:
         """Labels the manifest counts beyond `num_classes` would fail the first training step (an index
-        error in the loss): refused here, before anything runs. Shards without a manifest are checked
-        sample by sample by the stream."""
+        error in the loss): refused here, before anything runs. A sample whose label is beyond
+        the class count anyway is a corrupt sample: the stream skips and counts it."""
         counts = (self.manifest or {}).get("class_counts") or {} if self._num_classes is not None else {}
         beyond = sorted(int(label) for label in counts if int(label) >= self._num_classes)
         if beyond:

@@ -1,7 +1,9 @@
 """`ssl-vit data inspect URLS`: samples and classes per shard, undecodable samples, a verdict.
 
 Each sample is decoded the way training decodes it (full size, no draft) and its label parsed; a
-set is broken when any sample or shard fails, or when shard counts disagree with the manifest.
+set is broken when any sample or shard fails, when a label is beyond its manifest's class count, or
+when shard counts disagree with the manifest. Each shard is checked against the manifest of its own
+directory and split, so one command can inspect several splits or directories.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import PurePosixPath
 from ssl_vit.data.samples import BadSample, decode_image, parse_label
 from ssl_vit.data.stream import iter_samples
 from ssl_vit.data.transforms import decode
-from ssl_vit.data.urls import check_urls, expand, read_manifest
+from ssl_vit.data.urls import check_urls, expand, manifest_url, read_manifest
 
 
 @dataclass
@@ -22,19 +24,24 @@ class ShardReport:
     url: str
     samples: int = 0
     classes: Counter = field(default_factory=Counter)
-    bad: list[str] = field(default_factory=list)  # "key: reason"
+    bad: list[str] = field(default_factory=list)  # "key: reason", one per unusable sample
+    errors: list[str] = field(default_factory=list)  # the shard's own failures (unreadable, truncated tar)
 
 
-def inspect_shard(url: str) -> ShardReport:
+def inspect_shard(url: str, num_classes: int | None = None) -> ShardReport:
+    """Read and decode every sample of `url`; a label of `num_classes` or more (the manifest's class
+    count) is a bad sample, as the training stream skips it."""
     report = ShardReport(url)
 
     def on_error(exn: Exception) -> bool:
-        report.bad.append(f"(shard) {' '.join(str(a) for a in exn.args if a is not None)}")
+        report.errors.append(f"(shard) {' '.join(str(a) for a in exn.args if a is not None)}")
         return True
 
     for sample in iter_samples([url], on_error):
         try:
             label = parse_label(sample)
+            if num_classes is not None and label >= num_classes:
+                raise BadSample(f"label {label} is beyond the manifest's {num_classes} classes")
             decode_image(sample, decode)
         except BadSample as err:
             report.bad.append(f"{sample['__key__']}: {err}")
@@ -45,24 +52,28 @@ def inspect_shard(url: str) -> ShardReport:
 
 
 def inspect_urls(urls: str | list[str], workers: int = 1) -> tuple[list[ShardReport], list[str]]:
-    """Reports per shard, and the problems of the whole set (bad samples, manifest mismatches)."""
+    """Reports per shard, and the problems of the whole set (bad samples, broken shards, manifest
+    mismatches), each shard checked against the manifest next to it."""
     urls = expand(urls, "URLS")
     check_urls(urls, "URLS")
+    manifests: dict[str | None, dict | None] = {}  # manifest URL -> manifest, each read once
+    for url in urls:
+        if manifest_url(url) not in manifests:
+            manifests[manifest_url(url)] = read_manifest(url)
+    own = [manifests[manifest_url(u)] for u in urls]
+    jobs = [(u, m["num_classes"] if m else None) for u, m in zip(urls, own)]
     if workers > 1:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            reports = pool.map(inspect_shard, urls)
+            reports = pool.starmap(inspect_shard, jobs)
     else:
-        reports = [inspect_shard(u) for u in urls]
-    problems = [f"{r.url}: {bad}" for r in reports for bad in r.bad]
-    manifest = read_manifest(urls[0])
-    if manifest:
-        expected = {s["url"]: s["num_samples"] for s in manifest["shards"]}
-        for r in reports:
-            name = PurePosixPath(r.url).name
-            if name in expected and expected[name] != r.samples + len(r.bad):
-                problems.append(
-                    f"{r.url}: {r.samples + len(r.bad)} samples, the manifest says {expected[name]}"
-                )
+        reports = [inspect_shard(*job) for job in jobs]
+    problems = [f"{r.url}: {bad}" for r in reports for bad in r.errors + r.bad]
+    for r, manifest in zip(reports, own):
+        expected = {s["url"]: s["num_samples"] for s in manifest["shards"]} if manifest else {}
+        name = PurePosixPath(r.url).name
+        read = r.samples + len(r.bad)  # samples in the shard, usable or not; a shard error is none
+        if name in expected and expected[name] != read:
+            problems.append(f"{r.url}: {read} samples, the manifest says {expected[name]}")
     return reports, problems
 
 
@@ -72,7 +83,8 @@ def format_report(reports: list[ShardReport], problems: list[str]) -> str:
     total = Counter()
     for r in reports:
         total += r.classes
-        lines.append(f"{r.url:<{width}}  {r.samples:>7}  {len(r.bad):>4}  {_classes(r.classes)}")
+        bad = len(r.bad) + len(r.errors)
+        lines.append(f"{r.url:<{width}}  {r.samples:>7}  {bad:>4}  {_classes(r.classes)}")
     n = sum(r.samples for r in reports)
     labelled = len([c for c in total if c >= 0])
     lines.append(f"{n} good samples in {len(reports)} shards, {labelled} classes, {len(problems)} problems")

@@ -18,11 +18,12 @@ segment, samples of the segment consumed), carried by every batch in `stream`, a
 rebuilds its segment and skips the consumed samples before decoding them: resuming costs reading at
 most one segment's raw bytes per worker, never decoding them again.
 
-Bad samples (undecodable image, missing image member, unparsable label, unreadable shard) are skipped,
-logged with their key and shard, and counted; each batch carries in `skipped` how many its worker
-dropped since its previous batch, so the count reaches the main process and can be logged as a metric
-(`ssl_vit.data.datamodule.LogSkippedSamples`). A stream that reads every one of its shards to the end
-without a usable sample fails with one line naming them, instead of spinning for ever.
+Bad samples (undecodable image, missing image member, unparsable label or one beyond `num_classes`,
+unreadable shard) are skipped, logged with their key and shard, and counted; each batch carries in
+`skipped` how many its worker dropped since its previous batch, so the count reaches the main process
+and can be logged as a metric (`ssl_vit.data.datamodule.LogSkippedSamples`). A stream that reads every
+one of its shards to the end without a usable sample fails with one line naming them, instead of
+spinning for ever.
 """
 
 from __future__ import annotations
@@ -237,18 +238,15 @@ class ShardStream(IterableDataset):
     # --- samples and batches -----------------------------------------------------------------------
 
     def label_of(self, sample: dict) -> int:
-        """The sample's label; BadSample naming its key and shard when it does not parse. A label beyond
-        `num_classes` is not a bad sample but a wrong configuration: a UserError."""
+        """The sample's label; BadSample naming its key and shard when it does not parse or is beyond
+        `num_classes` (a corrupt sample, skipped and counted like the others: a `num_classes` below the
+        manifest's labels is refused before anything runs, by `ShardDataModule`)."""
         try:
             label = parse_label(sample)
+            if self.num_classes is not None and label >= self.num_classes:
+                raise BadSample(f"label {label} is beyond num_classes {self.num_classes}")
         except BadSample as err:
             raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
-        if self.num_classes is not None and label >= self.num_classes:
-            raise UserError(
-                f"sample {sample.get('__key__')} in {sample.get('__url__')} has label {label}, beyond "
-                f"num_classes {self.num_classes}: set data.init_args.num_classes to the number of classes "
-                "of the shards (their manifest's num_classes), or re-convert them"
-            )
         return label
 
     def decode(self, sample: dict) -> dict:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
+from braceexpand import UnbalancedBracesError
 from webdataset.gopen import gopen_schemes
 from webdataset.shardlists import expand_urls
 
@@ -45,7 +46,13 @@ def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
     """Brace-expand a URL string or list (webdataset's syntax: `{000000..000006}`, `::` between lists)."""
     if isinstance(urls, str):
         urls = [urls]
-    out = [u for spec in (urls or []) for u in expand_urls(spec)]
+    try:
+        out = [u for spec in (urls or []) for u in expand_urls(spec)]
+    except UnbalancedBracesError as err:
+        raise UserError(
+            f"{what}: {err}: close each '{{' with '}}', "
+            "as in 'data/shards/digits/train-{000000..000001}.tar'"
+        ) from None
     if not out:
         raise UserError(
             f"{what} is empty: give shard URLs such as 'data/shards/digits/train-{{000000..000001}}.tar'"
@@ -98,15 +105,23 @@ def check_urls(urls: Sequence[str], what: str) -> None:
         raise UserError(f"{what}: shard {url} is {why}{more}: fix the URLs or re-run `ssl-vit data convert`")
 
 
+def manifest_url(shard_url: str) -> str | None:
+    """The URL of the manifest `{split}.json` next to a shard named `{split}-NNNNNN.tar`, or None
+    for other names and `pipe:` URLs."""
+    match = re.match(r"^(.*)-\d+\.tar$", shard_url)
+    if not match or urlparse(shard_url).scheme == "pipe":
+        return None
+    return match.group(1) + ".json"
+
+
 def read_manifest(first_url: str) -> dict | None:
     """The manifest `{split}.json` next to shards named `{split}-NNNNNN.tar`, or None if there is none.
 
     A manifest that exists but is not JSON, or whose keys have the wrong types, is a UserError naming
     the file and the key: the readers size epochs and count classes from it."""
-    match = re.match(r"^(.*)-\d+\.tar$", first_url)
-    if not match or urlparse(first_url).scheme == "pipe":
+    url = manifest_url(first_url)
+    if url is None:
         return None
-    url = match.group(1) + ".json"
     try:
         path = _local_path(url)
         if path is not None:

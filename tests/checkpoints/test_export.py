@@ -124,6 +124,9 @@ def test_mistakes_are_one_line_and_write_nothing(trained, tmp_path):
         ((supervised, "a_file/out.safetensors"), "is not a directory"),
         ((mpp, "out.safetensors", "--with-head"), "has no classifier"),
         ((mae_finetuned, "out", "--format", "hf", "--with-head"), "normalises before pooling or after"),
+        # timm picks its loader by the suffix: safetensors bytes under another name do not load.
+        ((supervised, "out.pth"), "does not end in .safetensors"),
+        ((supervised, "out", "--format", "timm"), "does not end in .safetensors"),
     ]
     before = listing(tmp_path)
     for (checkpoint, out, *options), words in cases:

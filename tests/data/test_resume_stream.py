@@ -9,7 +9,6 @@ import webdataset as wds
 from data_helpers import write_shards
 
 from ssl_vit.data import ShardDataModule
-from ssl_vit.errors import UserError
 
 
 def datamodule(urls, num_workers, **kwargs):
@@ -129,11 +128,12 @@ def test_streams_that_can_never_deliver_fail_with_one_line(tmp_path, shards, num
         del info
 
 
-def test_label_beyond_num_classes_is_a_configuration_error(shards):
-    urls, _ = shards
+def test_a_label_beyond_num_classes_is_a_skipped_sample(shards, caplog):
+    urls, keys = shards  # labels 0-9 in turn; 20 of the 45 are 5 or more
     dm = ShardDataModule(val_urls=urls, batch_size=4, num_workers=0, image_size=16, num_classes=5)
     dm.setup("validate")
-    with pytest.raises(
-        UserError, match=r"has label \d, beyond num_classes 5: set data.init_args.num_classes"
-    ):
-        list(dm.val_dataloader())
+    with caplog.at_level(logging.WARNING, logger="ssl_vit.data"):
+        batches = list(dm.val_dataloader())
+    assert sum(int(b["skipped"]) for b in batches) == 20
+    assert sorted(k for b in batches for k in b["key"]) == sorted(k for i, k in enumerate(keys) if i % 10 < 5)
+    assert "label 9 is beyond num_classes 5" in caplog.text
