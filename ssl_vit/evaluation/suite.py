@@ -299,6 +299,7 @@ def load_suite(path: str | Path) -> Suite:
                 f"{where} is a {type(data).__name__}, not a mapping: give keys among {', '.join(data_keys)}"
             )
         _check_keys(data, data_keys, where)
+        _check_data_values(data, backbone, where)
         for key in ("train_urls", "test_urls"):
             if not data.get(key):
                 raise UserError(f"{path}: {name}.{key} is missing (train: probe/support, test: evaluation)")
@@ -314,6 +315,21 @@ def load_suite(path: str | Path) -> Suite:
     if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
         raise UserError(f"{path}: resamples is {resamples!r}: it should be an integer of at least 100")
     return Suite(backbone, datasets, protocols, str(path), seed, resamples)
+
+
+def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
+    """A data block's counts and its image size, which the backbone must take as they are."""
+    for key in ("image_size", "batch_size", "num_workers", "num_classes", "seed"):
+        value = data.get(key)
+        low = 0 if key in ("num_workers", "seed") else 1
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise UserError(f"{where}: {key} is {value!r}: it should be an integer of at least {low}")
+    size = data.get("image_size", inspect.signature(ShardDataModule).parameters["image_size"].default)
+    if size != backbone.img_size:
+        raise UserError(
+            f"{where}: image_size {size} differs from backbone img_size {backbone.img_size}: set both to the "
+            "size to evaluate at (a checkpoint's position embeddings are resampled to the backbone's)"
+        )
 
 
 # Top-level keys of a suite file; a data block's keys are train_urls, test_urls and protocols.DATA_KEYS.
