@@ -16,9 +16,7 @@ OUT, and renamed into place.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -32,6 +30,7 @@ from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.outdir import check_out, staged
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.pictures import masked_prediction_picture
 
@@ -52,12 +51,7 @@ def analyze(
     the shards `urls`; write the pictures and analysis.json into `out_dir`. Returns the json record."""
     start = time.time()
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file: give a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(
-            f"--out {out} exists and is not empty: give a new directory, or --overwrite to replace it"
-        )
+    check_out(out, overwrite)
     if images < 1 or batch_size < 1:
         raise UserError(f"--images {images} and --batch-size {batch_size} must be positive")
     checkpoint = _lightning_checkpoint(source)
@@ -113,9 +107,7 @@ def analyze(
         "masked_prediction": masked,
     }
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged(out) as temp:
         pictures.attention_distance_plot(per_head, backbone.pixels_per_token, temp / "attention_distance.png")
         pictures.position_similarity_plot(similarity, backbone.grid_size, temp / "position_embeddings.png")
         if filters is not None:
@@ -126,10 +118,6 @@ def analyze(
         record["pictures"] = sorted(p.name for p in temp.glob("*.png"))
         record["seconds"] = round(time.time() - start, 1)
         (temp / "analysis.json").write_text(json.dumps(record, indent=1) + "\n")
-        _replace(temp, out)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
     _log_to_wandb(record, out)
     return record
 
@@ -166,18 +154,6 @@ def _masked_predictions(checkpoint: dict | None, hparams: dict, images: torch.Te
     if out.accuracy is not None:
         entry["masked_accuracy"] = round(out.accuracy.item(), 4)
     return entry, masked_prediction_picture(task, images.to(device), out, count=len(images)).cpu()
-
-
-def _replace(temp: Path, out: Path) -> None:
-    """Put the finished `temp` directory at `out`; an old `out` (--overwrite) is removed only after."""
-    if not out.exists():
-        temp.rename(out)
-        return
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    out.rename(old)
-    temp.rename(out)
-    shutil.rmtree(old)
 
 
 def _rounded(values: torch.Tensor) -> list:

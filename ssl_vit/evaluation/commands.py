@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 from ssl_vit.checkpoints import SOURCES
 from ssl_vit.errors import UserError
 
 CHECKPOINT_HELP = SOURCES
+OVERWRITE_HELP = "replace a non-empty --out directory (once the new results are complete)"
 
 
 def add_parsers(subparsers) -> None:
@@ -16,6 +19,7 @@ def add_parsers(subparsers) -> None:
     evaluate.add_argument("checkpoint", metavar="CKPT", help=CHECKPOINT_HELP)
     evaluate.add_argument("--suite", required=True, help="suite YAML (see recipes/eval/)")
     evaluate.add_argument("--out", required=True, help="output directory; results.json goes there")
+    evaluate.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     evaluate.set_defaults(func=_evaluate)
 
     compare = subparsers.add_parser("compare", help="the suite on every checkpoint: table, plots, W&B")
@@ -27,6 +31,7 @@ def add_parsers(subparsers) -> None:
     )
     compare.add_argument("--suite", required=True, help="suite YAML (see recipes/eval/)")
     compare.add_argument("--out", required=True, help="output directory for results.csv/.md and plots")
+    compare.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     compare.add_argument(
         "--scratch",
         type=int,
@@ -45,7 +50,7 @@ def add_parsers(subparsers) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation.suite import evaluate, load_suite
 
-    record = evaluate(args.checkpoint, load_suite(args.suite), args.out).record
+    record = evaluate(args.checkpoint, load_suite(args.suite), args.out, overwrite=args.overwrite).record
     print(json.dumps(record["results"], indent=2))
     print(f"wrote {args.out}/results.json")
     return 0
@@ -53,7 +58,10 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def parse_checkpoints(items: list[str], scratch: int, baseline: str | None = None) -> dict[str, list[str]]:
     """NAME=CKPT or NAME=CKPT1,CKPT2,... (pretraining runs of one method) -> {name: [sources]}; `scratch`
-    random initialisations make a `scratch` row; `baseline` must name a row."""
+    random initialisations make a `scratch` row; `baseline` must name a row. A name is a folder of
+    --out: one path component, none of the files compare writes there (`report.OUTPUTS`)."""
+    from ssl_vit.evaluation.report import OUTPUTS
+
     checkpoints = {}
     for item in items:
         name, sep, sources = item.partition("=")
@@ -62,13 +70,22 @@ def parse_checkpoints(items: list[str], scratch: int, baseline: str | None = Non
             raise UserError(
                 f"{item!r} is not NAME=CKPT or NAME=CKPT1,CKPT2,... (e.g. mpp=runs/mpp/checkpoints/last.ckpt)"
             )
+        if name in (".", "..") or any(sep and sep in name for sep in (os.sep, os.altsep, "/")):
+            raise UserError(
+                f"checkpoint name {name!r} is not a plain name: each row is a folder of --out, give one "
+                "without '/' such as mpp_1"
+            )
+        if name.lower() in OUTPUTS:
+            raise UserError(f"checkpoint name {name!r} is a file compare writes in --out: give another name")
         if name in checkpoints:
             raise UserError(f"checkpoint name {name!r} is given twice; names label the table's rows")
         checkpoints[name] = runs
     if scratch < 0:
         raise UserError(f"--scratch {scratch}: give a positive number of initialisations")
+    if scratch and "scratch" in checkpoints:
+        raise UserError("checkpoint name 'scratch' is the row --scratch adds: rename it, or drop --scratch")
     if scratch:
-        checkpoints.setdefault("scratch", ["scratch"] * scratch)
+        checkpoints["scratch"] = ["scratch"] * scratch
     if baseline is not None and baseline not in checkpoints:
         raise UserError(f"--baseline {baseline!r} names no checkpoint; valid: {', '.join(checkpoints)}")
     return checkpoints
@@ -77,22 +94,19 @@ def parse_checkpoints(items: list[str], scratch: int, baseline: str | None = Non
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ssl_vit.evaluation.report import compare, label_efficiency_protocols
+    from ssl_vit.evaluation.report import OUTPUTS, compare
     from ssl_vit.evaluation.suite import load_suite
 
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
     suite = load_suite(args.suite)
-    rows = compare(checkpoints, suite, args.out, args.baseline)
+    rows = compare(checkpoints, suite, args.out, args.baseline, args.overwrite)
     if rows is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     console = Console()
     print(open(f"{args.out}/results.md").read())  # the markdown table as is: columns stay readable
-    pictures = ["fewshot.png", "bars.png", "compute.png", "attention_distance.png"]
-    if label_efficiency_protocols(suite):
-        pictures.append("label_efficiency.png")
-    if args.baseline:
-        pictures.append("differences.png")
-    console.print(f"wrote {args.out}/results.csv, results.md, {', '.join(pictures)}")
+    # --out holds this comparison only: its files are what was written (no picture without its data).
+    written = [name for name in OUTPUTS if (Path(args.out) / name).is_file()]
+    print(f"wrote {args.out}/{', '.join(written)}")
     failed = [row["name"] for row in rows if row["error"]]
     if failed:
         console.print(f"[red]failed: {', '.join(failed)} (see {args.out}/NAME/error.txt)[/red]")

@@ -14,7 +14,8 @@ checkpoint and fraction), attention_distance.png and .json (the ViT paper's mean
 distance against depth, sec 4.5, one curve per checkpoint, on `ATTENTION_IMAGES` images of the first
 dataset's test split), each checkpoint's own results.json (a group's runs under NAME/1, NAME/2, ...),
 and an offline W&B run with the table and the pictures. A checkpoint that fails gets its error in its
-row; the others' results are never lost.
+row; the others' results are never lost. The files are written beside the output directory and moved
+into place at the end (`ssl_vit.outdir`): it holds one comparison, complete.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, interval, paired_difference
 from ssl_vit.evaluation.suite import Suite, TrainedProtocol, write_record
+from ssl_vit.outdir import check_out, staged
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
 ATTENTION_IMAGES = 64
@@ -43,19 +45,45 @@ ATTENTION_IMAGES = 64
 
 COST = ("steps", "images", "flops", "seconds")  # pretraining cost columns, as the checkpoint records them
 
+# What `compare` writes at the top of its output directory beside one folder per row: no row is named so.
+OUTPUTS = (
+    "results.csv", "results.md", "fewshot.png", "bars.png", "compute.png", "label_efficiency.png",
+    "label_efficiency.csv", "differences.png", "attention_distance.png", "attention_distance.json", "wandb",
+    "wandb-run.json",
+)  # fmt: skip
+
 
 def compare(
-    checkpoints: dict[str, list[str]], suite: Suite, out_dir: str | Path, baseline: str | None = None
+    checkpoints: dict[str, list[str]],
+    suite: Suite,
+    out_dir: str | Path,
+    baseline: str | None = None,
+    overwrite: bool = False,
 ) -> list[dict] | None:
     """checkpoints: name -> sources (path, timm:NAME or scratch), several for replicate pretraining runs
     of one method. baseline: a name; adds the paired differences of every other row against it.
+    out_dir is checked before anything runs (`outdir.check_out`: a non-empty one only with `overwrite`)
+    and replaced whole once every file is written, so it never mixes two comparisons.
     Returns the rows written; under torchrun the runs are spread over the ranks (`ranks.py`) and only
-    rank 0 writes and returns them (None on the others)."""
+    rank 0 writes and returns them (None on the others); every rank checks out_dir alike."""
+    out = check_out(out_dir, overwrite)
     outcomes = evaluate_checkpoints(checkpoints, suite)
     if outcomes is None:
         return None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged(out) as temp:
+        rows, pictures, columns, differences = write_comparison(outcomes, checkpoints, suite, temp, baseline)
+    log_to_wandb(rows, columns, [out / p.name for p in pictures], out, differences)
+    return rows
+
+
+def write_comparison(
+    outcomes: dict[str, list],
+    checkpoints: dict[str, list[str]],
+    suite: Suite,
+    out: Path,
+    baseline: str | None,
+) -> tuple[list[dict], list[Path], list[str], dict | None]:
+    """`compare`'s files in `out` from the runs' outcomes: (rows, pictures drawn, columns, differences)."""
     rows = []
     curves: dict[str, torch.Tensor] = {}  # name -> (L, H) mean attention distance in pixels
     images = None
@@ -101,8 +129,7 @@ def compare(
         write_attention_distance(curves, len(images), out / "attention_distance.json")
         attention_distance_curves(curves, out / "attention_distance.png")
         pictures.append(out / "attention_distance.png")
-    log_to_wandb(rows, columns, [p for p in pictures if p is not None], out, differences)
-    return rows
+    return rows, [p for p in pictures if p is not None], columns, differences
 
 
 def attention_images(suite: Suite) -> torch.Tensor:

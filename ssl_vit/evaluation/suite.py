@@ -53,6 +53,7 @@ from ssl_vit.evaluation.features import local_device
 from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.evaluation.stats import interval
 from ssl_vit.models.vit import FeatureKind, ViTConfig
+from ssl_vit.outdir import check_out, staged
 from ssl_vit.tasks.base import COST_KEY
 from ssl_vit.tasks.linear_probe import Feature
 
@@ -386,7 +387,9 @@ class Evaluation(NamedTuple):
     correct: dict[str, torch.Tensor]  # column -> (S, M) bool: per seed and test image (protocols.py)
 
 
-def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None, replicate: int = 0) -> Evaluation:
+def evaluate(
+    source: str, suite: Suite, out_dir: str | Path | None = None, replicate: int = 0, overwrite: bool = False
+) -> Evaluation:
     """Run every protocol of `suite` on the checkpoint `source`; the record (also written to
     out_dir/results.json) is {"checkpoint", "backbone", "results": {column: accuracy}, "intervals":
     {column: stats.Interval as a dict}, "cost", "details" (per protocol, or per column of a trained
@@ -394,11 +397,16 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None, repli
 
     replicate: the index of `source` among pretraining runs of one method; it offsets the seed of the
     scratch initialisation and the trained protocols, so `scratch` replicates are distinct draws.
+
+    out_dir is checked before anything runs (`outdir.check_out`: a non-empty one only with `overwrite`)
+    and replaced once the record is complete.
     """
     import pytorch_lightning as pl
 
     from ssl_vit.evaluation import protocols as run
 
+    if out_dir is not None:
+        check_out(out_dir, overwrite)
     start = time.time()
     pl.seed_everything(suite.seed + replicate, verbose=False)
     backbone, config = load_backbone(source, suite.backbone)
@@ -436,7 +444,8 @@ def evaluate(source: str, suite: Suite, out_dir: str | Path | None = None, repli
         "seconds": round(time.time() - start, 1),
     }
     if out_dir is not None:
-        write_record(record, out_dir)
+        with staged(out_dir) as temp:
+            write_record(record, temp)
     return Evaluation(record, correct)
 
 
