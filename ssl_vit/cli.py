@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import pydoc
 import signal
 import sys
 from pathlib import Path
@@ -49,13 +50,14 @@ def lightning_cli(argv: list[str]):
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
-    from ssl_vit.data.datamodule import LogSkippedSamples, check_required_urls
+    from ssl_vit.data.datamodule import LogSkippedSamples, check_shard_urls
     from ssl_vit.tasks.base import Throughput
     from ssl_vit.tasks.checkpointing import (
         LastLinkCheckpoint,
         check_ckpt_path,
         checkpoint_step,
         local_ckpt_path,
+        refuse_used_run_dir,
         resumed_checkpoint,
         with_safe_io,
     )
@@ -117,7 +119,8 @@ def lightning_cli(argv: list[str]):
             Here first: the file is checked (one line if it is not a checkpoint that loads safely),
             `last` is resolved as Lightning will resolve it so its model is rebuilt the same way, the
             class it names must be an ssl-vit task (a checkpoint is data: it never chooses code to run),
-            and a model option given on the command line that the checkpoint overrides is refused."""
+            and a model option given on the command line (or, for a fit, a model value of the config)
+            that the checkpoint overrides is refused."""
             if not self.config.get("subcommand"):
                 return
             config = self.config[self.config.subcommand]
@@ -141,6 +144,8 @@ def lightning_cli(argv: list[str]):
                 config.ckpt_path = given
             if before is not None:
                 refuse_overridden_options(argv, before, config, path)
+                if self.config.subcommand == "fit":  # validate/test evaluate the checkpoint's model
+                    refuse_contradicting_config(before, config, path)
 
         def before_instantiate_classes(self) -> None:
             config = self.config[self.subcommand]
@@ -153,15 +158,18 @@ def lightning_cli(argv: list[str]):
                 strategy = config.trainer.strategy
                 strategy = str(getattr(strategy, "class_path", strategy))  # a name, or class_path + init_args
                 check_compile(config.compile.mode, config.trainer.accumulate_grad_batches, strategy)
-            # The datamodule checks this again in its setup, after the trainer has printed its banner;
-            # here first, the error is the command's only output.
+            # The datamodule checks the shards again in its setup, after the trainer has printed its
+            # banner and the logger has started its run; here first, the error is the command's only
+            # output and the run directory is left as it was.
             data_args = getattr(config.get("data"), "init_args", None)
             if data_args is not None:
-                check_required_urls(self.subcommand, data_args.as_dict())
+                check_shard_urls(self.subcommand, data_args.as_dict())
             root = Path(config.trainer.default_root_dir or "runs/default")
             config.trainer.default_root_dir = str(root)
             if config.checkpoint.dirpath is None:
                 config.checkpoint.dirpath = str(root / "checkpoints")
+            if self.subcommand == "fit" and not config.get("ckpt_path"):
+                refuse_used_run_dir(Path(config.checkpoint.dirpath))
             # A job that resumes a checkpoint continues the run directory's W&B run; one that starts
             # afresh in a used run directory starts a new W&B run (its steps start again at 0).
             resumed = resumed_checkpoint(config.get("ckpt_path"), Path(config.checkpoint.dirpath))
@@ -265,7 +273,33 @@ def refuse_overridden_options(argv: list[str], before: dict, config, path) -> No
             )
 
 
-_MISSING = object()
+def refuse_contradicting_config(before: dict, config, path) -> None:
+    """A model value of the config file that the checkpoint being resumed replaced (another task's
+    recipe, another size): the fit would silently train the checkpoint's model instead. A value the
+    config leaves unset (None: the task's preset or default decides) is the checkpoint's."""
+    after = config.as_dict()
+    differing = [
+        f"{key} {old} (checkpoint: {new})"
+        for key, old in _leaves(before.get("model"), "model")
+        if old is not None
+        and (new := _lookup(after, key.split("."))) != old
+        and not _same_class(key, old, new)
+    ]
+    if differing:
+        raise UserError(
+            f"the config's model contradicts --ckpt_path {path}, whose model differs in "
+            f"{'; '.join(differing)}: "
+            "resume it with the config and --model options it was trained with, or start a new run from its "
+            f"weights with --model.init_args.init_from {path}"
+        )
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+_MISSING = _Missing()
 
 
 def _lookup(tree, keys: list[str]):
@@ -274,6 +308,20 @@ def _lookup(tree, keys: list[str]):
             return _MISSING
         tree = tree[key]
     return tree
+
+
+def _same_class(key: str, old, new) -> bool:
+    """Two `class_path`s that name one class (`ssl_vit.tasks.X` and `ssl_vit.tasks.module.X`)."""
+    return key.endswith("class_path") and None is not pydoc.locate(str(old)) is pydoc.locate(str(new))
+
+
+def _leaves(tree, prefix: str):
+    """(dotted key, value) of every non-mapping value under `tree`."""
+    if not isinstance(tree, dict):
+        yield prefix, tree
+        return
+    for key, value in tree.items():
+        yield from _leaves(value, f"{prefix}.{key}")
 
 
 if __name__ == "__main__":

@@ -56,9 +56,9 @@ class WandbLogger(LightningWandbLogger):
             id = id_file.read_text().strip()
         if id is None:
             id = uuid.uuid4().hex[:8]  # wandb's own ids are 8 lowercase alphanumerics too
-        if rank_zero_only.rank == 0:  # only rank 0 creates the run (Lightning's rank_zero_experiment)
-            id_file.parent.mkdir(parents=True, exist_ok=True)
-            id_file.write_text(id + "\n")
+        # Written once the W&B run exists (`experiment`): a job that fails before it started keeps the
+        # run directory's id, so the next resume still continues the run it belongs to.
+        self._id_to_save: tuple[Path, str] | None = (id_file, id)
         offline = (not wandb_opted_in()) if offline is None else offline
         # LightningCLI passes every wandb.init option, unset ones as None: a resume option the user set
         # wins; otherwise the run id decides.
@@ -76,6 +76,16 @@ class WandbLogger(LightningWandbLogger):
             **resume,
             **kwargs,
         )
+
+    @property
+    def experiment(self):
+        run = super().experiment
+        if self._id_to_save is not None and rank_zero_only.rank == 0:  # only rank 0 creates the run
+            id_file, run_id = self._id_to_save
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(run_id + "\n")
+            self._id_to_save = None
+        return run
 
     @rank_zero_only
     def log_metrics(self, metrics, step: int | None = None) -> None:

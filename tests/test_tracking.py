@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_cli, wandb_records
+from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
@@ -26,8 +27,12 @@ def test_offline_unless_opted_in(monkeypatch, tmp_path):
     assert wandb_opted_in()
 
 
-def test_a_restarted_job_continues_its_run(tmp_path):
+def test_a_restarted_job_continues_its_run(tmp_path, monkeypatch):
     first = WandbLogger(save_dir=str(tmp_path / "job"))
+    assert not (tmp_path / "job" / RUN_ID_FILE).exists()  # the id is kept once the run has started
+    # Starting the run (not wandb.init in this process: its service would outlive the test).
+    monkeypatch.setattr(LightningWandbLogger, "experiment", property(lambda self: "run"))
+    assert first.experiment == "run"
     again = WandbLogger(save_dir=str(tmp_path / "job"))
     other = WandbLogger(save_dir=str(tmp_path / "other"))
     assert first._wandb_init["id"] == again._wandb_init["id"] != other._wandb_init["id"]

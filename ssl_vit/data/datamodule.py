@@ -100,6 +100,8 @@ def _ignore_job_signals(worker_id: int) -> None:
 SPLITS = ("train", "val", "test")
 # The split each stage cannot run without.
 REQUIRED_SPLIT = {"fit": "train", "validate": "val", "test": "test"}
+# The splits each stage reads.
+STAGE_SPLITS = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], None: list(SPLITS)}
 
 
 def check_required_urls(stage: str | None, urls: dict[str, Any]) -> None:
@@ -110,6 +112,18 @@ def check_required_urls(stage: str | None, urls: dict[str, Any]) -> None:
         raise UserError(
             f"{split}_urls is not set: give the URLs of the {split} shards (data.init_args.{split}_urls)"
         )
+
+
+def check_shard_urls(stage: str | None, urls: dict[str, Any]) -> dict[str, list[str]]:
+    """The brace-expanded URLs of the splits `stage` reads, each shard checked (`check_urls`): one line
+    for a split without URLs or a shard that is missing. `urls` as for `check_required_urls`."""
+    check_required_urls(stage, urls)
+    expanded = {}
+    for split in STAGE_SPLITS.get(stage, []):
+        if urls.get(f"{split}_urls") is not None:
+            expanded[split] = expand(urls[f"{split}_urls"], f"{split}_urls")
+            check_urls(expanded[split], f"{split}_urls")
+    return expanded
 
 
 class ShardDataModule(pl.LightningDataModule):
@@ -259,20 +273,11 @@ class ShardDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.rank, self.world_size = self._rank_and_world_size()
-        wanted = {
-            "fit": ["train", "val"],
-            "validate": ["val"],
-            "test": ["test"],
-            None: ["train", "val", "test"],
-        }
-        check_required_urls(stage, {f"{split}_urls": getattr(self, f"{split}_urls") for split in SPLITS})
-        for split in wanted.get(stage, []):
-            urls = getattr(self, f"{split}_urls")
-            if urls is None:
-                continue
-            self._urls[split] = expand(urls, f"{split}_urls")
-            check_urls(self._urls[split], f"{split}_urls")
-            if split != "train" and len(self._urls[split]) < self.world_size:
+        self._urls.update(
+            check_shard_urls(stage, {f"{split}_urls": getattr(self, f"{split}_urls") for split in SPLITS})
+        )
+        for split in STAGE_SPLITS.get(stage, []):
+            if split in self._urls and split != "train" and len(self._urls[split]) < self.world_size:
                 raise UserError(
                     f"{split}_urls has {len(self._urls[split])} shards for {self.world_size} ranks: an exact "
                     "pass needs at least one shard per rank; re-convert with a smaller --shard-size"

@@ -205,6 +205,15 @@ class LastLinkCheckpoint(ModelCheckpoint):
                 version += 1
         return filepath
 
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        # What `ckpt_path="last"` resumes. Without a last*.ckpt (deleted, or a kill before the link),
+        # Lightning would start afresh and overwrite the step checkpoints: the newest of them instead.
+        found = super()._find_last_checkpoints(trainer)
+        if found or self.dirpath is None or not _is_local_file_protocol(self.dirpath):
+            return found
+        step = newest(Path(_local(self.dirpath)).glob("*.ckpt"))
+        return {os.path.normpath(step)} if step is not None else set()
+
     def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
         # Lightning's is a staticmethod called as self._link_checkpoint(trainer, filepath, linkpath).
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
@@ -316,13 +325,32 @@ __all__ = [
 
 def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
     """The checkpoint `--ckpt_path` makes this job continue from: `last` as Lightning resolves it (the
-    newest `last*.ckpt`; none yet: the job starts afresh), a local path as it is; None otherwise."""
+    newest `last*.ckpt`), or, when the directory has no `last*.ckpt` (deleted, or never linked), its
+    newest checkpoint; no checkpoint yet: None, the job starts afresh. A local path as it is; None
+    otherwise."""
     if not ckpt_path:
         return None
     if str(ckpt_path) == "last":
-        found = sorted(checkpoint_dir.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
-        return found[-1] if found else None
+        return newest(checkpoint_dir.glob("last*.ckpt")) or newest(checkpoint_dir.glob("*.ckpt"))
     return Path(ckpt_path) if "://" not in str(ckpt_path) else None
+
+
+def newest(paths) -> Path | None:
+    """The most recently written of `paths` (as Lightning picks among `last*.ckpt`); None if none."""
+    found = sorted(paths, key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def refuse_used_run_dir(checkpoint_dir: Path) -> None:
+    """A fit that starts afresh would write its checkpoints under the same names as the ones already in
+    `checkpoint_dir` (`step{step:07d}.ckpt`, `last.ckpt`): refused, before anything is written."""
+    found = newest(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else None
+    if found is not None:
+        raise UserError(
+            f"{checkpoint_dir} already holds checkpoints of an earlier run ({found.name}), which a fresh "
+            "start would overwrite: resume it with --ckpt_path last, or give another "
+            "--trainer.default_root_dir"
+        )
 
 
 def checkpoint_step(path: Path) -> int | None:

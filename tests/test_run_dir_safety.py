@@ -1,0 +1,99 @@
+"""A run directory's checkpoints and W&B run survive the commands that could overwrite them: a fresh
+fit into a used directory, a resume whose last.ckpt is gone, a start that fails on bad input, and a
+checkpoint resumed under the config of another model."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from test_errors import error_line, listing
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fit_args(shards: Path, run: Path, *extra: str, config: str = "mpp") -> list[str]:
+    """A one-step-per-epoch quickstart fit into RUN, logging to an offline W&B run."""
+    return [
+        "fit", "--config", str(ROOT / f"recipes/quickstart/{config}.yaml"),
+        "--data.init_args.train_urls", str(shards / "train-{000000..000004}.tar"),
+        "--data.init_args.val_urls", str(shards / "val-{000000..000003}.tar"),
+        "--data.init_args.num_workers", "0", "--data.init_args.train_batches", "1",
+        "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0",
+        "--trainer.default_root_dir", str(run), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained_run(digits_shards, tmp_path_factory) -> Path:
+    """The run directory of a one-step MPP fit: checkpoints/, config.yaml, wandb/, wandb-run-id."""
+    run = tmp_path_factory.mktemp("used") / "run"
+    run_cli(*fit_args(digits_shards, run), cwd=ROOT)
+    return run
+
+
+@pytest.fixture
+def run(trained_run, tmp_path) -> Path:
+    """A copy of `trained_run` under tmp_path, for a test to try to spoil."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run, copy)
+    return copy
+
+
+def stamps(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*") if p.is_file()}
+
+
+def global_step(path: Path) -> int:
+    return torch.load(path, weights_only=True)["global_step"]
+
+
+@pytest.mark.slow
+def test_a_fresh_fit_refuses_a_run_directory_that_holds_checkpoints(digits_shards, run, tmp_path):
+    before, written = listing(tmp_path), stamps(tmp_path)
+    proc = run_cli(*fit_args(digits_shards, run, "--seed_everything", "1"), cwd=ROOT, check=False)
+    error_line(proc, str(run / "checkpoints"), "--ckpt_path last", "--trainer.default_root_dir")
+    assert listing(tmp_path) == before and stamps(tmp_path) == written  # nothing written or replaced
+    # What the line suggests works: the run resumes.
+    run_cli(*fit_args(digits_shards, run, "--ckpt_path", "last", "--trainer.max_epochs", "2"), cwd=ROOT)
+    assert global_step(run / "checkpoints/last.ckpt") == 2
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_without_last_ckpt_resumes_the_newest_checkpoint(digits_shards, run):
+    (run / "checkpoints/last.ckpt").unlink()
+    step = run / "checkpoints/step0000001.ckpt"
+    written = step.stat().st_mtime_ns
+    proc = run_cli(
+        *fit_args(digits_shards, run, "--ckpt_path", "last", "--trainer.max_epochs", "2"), cwd=ROOT
+    )
+    assert f"Restored all states from the checkpoint at {step}" in proc.stdout + proc.stderr
+    assert step.stat().st_mtime_ns == written and global_step(step) == 1  # not trained again from step 0
+    assert global_step(run / "checkpoints/last.ckpt") == 2
+
+
+@pytest.mark.slow
+def test_a_start_failing_on_a_missing_shard_leaves_the_run_directory_as_it_was(digits_shards, run, tmp_path):
+    bad = ("--data.init_args.val_urls", str(digits_shards / "vall-{000000..000003}.tar"))
+    run_id = (run / "wandb-run-id").read_text()
+    before, written = listing(tmp_path), stamps(tmp_path)
+    for directory, ckpt in ((run, ("--ckpt_path", "last")), (tmp_path / "fresh", ())):
+        proc = run_cli(*fit_args(digits_shards, directory, *bad, *ckpt), cwd=tmp_path, check=False)
+        error_line(proc, "val_urls", "vall-000000.tar")  # the only line: no W&B output before it
+        assert listing(tmp_path) == before and stamps(tmp_path) == written  # no wandb/, no new run id
+    assert (run / "wandb-run-id").read_text() == run_id
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_config_whose_model_the_checkpoint_contradicts(digits_shards, run, tmp_path):
+    # An MPP checkpoint resumed under the MAE recipe would silently train MPP (config.yaml: preset vit_mpp).
+    other = tmp_path / "mae"
+    before, written = listing(tmp_path), stamps(tmp_path)
+    for ckpt in (str(run / "checkpoints/last.ckpt"), "last"):
+        target = other if ckpt != "last" else run
+        proc = run_cli(
+            *fit_args(digits_shards, target, "--ckpt_path", ckpt, config="mae"), cwd=ROOT, check=False
+        )
+        error_line(proc, "--ckpt_path", "preset mae (checkpoint: vit_mpp)", "--model.init_args.init_from")
+        assert listing(tmp_path) == before and stamps(tmp_path) == written
