@@ -26,6 +26,15 @@ class BadValue(UserError, ValueError):
     """A UserError raised where callers (and tests) expect a ValueError: a bad argument value."""
 
 
+def check_at_least(args, low: int, *names: str) -> None:
+    """One line for an integer command-line option below `low` (argparse's `type=int` takes any):
+    `names` are attributes of `args`, None meaning the option was not given."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+
+
 # The worker's exception line at the end of a DataLoader re-raise: `ssl_vit.errors.UserError: MESSAGE`.
 _WORKER_LINE = r"(?P<name>[A-Za-z_][\w.]*): (?P<message>.*)"
 

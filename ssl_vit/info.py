@@ -81,14 +81,13 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _check_mae(args: argparse.Namespace) -> None:
-    """MAE's options, before any model is built: one line each instead of a traceback from inside."""
+def _check_mae(args: argparse.Namespace, patches: int) -> None:
+    """MAE's options, before any model is built: one line each instead of a traceback from inside.
+    `patches`: the fewest patches of the variants asked for, of which the mask must keep one."""
     import inspect
 
     from ssl_vit.models.heads import MAEDecoder
-    from ssl_vit.models.vit import parse_variant
 
-    patches = min((args.img_size // parse_variant(v).patch_size) ** 2 for v in args.variants)
     if not 0 <= args.mask_ratio < 1 or round(args.mask_ratio * patches) >= patches:
         raise UserError(
             f"--mask-ratio {args.mask_ratio}: give a fraction in [0, 1) that keeps a patch, e.g. 0.75"
@@ -109,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from ssl_vit.models.vit import EXAMPLE_VARIANTS, parse_variant
 
     args.variants = args.variants or list(EXAMPLE_VARIANTS)
+    patches = []
     for variant in args.variants:
         try:
             patch = parse_variant(variant).patch_size
@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--img-size {args.img_size}: give a multiple of {variant}'s {patch}-pixel patches"
             )
-    _check_mae(args)
+        patches.append((args.img_size // patch) ** 2)
+    _check_mae(args, min(patches))
     table = Table(title=f"ViT variants at {args.img_size}px (forward, per image; FLOPs = 2 x MACs)")
     for column in (
         "variant",

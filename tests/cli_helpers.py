@@ -161,3 +161,17 @@ def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
         *(["--trainer.strategy", strategy] if strategy else []),
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=tests.parent, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_step_fit_args(shards: Path, run: Path, *extra: str, config: str = "mpp") -> list[str]:
+    """`ssl-vit fit` of a quickstart recipe on the digits shards: one training step per epoch, one
+    epoch, no validation batches, run directory RUN (offline W&B unless `extra` says otherwise)."""
+    root = Path(__file__).resolve().parents[1]
+    return [
+        "fit", "--config", str(root / f"recipes/quickstart/{config}.yaml"),
+        "--data.init_args.train_urls", str(shards / "train-{000000..000004}.tar"),
+        "--data.init_args.val_urls", str(shards / "val-{000000..000003}.tar"),
+        "--data.init_args.num_workers", "0", "--data.init_args.train_batches", "1",
+        "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0",
+        "--trainer.default_root_dir", str(run), *extra,
+    ]  # fmt: skip

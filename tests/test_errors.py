@@ -67,9 +67,9 @@ def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
 @pytest.mark.parametrize(
     "option, words",
     [
-        (("--data.init_args.batch_size", "0"), ("batch_size", "must be positive", "got 0")),
-        (("--data.init_args.num_workers", "-2"), ("num_workers >= 0", "-2")),
-        (("--data.init_args.train_batches", "0"), ("train_batches must be positive, got 0",)),
+        (("--data.init_args.batch_size", "0"), ("batch_size is 0", "integer of at least 1")),
+        (("--data.init_args.num_workers", "-2"), ("num_workers is -2", "integer of at least 0")),
+        (("--data.init_args.train_batches", "0"), ("train_batches is 0", "integer of at least 1")),
         (("--data.init_args.mixup_alpha", "0.8"), ("mixup/cutmix belong to train_preset 'supervised'",)),
         (("--data.init_args.randaugment", "rand-m9"), ("randaugment is part of the 'supervised' preset",)),
         (("--model.init_args.mask_ratio", "1.5"), ("mask_ratio must be in (0, 1)", "got 1.5")),

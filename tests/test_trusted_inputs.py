@@ -8,21 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import one_step_fit_args, run_cli
 from test_errors import error_line, listing
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def fit_args(shards: Path, run: Path, *extra: str) -> list[str]:
-    return [
-        "fit", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
-        "--data.init_args.train_urls", str(shards / "train-{000000..000004}.tar"),
-        "--data.init_args.val_urls", str(shards / "val-{000000..000003}.tar"),
-        "--data.init_args.num_workers", "0", "--data.init_args.train_batches", "1",
-        "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
-        "--trainer.default_root_dir", str(run), *extra,
-    ]  # fmt: skip
+    return one_step_fit_args(shards, run, "--trainer.logger", "false", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, check_at_least
 
 
 def add_bench_parsers(bench_subparsers) -> None:
@@ -88,13 +88,8 @@ def _check(args) -> None:
         patch = parse_variant(args.variant).patch_size
     except ValueError as err:
         raise UserError(str(err)) from None
-    for name in ("batch_size", "rounds", "steps"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        raise UserError("--warmup must be at least 0")
-    if args.threads is not None and args.threads < 1:
-        raise UserError("--threads must be at least 1")
+    check_at_least(args, 1, "batch_size", "rounds", "steps", "threads")
+    check_at_least(args, 0, "warmup")
     if args.img_size < patch or args.img_size % patch:
         raise UserError(
             f"--img-size {args.img_size}: give a multiple of {args.variant}'s {patch}-pixel patches"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ssl_vit.data.sources import SOURCES_HELP
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, check_at_least
 
 MAX_STORED = 8192  # `bench data` holds its generated JPEGs in memory; larger sides only exhaust it
 
@@ -95,17 +95,10 @@ def _size(text: str) -> tuple[int, int]:
     return w, h
 
 
-def _at_least_one(args, *names: str) -> None:
-    """One line for a count option below 1 (argparse's `type=int` takes any integer)."""
-    for name in names:
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
-
-
 def _convert(args) -> int:
     from ssl_vit.data.writer import convert, manifest_path
 
-    _at_least_one(args, "workers")
+    check_at_least(args, 1, "workers")
 
     manifest = convert(
         args.source,
@@ -128,7 +121,7 @@ def _convert(args) -> int:
 def _inspect(args) -> int:
     from ssl_vit.data.inspect import format_report, inspect_urls
 
-    _at_least_one(args, "workers")
+    check_at_least(args, 1, "workers")
 
     reports, problems = inspect_urls(args.urls, workers=args.workers)
     print(format_report(reports, problems))
@@ -138,7 +131,7 @@ def _inspect(args) -> int:
 def _bench(args) -> int:
     from ssl_vit.data.bench import format_results, run
 
-    _at_least_one(args, "images", "samples", "memory_samples", "image_size", "batch_size", "repeats")
+    check_at_least(args, 1, "images", "samples", "memory_samples", "image_size", "batch_size", "repeats")
     if not all(1 <= side <= MAX_STORED for side in args.stored):
         raise UserError(f"--stored {args.stored[0]}x{args.stored[1]}: give sides of 1 to {MAX_STORED} pixels")
     if not 1 <= args.quality <= 100:

@@ -126,6 +126,22 @@ def check_shard_urls(stage: str | None, urls: dict[str, Any]) -> dict[str, list[
     return expanded
 
 
+# The integer settings of a `ShardDataModule` and their smallest values (None: the default applies).
+COUNT_MINIMUMS = {
+    "batch_size": 1, "image_size": 1, "num_workers": 0, "segment_shards": 1, "train_batches": 1,
+    "num_classes": 1, "seed": 0,
+}  # fmt: skip
+
+
+def check_counts(values: dict[str, Any], where: str = "") -> None:
+    """One line for an integer setting (`COUNT_MINIMUMS`) that is not an integer or is too small;
+    `where` prefixes it (a suite file's data block)."""
+    for key, value in values.items():
+        low = COUNT_MINIMUMS[key]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise BadValue(f"{where}{key} is {value!r}: it should be an integer of at least {low}")
+
+
 class ShardDataModule(pl.LightningDataModule):
     """Streams WebDataset shards: resampled training streams, exact validation/test passes.
 
@@ -188,15 +204,13 @@ class ShardDataModule(pl.LightningDataModule):
         super().__init__()
         # No save_hyperparameters: the CLI logs the whole config (data included) to W&B, and Lightning
         # refuses to log a datamodule's hparams that share a key (num_classes) with the model's.
-        if batch_size <= 0 or num_workers < 0 or image_size <= 0:
-            raise BadValue(
-                f"batch_size and image_size must be positive and num_workers >= 0, got "
-                f"{batch_size}, {image_size}, {num_workers}"
-            )
-        if segment_shards <= 0:
-            raise BadValue(f"segment_shards must be positive, got {segment_shards}")
-        if train_batches is not None and train_batches <= 0:
-            raise BadValue(f"train_batches must be positive, got {train_batches}")
+        check_counts(
+            {
+                "batch_size": batch_size, "image_size": image_size, "num_workers": num_workers,
+                "segment_shards": segment_shards, "train_batches": train_batches, "num_classes": num_classes,
+                "seed": seed,
+            }
+        )  # fmt: skip
         if (mixup_alpha or cutmix_alpha) and train_preset != "supervised":
             raise BadValue(f"mixup/cutmix belong to train_preset 'supervised', not {train_preset!r}")
         # build once to validate the preset/randaugment combination at construction time

@@ -94,11 +94,19 @@ def _problem(url: str) -> str | None:
         return f"unreachable ({err})"
 
 
+# Shards found readable in this process: the CLI checks a run's shards before its logger starts, the
+# data module again in its setup; each remote shard is asked for once (a HEAD or stat per shard).
+_readable: set[str] = set()
+
+
 def check_urls(urls: Sequence[str], what: str) -> None:
     """Fail at start-up, with one line, on a missing shard or an unreachable URL rather than hang
     or silently lose data later."""
+    todo = [u for u in urls if u not in _readable]
     with ThreadPoolExecutor(16) as pool:
-        problems = [(u, p) for u, p in zip(urls, pool.map(_problem, urls)) if p]
+        found = list(zip(todo, pool.map(_problem, todo)))
+    _readable.update(u for u, p in found if p is None)
+    problems = [(u, p) for u, p in found if p]
     if problems:
         url, why = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

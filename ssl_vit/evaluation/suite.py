@@ -47,6 +47,7 @@ from timm.data.auto_augment import rand_augment_transform
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.datamodule import COUNT_MINIMUMS, check_counts
 from ssl_vit.data.transforms import Preset
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import local_device
@@ -320,11 +321,7 @@ def load_suite(path: str | Path) -> Suite:
 
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
     """A data block's counts and its image size, which the backbone must take as they are."""
-    for key in ("image_size", "batch_size", "num_workers", "num_classes", "seed"):
-        value = data.get(key)
-        low = 0 if key in ("num_workers", "seed") else 1
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-            raise UserError(f"{where}: {key} is {value!r}: it should be an integer of at least {low}")
+    check_counts({key: value for key, value in data.items() if key in COUNT_MINIMUMS}, f"{where}: ")
     size = data.get("image_size", inspect.signature(ShardDataModule).parameters["image_size"].default)
     if size != backbone.img_size:
         raise UserError(

@@ -16,12 +16,12 @@ BENCH += ["--stored", "64x48", "--image-size", "32"]
 @pytest.mark.parametrize(
     "arguments, words",
     [
-        (["--images", "0"], ["--images 0", "at least 1"]),
-        (["--samples", "0"], ["--samples 0", "at least 1"]),
-        (["--memory-samples", "0"], ["--memory-samples 0", "at least 1"]),
-        (["--batch-size", "-1"], ["--batch-size -1", "at least 1"]),
-        (["--image-size", "0"], ["--image-size 0", "at least 1"]),
-        (["--repeats", "0"], ["--repeats 0", "at least 1"]),
+        (["--images", "0"], ["--images must be at least 1, got 0"]),
+        (["--samples", "0"], ["--samples must be at least 1, got 0"]),
+        (["--memory-samples", "0"], ["--memory-samples must be at least 1, got 0"]),
+        (["--batch-size", "-1"], ["--batch-size must be at least 1, got -1"]),
+        (["--image-size", "0"], ["--image-size must be at least 1, got 0"]),
+        (["--repeats", "0"], ["--repeats must be at least 1, got 0"]),
         (["--stored", "0x0"], ["--stored 0x0", "1 to 8192"]),
         (["--stored", "100000x100000"], ["--stored 100000x100000", "1 to 8192"]),
         (["--quality", "500"], ["--quality 500", "1 to 100"]),
@@ -40,10 +40,10 @@ def test_bench_data_mistakes_are_one_line(cli, arguments, words):
 def test_convert_and_inspect_need_a_worker(cli, tmp_path, workers):
     out = tmp_path / "shards"
     proc = cli("data", "convert", "synthetic:8", str(out), "--workers", workers, check=False)
-    error_line(proc, f"--workers {workers}", "at least 1")
+    error_line(proc, f"--workers must be at least 1, got {workers}")
     assert not out.exists()
     proc = cli("data", "inspect", str(tmp_path / "x-000000.tar"), "--workers", workers, check=False)
-    error_line(proc, f"--workers {workers}", "at least 1")
+    error_line(proc, f"--workers must be at least 1, got {workers}")
 
 
 def test_ctrl_c_is_one_line_and_leaves_no_partial_split(tmp_path):

@@ -6,6 +6,8 @@ import shutil
 import pytest
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data import urls as urls_module
+from ssl_vit.data.urls import check_urls
 from ssl_vit.errors import UserError
 
 pytest_plugins = ["server_helpers"]  # the `nginx` fixture
@@ -51,3 +53,24 @@ def test_pipe_file_and_fsspec_urls(unequal_shards):
     assert exact_keys(f"memory://shards/{pattern}") == local
     with pytest.raises(UserError, match="no such object"):
         exact_keys("memory://shards/missing-000000.tar")
+
+
+def test_a_shard_found_readable_is_not_asked_again(monkeypatch):
+    """The CLI checks a run's shards before its logger starts, the data module again in its setup:
+    each readable shard is asked for once per process; a missing one each time."""
+    asked = []
+    monkeypatch.setattr(urls_module, "_readable", set())
+
+    def problem(url: str) -> str | None:
+        asked.append(url)
+        return "no such file" if "gone" in url else None
+
+    monkeypatch.setattr(urls_module, "_problem", problem)
+    shards = [f"https://example.org/train-{i:06d}.tar" for i in range(3)]
+    check_urls(shards, "train_urls")
+    check_urls(shards, "train_urls")
+    assert sorted(asked) == shards
+    for _ in range(2):
+        with pytest.raises(UserError, match="gone-000000.tar is no such file"):
+            check_urls([*shards, "https://example.org/gone-000000.tar"], "train_urls")
+    assert asked.count("https://example.org/gone-000000.tar") == 2 and len(asked) == 5
