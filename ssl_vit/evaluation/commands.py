@@ -44,6 +44,11 @@ def add_parsers(subparsers) -> None:
     compare.add_argument(
         "--baseline", metavar="NAME", help="add paired differences of every checkpoint against NAME"
     )
+    compare.add_argument(
+        "--claims",
+        metavar="FILE",
+        help="YAML claims (rows that should beat other rows on some columns) to write verdicts.md on",
+    )
     compare.set_defaults(func=_compare)
 
 
@@ -96,14 +101,18 @@ def _compare(args: argparse.Namespace) -> int:
 
     from ssl_vit.evaluation.report import OUTPUTS, compare
     from ssl_vit.evaluation.suite import load_suite
+    from ssl_vit.evaluation.verdicts import load_claims
 
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
     suite = load_suite(args.suite)
-    rows = compare(checkpoints, suite, args.out, args.baseline, args.overwrite)
+    claims = load_claims(args.claims, suite, list(checkpoints)) if args.claims else None
+    rows = compare(checkpoints, suite, args.out, args.baseline, args.overwrite, claims)
     if rows is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     console = Console()
     print(open(f"{args.out}/results.md").read())  # the markdown table as is: columns stay readable
+    if (Path(args.out) / "verdicts.md").is_file():
+        print(open(f"{args.out}/verdicts.md").read())
     # --out holds this comparison only: its files are what was written (no picture without its data).
     written = [name for name in OUTPUTS if (Path(args.out) / name).is_file()]
     print(f"wrote {args.out}/{', '.join(written)}")

@@ -7,6 +7,10 @@ maps the protocol's name (a trained protocol's: each of its columns) to what res
 Frozen-feature protocols (few-shot, k-NN) share one exact pass per split, which yields every feature
 kind the suite reads; trained protocols (linear probe, fine-tuning) run the Lightning tasks on the
 suite's data, once per label fraction (`label_subset`).
+
+A protocol that chooses among candidates (the linear probe's lr grid) chooses on images held out of its
+labelled training images (`selection_split`), or on the data block's `val_urls`, never on the test
+split: the test split is read after the choice, by the chosen candidate only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from timm.optim import Lars
 from torch.optim import SGD, AdamW, Optimizer
 
+from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import Features, extract_feature_set, local_device
 from ssl_vit.evaluation.fewshot import fewshot_correct
 from ssl_vit.evaluation.knn import knn_correct
@@ -29,8 +34,9 @@ DATA_KEYS = ("image_size", "batch_size", "num_workers", "mean", "std", "eval_cro
 
 
 class FeatureCache:
-    """Frozen features of the suite's train and test splits: every kind the suite reads from one pass
-    over each split (`extract_feature_set`), made the first time a split is asked for."""
+    """Frozen features of the suite's splits (train, test, and val when the data block gives
+    `val_urls`): every kind the suite reads from one pass over each split (`extract_feature_set`),
+    made the first time a split is asked for."""
 
     def __init__(self, backbone, data: dict[str, Any], kinds: tuple[str, ...]) -> None:
         from ssl_vit.data import ShardDataModule
@@ -39,6 +45,7 @@ class FeatureCache:
         self.kinds = tuple(kinds)
         self.datamodule = ShardDataModule(
             train_urls=data["train_urls"],
+            val_urls=data.get("val_urls"),
             test_urls=data["test_urls"],
             **{k: v for k, v in data.items() if k in DATA_KEYS},
         )
@@ -54,6 +61,10 @@ class FeatureCache:
             )
         return self._cache[split][feature]
 
+    def splits(self) -> tuple[str, ...]:
+        """The splits its data block gives."""
+        return ("train", "test") if self.datamodule.val_urls is None else ("train", "val", "test")
+
     def labels(self, split: str) -> torch.Tensor:
         """Labels of a split: they do not depend on the feature, so the split's one pass serves."""
         return self.get(split, self.kinds[0]).y
@@ -65,7 +76,7 @@ class FeatureCache:
 def _restrict(features: Features, classes: list[int] | None) -> Features:
     if classes is None:
         return features
-    keep = torch.isin(features.y, torch.tensor(classes))
+    keep = _class_mask(features.y, classes)
     return Features(
         features.x[keep], features.y[keep], [k for k, m in zip(features.keys, keep.tolist()) if m]
     )
@@ -126,8 +137,6 @@ def label_subset(
 def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
     from ssl_vit.tasks import LinearProbe
 
-    test = _restrict(features.get("test", protocol.feature), protocol.classes)
-
     def build() -> LinearProbe:
         return LinearProbe(
             backbone=config,
@@ -141,16 +150,32 @@ def linear_probe(protocol, features: FeatureCache, source, config, suite) -> tup
             lr_scheduler=schedule(protocol),
         )
 
-    def score(model: LinearProbe, metrics: dict) -> tuple[torch.Tensor, dict]:
-        # The best head (on the validation pass, as val/accuracy) scores the cached test features: the
-        # probe's frozen backbone is the one they came from (see _train), so no second pass is needed.
-        head = min(range(len(model.lrs)), key=lambda i: abs(model.lrs[i] - metrics["val/best_lr"]))
-        model.eval()
-        with torch.no_grad():
-            logits = model.classify(test.x.to(model.device))[head]
-        return logits.argmax(1).cpu() == test.y, {"best_lr": metrics.get("val/best_lr")}
+    def score(model: LinearProbe, selection: Features | None) -> tuple[torch.Tensor, dict]:
+        # The head is chosen on the selection images; only then are the test features read, and
+        # only the chosen head scores them. The probe's frozen backbone is the one the cached features
+        # came from (see _train), so neither needs a pass of its own.
+        head, chosen = (0, {}) if selection is None else select_head(model, selection)
+        test = _restrict(features.get("test", protocol.feature), protocol.classes)
+        return _head_logits(model, test.x)[head].argmax(1) == test.y, {"best_lr": model.lrs[head], **chosen}
 
-    return _per_label_fraction(protocol, features, suite, build, score)
+    train = _train_heads if protocol.augmentation == "eval" else _train
+    return _per_label_fraction(protocol, features, suite, build, score, train)
+
+
+def select_head(model, selection: Features) -> tuple[int, dict]:
+    """The head of `model` (a trained `LinearProbe`) with the best accuracy on the `selection` features
+    (of equals, the first in the grid's order), and each head's accuracy there."""
+    hits = _head_logits(model, selection.x).argmax(2) == selection.y  # (heads, n)
+    accuracy = hits.double().mean(1)
+    head = int(accuracy.argmax())
+    return head, {"selection_accuracy": {f"{lr:g}": a for lr, a in zip(model.lrs, accuracy.tolist())}}
+
+
+def _head_logits(model, x: torch.Tensor) -> torch.Tensor:
+    """(N, D) frozen features -> every head's logits (H, N, K), on the CPU, in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        return model.classify(x.to(model.device)).cpu()
 
 
 def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[dict, dict, dict]:
@@ -167,22 +192,27 @@ def finetune(protocol, features: FeatureCache, source, config, suite) -> tuple[d
             lr_scheduler=schedule(protocol),
         )
 
-    def score(model: FineTune, metrics: dict) -> tuple[torch.Tensor, dict]:
+    def score(model: FineTune, selection: Features | None) -> tuple[torch.Tensor, dict]:
         return _correct(model, features, protocol.classes), {}
 
     return _per_label_fraction(protocol, features, suite, build, score)
 
 
-def _per_label_fraction(protocol, features: FeatureCache, suite, build, score) -> tuple[dict, dict, dict]:
+def _per_label_fraction(
+    protocol, features: FeatureCache, suite, build, score, train=None
+) -> tuple[dict, dict, dict]:
     """A trained protocol's columns: for each label fraction, a fresh task from `build()` trained on
-    that fraction's samples, then `score(task, metrics)` -> ((M,) bool correct test images, details)."""
+    that fraction's training images, then `score(task, selection)` -> ((M,) bool correct test images,
+    details), `selection` being the features of the images held out to choose among the protocol's
+    candidates (None when it has one). `train(task, protocol, suite, features, keys)`: `_train` unless
+    given."""
     details, correct = {}, {}
     for fraction in protocol.label_fractions:
         column = protocol.column(fraction)
-        keys, used = _training_set(protocol, features, fraction, suite.seed)
+        keys, selection, used = _training_set(protocol, features, fraction, suite.seed)
         model = build()
-        metrics = _train(model, protocol, suite, features, keys)
-        hits, extra = score(model, metrics)
+        metrics = (train or _train)(model, protocol, suite, features, keys)
+        hits, extra = score(model, selection)
         correct[column] = hits[None]
         details[column] = {**used, **extra, **metrics}
     return _scores(correct), details, correct
@@ -212,20 +242,64 @@ def schedule(protocol) -> SchedulerCallable:
     )
 
 
+def selection_split(labels: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labelled images (N,) -> (train, select): sorted positions into `labels` to train on and to hold out
+    for choosing among a protocol's candidates.
+
+    Class-balanced: each class of c images holds out min(c - 1, max(1, round(fraction x c))) of them, so
+    every class keeps at least one image to train on (a class of one image holds none out). Drawn from
+    `seed` (the suite's: every checkpoint is selected on the same images), one permutation per class.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    held = []
+    for c in torch.unique(labels).tolist():
+        members = torch.nonzero(labels == c).flatten()
+        keep = min(len(members) - 1, max(1, round(fraction * len(members))))
+        held.append(members[torch.randperm(len(members), generator=generator)[:keep]])
+    select = torch.cat(held).sort().values
+    train = torch.ones(len(labels), dtype=torch.bool)
+    train[select] = False
+    return torch.nonzero(train).flatten(), select
+
+
 def _training_set(
     protocol, features: FeatureCache, fraction: float, seed: int
-) -> tuple[list[str] | None, dict]:
-    """The keys of the training samples a label fraction keeps (None for all: the datamodule's own
-    class filter then reads the whole split, as without fractions) and what results.json records of
-    them: the fraction, the labels used and labels per class (the x of its point in the pictures)."""
-    labels = features.labels("train")
-    chosen = label_subset(labels, fraction, seed, protocol.classes)
-    classes = len(labels[chosen].unique())
-    used = {"fraction": fraction, "labels": len(chosen), "labels_per_class": len(chosen) / max(1, classes)}
-    if fraction == 1:
-        return None, used
-    keys = features.get("train", features.kinds[0]).keys
-    return [keys[i] for i in chosen.tolist()], used
+) -> tuple[list[str] | None, Features | None, dict]:
+    """What one label fraction of a trained protocol trains on: the keys of its training images (None
+    for all: the datamodule's own class filter then reads the whole split), the features of the images
+    it chooses its candidate on (None with one candidate) and what results.json records of them.
+
+    The selection images come out of the fraction's labelled images (`selection_split`), so a 1% column
+    never sees more than 1% of the labels, unless the data block gives `val_urls`: then the whole val
+    split (of `classes`) is the selection set. `labels` counts every labelled image used, selection
+    images included; `labels_per_class` is that over the classes (the x of its point in the pictures)."""
+    train = features.get("train", protocol.feature)
+    chosen = label_subset(train.y, fraction, seed, protocol.classes)
+    selection, used = None, {}
+    if protocol.candidates() > 1 and features.datamodule.val_urls is not None:
+        selection = _restrict(features.get("val", protocol.feature), protocol.classes)
+        used = {"selected_on": "val_urls"}
+    elif protocol.candidates() > 1:
+        kept, held = selection_split(train.y[chosen], protocol.select_fraction, seed)
+        held, chosen = chosen[held], chosen[kept]
+        if len(held) == 0:
+            raise UserError(
+                f"protocol {protocol.name!r}: {fraction:g} of the labels leaves one image per class, none "
+                f"to choose among its {protocol.candidates()} candidates on: give one lr, a larger "
+                "label fraction, or val_urls in the data block"
+            )
+        selection = Features(train.x[held], train.y[held], [train.keys[i] for i in held.tolist()])
+        used = {"selected_on": "train_urls (held out)"}
+    if selection is not None:
+        used["selection_images"] = len(selection.y)
+    labels = len(chosen) + (len(selection.y) if selection is not None else 0)
+    classes = len(train.y[chosen].unique())
+    used = {
+        "fraction": fraction, "labels": labels, "labels_per_class": labels / max(1, classes),
+        "training_images": len(chosen), **used,
+    }  # fmt: skip
+    keys = None if fraction == 1 and selection is None else [train.keys[i] for i in chosen.tolist()]
+    return keys, selection, used
 
 
 def _correct(model, features: FeatureCache, classes: list[int] | None) -> torch.Tensor:
@@ -246,16 +320,13 @@ def _correct(model, features: FeatureCache, classes: list[int] | None) -> torch.
 
 def _train(model, protocol, suite, features: FeatureCache, keys: list[str] | None) -> dict[str, float]:
     """Train `model` on the suite's train split (only the samples `keys` when given) for the protocol's
-    epochs or steps, validate once on its test split; returns the validation metrics and the optimizer
-    steps taken."""
+    epochs or steps, through its training transform; the test split is never read here. Returns the
+    optimizer steps taken and the last training loss."""
     import pytorch_lightning as pl
 
     from ssl_vit.data import ShardDataModule
 
-    # Start from the very backbone the frozen protocols scored: for `scratch`, the task's own random
-    # draw would otherwise differ from theirs, and paired differences would compare two backbones.
-    model.backbone.load_state_dict(features.backbone.state_dict())
-
+    _start_from_scored_backbone(model, features)
     data = suite.datasets[protocol.dataset]
     # A labelled subset smaller than a batch still trains one batch per epoch: the stream resamples it.
     subset = (
@@ -263,29 +334,22 @@ def _train(model, protocol, suite, features: FeatureCache, keys: list[str] | Non
     )
     datamodule = ShardDataModule(
         train_urls=data["train_urls"],
-        val_urls=data["test_urls"],
         classes=protocol.classes,
         **protocol.augment(),
         **subset,
         **{k: v for k, v in data.items() if k in DATA_KEYS and k != "batch_size"},
         batch_size=protocol.batch_size,
     )
-    # One validation pass, after the last step: the metrics reported are that pass's, and passes
-    # before it would change nothing but the time taken.
     if protocol.steps is None:
-        length = dict(max_epochs=protocol.epochs, check_val_every_n_epoch=protocol.epochs)
+        length = dict(max_epochs=protocol.epochs)
     else:
-        length = dict(
-            max_epochs=-1,
-            max_steps=protocol.steps,
-            check_val_every_n_epoch=None,
-            val_check_interval=protocol.steps,
-        )
+        length = dict(max_epochs=-1, max_steps=protocol.steps)
     device = local_device()  # under torchrun, this rank's own GPU
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "auto",
         devices=[device.index] if device.type == "cuda" else 1,
         **length,
+        limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -293,5 +357,62 @@ def _train(model, protocol, suite, features: FeatureCache, keys: list[str] | Non
         num_sanity_val_steps=0,
     )
     trainer.fit(model, datamodule=datamodule)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    return {"optimizer_steps": trainer.global_step, **metrics}
+    return {
+        "optimizer_steps": trainer.global_step,
+        "train_loss": float(trainer.callback_metrics["train/loss"]),
+    }
+
+
+def _train_heads(model, protocol, suite, features: FeatureCache, keys: list[str] | None) -> dict[str, float]:
+    """`_train` for a linear probe whose training transform is `eval`: its frozen backbone would see
+    exactly the images the cache holds features of, so the heads train on those features instead of a
+    forward pass per step. Same optimizer, schedule, batch size and epochs (an epoch: the training images
+    in whole batches, at least one batch). Hand-written: a Lightning Trainer would add a DataLoader and
+    device handling around a few hundred steps on tensors already in memory."""
+    _start_from_scored_backbone(model, features)
+    train = features.get("train", protocol.feature)
+    rows = (
+        torch.nonzero(_class_mask(train.y, protocol.classes)).flatten()
+        if keys is None
+        else torch.tensor(_positions(train.keys, keys))
+    )
+    device = local_device()
+    model.to(device).train()
+    x, y = train.x[rows].to(device), train.y[rows].to(device)
+    size = protocol.batch_size
+    steps = protocol.steps or protocol.epochs * max(1, len(y) // size)
+    generator = torch.Generator().manual_seed(suite.seed)
+    # Consecutive shuffles of the training images, cut into batches (a set smaller than a batch repeats).
+    order = torch.cat(
+        [torch.randperm(len(y), generator=generator) for _ in range(-(-steps * size // len(y)))]
+    )
+    optim = optimizer(protocol, protocol.lrs[0])(model.param_groups())
+    scheduler = schedule(protocol)(optim, steps)
+    for step in range(steps):
+        batch = order[step * size : (step + 1) * size].to(device)
+        loss = model.forward_loss(model.classify(x[batch]), y[batch])
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        scheduler.step()
+    return {"optimizer_steps": steps, "train_loss": loss.item() / len(model.heads)}
+
+
+def _start_from_scored_backbone(model, features: FeatureCache) -> None:
+    """Start from the very backbone the frozen protocols scored: for `scratch`, the task's own random
+    draw would otherwise differ from theirs, and paired differences would compare two backbones."""
+    model.backbone.load_state_dict(features.backbone.state_dict())
+
+
+def _class_mask(labels: torch.Tensor, classes: list[int] | None) -> torch.Tensor:
+    return (
+        torch.ones_like(labels, dtype=torch.bool)
+        if classes is None
+        else torch.isin(labels, torch.tensor(classes))
+    )
+
+
+def _positions(keys: list[str], wanted: list[str]) -> list[int]:
+    """The positions in `keys` of the `wanted` keys."""
+    where = {key: i for i, key in enumerate(keys)}
+    return [where[key] for key in wanted]

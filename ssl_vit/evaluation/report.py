@@ -6,7 +6,8 @@ values are means over the runs, its intervals cover the spread between runs too,
 Writes results.csv and results.md (one row per checkpoint, one column per protocol result as
 mean ± half-width of its 95% interval, the best per column marked only when it is beyond the others'
 intervals, and the pretraining cost each checkpoint recorded), with a baseline also a table of paired
-differences marked win / loss / noise and differences.png, fewshot.png (accuracy against labelled
+differences marked win / loss / noise, differences.png and verdicts.md (or, with claims, the verdict on
+each claim: `verdicts`), fewshot.png (accuracy against labelled
 examples per class, one line per checkpoint), bars.png (a bar chart per protocol), compute.png
 (accuracy against pretraining FLOPs), with label fractions in a trained protocol label_efficiency.png
 and .csv (accuracy against the labelled training images used, one line per checkpoint, one row per
@@ -37,6 +38,7 @@ from ssl_vit.evaluation.protocols import DATA_KEYS
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, interval, paired_difference
 from ssl_vit.evaluation.suite import Suite, TrainedProtocol, write_record
+from ssl_vit.evaluation.verdicts import Claim, baseline_text, claims_text
 from ssl_vit.outdir import check_out, staged
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
@@ -49,7 +51,7 @@ COST = ("steps", "images", "flops", "seconds")  # pretraining cost columns, as t
 OUTPUTS = (
     "results.csv", "results.md", "fewshot.png", "bars.png", "compute.png", "label_efficiency.png",
     "label_efficiency.csv", "differences.png", "attention_distance.png", "attention_distance.json", "wandb",
-    "wandb-run.json",
+    "wandb-run.json", "verdicts.md",
 )  # fmt: skip
 
 
@@ -59,9 +61,12 @@ def compare(
     out_dir: str | Path,
     baseline: str | None = None,
     overwrite: bool = False,
+    claims: list[Claim] | None = None,
 ) -> list[dict] | None:
     """checkpoints: name -> sources (path, timm:NAME or scratch), several for replicate pretraining runs
     of one method. baseline: a name; adds the paired differences of every other row against it.
+    claims: `verdicts.Claim`s (checked against the rows and columns) to give verdicts on in
+    verdicts.md; without them a baseline's differences are the verdicts.
     out_dir is checked before anything runs (`outdir.check_out`: a non-empty one only with `overwrite`)
     and replaced whole once every file is written, so it never mixes two comparisons.
     Returns the rows written; under torchrun the runs are spread over the ranks (`ranks.py`) and only
@@ -71,7 +76,9 @@ def compare(
     if outcomes is None:
         return None
     with staged(out) as temp:
-        rows, pictures, columns, differences = write_comparison(outcomes, checkpoints, suite, temp, baseline)
+        rows, pictures, columns, differences = write_comparison(
+            outcomes, checkpoints, suite, temp, baseline, claims
+        )
     log_to_wandb(rows, columns, [out / p.name for p in pictures], out, differences)
     return rows
 
@@ -82,6 +89,7 @@ def write_comparison(
     suite: Suite,
     out: Path,
     baseline: str | None,
+    claims: list[Claim] | None = None,
 ) -> tuple[list[dict], list[Path], list[str], dict | None]:
     """`compare`'s files in `out` from the runs' outcomes: (rows, pictures drawn, columns, differences)."""
     rows = []
@@ -115,6 +123,10 @@ def write_comparison(
     differences = paired(rows, columns, baseline, suite) if baseline else None
     write_csv(rows, columns, out / "results.csv")
     (out / "results.md").write_text(markdown_table(rows, columns, suite, baseline, differences))
+    if claims:
+        (out / "verdicts.md").write_text(claims_text(claims, rows, suite))
+    elif differences:
+        (out / "verdicts.md").write_text(baseline_text(differences, baseline, suite))
     pictures = [
         plot_fewshot(rows, suite, out / "fewshot.png"),
         plot_bars(rows, columns, out / "bars.png"),

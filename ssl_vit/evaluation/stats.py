@@ -20,6 +20,7 @@ scipy.stats.bootstrap resamples crossed axes with weights shared between two sta
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Literal, NamedTuple
 
 import torch
@@ -103,21 +104,38 @@ def paired_difference(correct: Tensor, baseline: Tensor, resamples: int = 1000, 
     """Accuracy of `correct` (R, S, M) minus that of `baseline` (R', S, M), scored on the same S seeds
     and M images in the same order, with its LEVEL interval from a paired bootstrap (shared seed and
     image weights, independent run weights). A checkpoint against itself gives exactly 0, width 0."""
-    _check(correct)
-    _check(baseline)
-    if correct.shape[1:] != baseline.shape[1:]:
+    return contrast([(1.0, correct, "a"), (-1.0, baseline, "b")], resamples, seed)
+
+
+def contrast(terms: list[tuple[float, Tensor, Hashable]], resamples: int = 1000, seed: int = 0) -> Difference:
+    """sum of coefficient x accuracy over `terms` (coefficient, correct (R, S, M), group), all scored on
+    the same S seeds and M images in the same order, with its LEVEL paired-bootstrap interval: seed and
+    image weights shared by every term, run weights shared by the terms of one group (the same
+    pretraining runs in two columns) and independent between groups. `paired_difference` is
+    [(1, a, "a"), (-1, b, "b")]; a difference of differences (is a's edge over b larger in one column
+    than in another?) is [(1, a1, "a"), (-1, b1, "b"), (-1, a2, "a"), (1, b2, "b")]."""
+    for _, correct, _ in terms:
+        _check(correct)
+    shapes = {tuple(correct.shape[1:]) for _, correct, _ in terms}
+    if len(shapes) != 1:
         raise ValueError(
-            f"paired results need the same seeds and test images: {tuple(correct.shape)} against "
-            f"{tuple(baseline.shape)}"
+            f"paired results need the same seeds and test images: (seeds, images) differ, {sorted(shapes)}"
         )
-    _, seeds, images = correct.shape
+    runs = {}
+    for _, correct, group in terms:
+        if runs.setdefault(group, len(correct)) != len(correct):
+            raise ValueError(f"group {group!r} has terms with different numbers of runs")
+    ((seeds, images),) = shapes
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for start in range(0, resamples, CHUNK):
         count = min(CHUNK, resamples - start)
         image_w, seed_w = _weights(images, count, generator), _weights(seeds, count, generator)
-        runs_a, runs_b = _weights(len(correct), count, generator), _weights(len(baseline), count, generator)
-        samples.append(_means(correct, runs_a, seed_w, image_w) - _means(baseline, runs_b, seed_w, image_w))
+        run_w = {group: _weights(n, count, generator) for group, n in runs.items()}
+        samples.append(
+            sum(coef * _means(correct, run_w[group], seed_w, image_w) for coef, correct, group in terms)
+        )
     low, high = _bounds(torch.cat(samples))
     verdict: Verdict = "win" if low > 0 else "loss" if high < 0 else "noise"
-    return Difference(correct.double().mean().item() - baseline.double().mean().item(), low, high, verdict)
+    mean = sum(coef * correct.double().mean().item() for coef, correct, _ in terms)
+    return Difference(mean, low, high, verdict)

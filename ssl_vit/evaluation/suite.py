@@ -5,6 +5,7 @@ backbone: {variant: S/4, img_size: 32, width: 64, depth: 4, heads: 4}  # for `sc
 data:                      # ShardDataModule arguments; train = probe/support set, test = evaluation set
   train_urls: data/shards/digits/train-{000000..000004}.tar
   test_urls: data/shards/digits/val-{000000..000003}.tar
+  # val_urls: ...          # optional: where an lr grid chooses (else on images held out of train)
   image_size: 32
 # or several datasets by name (`datasets: {cifar10: {...}, pets: {...}}`), each protocol naming its
 # `dataset:` (default: the first)
@@ -122,7 +123,8 @@ class KNNProtocol(Protocol):
 @dataclass(config=STRICT)
 class TrainedProtocol(Protocol):
     """What linear probing and fine-tuning share: a Lightning task trained on the train split (or a
-    class-balanced part of it per label fraction), validated once on the test split at the end."""
+    class-balanced part of it per label fraction), scored once on the test split at the end; a protocol
+    with several candidates chooses among them first, on images the test split does not hold."""
 
     epochs: PositiveInt | None = None  # passes over the training (sub)set; 10 unless `steps` is given
     steps: PositiveInt | None = None  # optimizer steps instead of epochs: the same for every fraction
@@ -140,6 +142,10 @@ class TrainedProtocol(Protocol):
     )
     randaugment: str | None = None  # timm's RandAugment string; augmentation `supervised` only
     label_fractions: Annotated[list[Fraction], Field(min_length=1)] = Field(default_factory=lambda: [1.0])
+
+    def candidates(self) -> int:
+        """How many candidates it trains and chooses among (`protocols.selection_split`)."""
+        return 1
 
     def column(self, fraction: float) -> str:
         """The result column of one label fraction: the protocol's name for all labels, else e.g.
@@ -206,6 +212,11 @@ class LinearProbeProtocol(TrainedProtocol):
         default_factory=lambda: [0.01, 0.03, 0.1, 0.3]
     )
     batch_norm: bool = True
+    # The share of each class's labelled images held out to choose the lr on (unless val_urls is given).
+    select_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
+
+    def candidates(self) -> int:
+        return len(self.lrs)
 
     def settle(self, data: dict[str, Any], where: str) -> None:
         super().settle(data, where)
@@ -293,7 +304,7 @@ def load_suite(path: str | Path) -> Suite:
         raise UserError(
             f"{path}: datasets should map names to data blocks, e.g. {{cifar10: {{train_urls: ...}}}}"
         )
-    data_keys = ("train_urls", "test_urls", *DATA_KEYS)
+    data_keys = ("train_urls", "val_urls", "test_urls", *DATA_KEYS)
     for name, data in datasets.items():
         where = f"{path}: {name}" if "datasets" in raw else f"{path}: data"
         if not isinstance(data, dict):
@@ -330,7 +341,8 @@ def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
         )
 
 
-# Top-level keys of a suite file; a data block's keys are train_urls, test_urls and protocols.DATA_KEYS.
+# Top-level keys of a suite file; a data block's keys are train_urls, val_urls, test_urls and
+# protocols.DATA_KEYS.
 SUITE_KEYS = ("backbone", "data", "datasets", "protocols", "seed", "resamples")
 
 
@@ -434,7 +446,7 @@ def evaluate(
         "protocols": [asdict(p) for p in suite.protocols],
         # how the eval transform framed each split (whole image or resize + centre crop), from its manifest
         "eval_view": {
-            name: {split: cache.datamodule.eval_view(split) for split in ("train", "test")}
+            name: {split: cache.datamodule.eval_view(split) for split in cache.splits()}
             for name, cache in features.items()
         },
         "suite": suite.path,

@@ -136,7 +136,7 @@ def test_results_json_records_every_key_and_the_recorded_protocol_reproduces_the
     }  # fmt: skip
     assert linear == {
         **LINEAR, **shared, "optimizer": "sgd", "momentum": 0.9, "betas": None, "weight_decay": 0.0,
-        "batch_norm": True,
+        "batch_norm": True, "select_fraction": 0.1,
     }  # fmt: skip
     assert finetune == {
         **FINETUNE, **shared, "optimizer": "adamw", "momentum": None, "betas": [0.9, 0.999],
@@ -171,7 +171,7 @@ def test_sgd_and_lars_suites_run_and_record_their_knobs(plain, digits_shards, tm
     assert all(0 <= record["results"][c] <= 1 for c in ("linear", "ft"))
     # They trained otherwise than the defaults did: the same images, other losses.
     for column in ("linear", "ft"):
-        assert record["details"][column]["val/loss"] != plain["details"][column]["val/loss"], column
+        assert record["details"][column]["train_loss"] != plain["details"][column]["train_loss"], column
 
 
 # --- label fractions -------------------------------------------------------------------------------------

@@ -1,0 +1,208 @@
+"""Model selection never sees the test split: the linear probe's lr is chosen on images held out of its
+labelled training images (or on val_urls), and the test split is read afterwards, by the chosen head."""
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from cli_helpers import run_cli
+
+from ssl_vit.data.sources import _digits
+from ssl_vit.data.stream import ShardStream
+from ssl_vit.evaluation import protocols
+from ssl_vit.evaluation.protocols import label_subset, selection_split
+from ssl_vit.evaluation.suite import evaluate, load_suite
+
+BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
+LRS = [0.03, 0.3]
+
+
+def write_suite(path, train, test, protocols_, val=None):
+    data = {
+        "train_urls": str(train),
+        "test_urls": str(test),
+        "image_size": 32,
+        "batch_size": 64,
+        "num_workers": 0,
+    }
+    if val is not None:
+        data["val_urls"] = str(val)
+    path.write_text(
+        yaml.safe_dump({"backbone": BACKBONE, "data": data, "resamples": 100, "protocols": protocols_})
+    )
+    return path
+
+
+def probe(augmentation="eval", **keys):
+    return {"name": "linear", "kind": "linear_probe", "feature": "mean", "epochs": 2, "lrs": LRS,
+            "augmentation": augmentation, **keys}  # fmt: skip
+
+
+# --- the split -------------------------------------------------------------------------------------------
+
+
+def test_selection_images_are_class_balanced_seeded_and_inside_the_labelled_subset():
+    labels = torch.tensor([c for c, n in {0: 300, 1: 120, 2: 40, 3: 250}.items() for _ in range(n)])
+    labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]
+    for fraction in (0.01, 0.1, 1.0):
+        labelled = label_subset(labels, fraction, seed=0)
+        train, select = selection_split(labels[labelled], 0.1, seed=0)
+        train, select = labelled[train], labelled[select]
+        # the 1% column selects on images among its 1% of the labels, apart from its training images
+        assert set(select.tolist()) <= set(labelled.tolist()) and not set(select.tolist()) & set(
+            train.tolist()
+        )
+        assert sorted(train.tolist() + select.tolist()) == labelled.tolist()
+        per_class = Counter(labels[labelled].tolist())
+        held = Counter(labels[select].tolist())
+        # min(c - 1, max(1, round(0.1 c))) per class: a class of one labelled image trains on it
+        assert held == {c: min(n - 1, max(1, round(0.1 * n))) for c, n in per_class.items() if n > 1}
+        assert all(n >= 1 for n in Counter(labels[train].tolist()).values())
+    assert torch.equal(selection_split(labels, 0.1, seed=0)[1], selection_split(labels, 0.1, seed=0)[1])
+    assert not torch.equal(selection_split(labels, 0.1, seed=0)[1], selection_split(labels, 0.1, seed=1)[1])
+
+
+# --- the test split is read after the choice -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("augmentation", ["eval", "pretrain"])
+def test_the_test_split_is_read_once_and_only_after_the_lr_is_chosen(
+    augmentation, digits_shards, tmp_path, monkeypatch
+):
+    """Every stream the evaluation opens and the selection itself, in order: no stream over the test
+    shards before the choice, one after it; the training (Lightning, for `pretrain`) reads none."""
+    events = []
+    real_stream, real_select = ShardStream.__init__, protocols.select_head
+
+    def stream(self, urls, *args, **kwargs):
+        events.append(("stream", tuple(urls)))
+        real_stream(self, urls, *args, **kwargs)
+
+    def select(model, selection):
+        events.append(("select", len(selection.y)))
+        return real_select(model, selection)
+
+    monkeypatch.setattr(ShardStream, "__init__", stream)
+    monkeypatch.setattr(protocols, "select_head", select)
+    test = digits_shards / "val-{000000..000003}.tar"
+    suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar", test,
+                        [probe(augmentation, label_fractions=[0.1, 1.0])])  # fmt: skip
+    record = evaluate("scratch", load_suite(suite)).record
+    test_shards = tuple(str(digits_shards / f"val-{i:06d}.tar") for i in range(4))
+    test_reads = [i for i, event in enumerate(events) if event == ("stream", test_shards)]
+    selections = [i for i, event in enumerate(events) if event[0] == "select"]
+    assert len(selections) == 2 and len(test_reads) == 1, events  # one choice per fraction, one test pass
+    assert test_reads[0] > selections[0], events
+    # selected on a tenth of each fraction's labelled images, counted with its labels
+    for column, labels in (("linear_10pct", 143), ("linear", 1438)):
+        detail = record["details"][column]
+        assert detail["selected_on"] == "train_urls (held out)" and detail["labels"] == labels
+        assert detail["selection_images"] + detail["training_images"] == labels
+        assert 0.08 * labels <= detail["selection_images"] <= 0.12 * labels
+        assert detail["best_lr"] in LRS and set(detail["selection_accuracy"]) == {"0.03", "0.3"}
+    assert record["protocols"][0]["select_fraction"] == 0.1
+
+
+def test_val_urls_are_the_selection_set_when_given(digits_shards, tmp_path):
+    suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar",
+                        digits_shards / "val-{000002..000003}.tar", [probe()],
+                        val=digits_shards / "val-{000000..000001}.tar")  # fmt: skip
+    record = evaluate("scratch", load_suite(suite)).record
+    detail = record["details"]["linear"]
+    assert detail["selected_on"] == "val_urls" and detail["selection_images"] == 200
+    assert detail["training_images"] == 1438 and detail["labels"] == 1438 + 200
+    assert record["eval_view"]["data"] == {"train": "whole", "val": "whole", "test": "whole"}
+
+
+def test_one_lr_chooses_nothing_and_trains_on_every_labelled_image(digits_shards, tmp_path, monkeypatch):
+    monkeypatch.setattr(protocols, "select_head", lambda *a: pytest.fail("nothing to choose"))
+    suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar",
+                        digits_shards / "val-{000000..000003}.tar", [probe(lrs=[0.1])])  # fmt: skip
+    detail = evaluate("scratch", load_suite(suite)).record["details"]["linear"]
+    assert detail["training_images"] == detail["labels"] == 1438 and "selected_on" not in detail
+
+
+# --- a case where the two choices differ -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shifted_test(tmp_path_factory):
+    """The digits' val images with every label moved to the next digit: a test split on which a head
+    that predicts digit + 1 beats a head that reads digits right."""
+    root = tmp_path_factory.mktemp("shifted")
+    _, records = _digits("", "val")
+    images = np.stack([image for image, _ in records])
+    labels = np.array([(label + 1) % 10 for _, label in records])
+    np.savez(root / "shifted.npz", images=images, labels=labels)
+    run_cli("data", "convert", f"npz:{root / 'shifted.npz'}", str(root), "--split", "test",
+            "--shard-size", "100", "--no-progress")  # fmt: skip
+    return root / "test-{000000..000003}.tar"
+
+
+def test_held_out_selection_and_test_selection_pick_different_lrs(
+    digits_shards, shifted_test, tmp_path, monkeypatch
+):
+    """The second head is made to predict the first head's digit + 1 (its weights rolled by one class).
+    On held-out training digits the first head wins; on the shifted test split the second would. The
+    protocol reports the first head's lr and its (poor) test accuracy: the test split chose nothing."""
+    trained = []
+    real = protocols._train_heads
+
+    def train_then_roll(model, *args):
+        metrics = real(model, *args)
+        with torch.no_grad():
+            model.heads[1].weight.copy_(model.heads[0].weight.roll(1, dims=0))
+            model.heads[1].bias.copy_(model.heads[0].bias.roll(1, dims=0))
+        trained.append(model)
+        return metrics
+
+    monkeypatch.setattr(protocols, "_train_heads", train_then_roll)
+    suite = load_suite(write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar",
+                                   shifted_test, [probe(epochs=10)]))  # fmt: skip
+    features = protocols.FeatureCache  # the test features the protocol scored, recomputed for the check
+    evaluation = evaluate("scratch", suite)
+    detail = evaluation.record["details"]["linear"]
+    assert detail["best_lr"] == LRS[0]
+    assert detail["selection_accuracy"]["0.03"] > detail["selection_accuracy"]["0.3"]
+
+    (model,) = trained
+    cache = features(model.backbone, suite.datasets["data"], ("mean",))
+    on_test, accuracy = protocols.select_head(model, cache.get("test", "mean"))
+    assert on_test == 1, accuracy  # choosing on the test split would have picked the other lr
+    assert accuracy["selection_accuracy"]["0.3"] > evaluation.record["results"]["linear"]
+    assert evaluation.record["results"]["linear"] == pytest.approx(accuracy["selection_accuracy"]["0.03"])
+
+
+# --- mistakes --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "protocol, words",
+    [
+        (probe(select_fraction=1.0), "select_fraction is 1.0: input should be less than 1"),
+        (probe(select_fraction=0), "select_fraction is 0: input should be greater than 0"),
+    ],
+)
+def test_select_fraction_mistakes_are_one_line(protocol, words, digits_shards, tmp_path, cli):
+    train, test = digits_shards / "train-000000.tar", digits_shards / "val-000000.tar"
+    suite = write_suite(tmp_path / "s.yaml", train, test,
+                        [protocol])  # fmt: skip
+    out = tmp_path / "out"
+    proc = cli("evaluate", "scratch", "--suite", str(suite), "--out", str(out), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_a_fraction_too_small_to_hold_images_out_is_one_line(digits_shards, tmp_path, cli):
+    """0.1% of the digits is one image per class: none left to choose an lr on."""
+    suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar",
+                        digits_shards / "val-000000.tar", [probe(label_fractions=[0.001])])  # fmt: skip
+    out = tmp_path / "out"
+    proc = cli("evaluate", "scratch", "--suite", str(suite), "--out", str(out), check=False)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "0.001 of the labels leaves one image per class" in proc.stderr and "val_urls" in proc.stderr
+    assert not out.exists()
+    assert json.loads((digits_shards / "train.json").read_text())["num_samples"] == 1438
