@@ -57,8 +57,9 @@ quickstart: $(STAMP)
 # classes, k-NN and the linear probe (lr chosen on held-out training images), each on the [class] token
 # and on the mean patch token, and fine-tuning on 1% and 10% of the labels -> results.md and the
 # verdict on each claim (recipes/study/claims.yaml) in verdicts.md. The pretraining runs go two at a
-# time, one thread each (faster on 2 cores than one after the other with two threads); each logs to
-# $(STUDY)/NAME.log, and a rerun resumes or skips the runs already done. `make study DEVICE=gpu`: the same
+# time, one thread each (faster on 2 cores than one after the other with two threads), and so do the
+# checkpoints of the comparison (torchrun, two processes: the same table as one process); each run logs
+# to $(STUDY)/NAME.log, and a rerun resumes or skips the runs already done. `make study DEVICE=gpu`: the same
 # study with a larger ViT and more steps on one GPU (recipes/study/gpu.yaml, eval_gpu.yaml), in runs/study_gpu.
 DEVICE ?= cpu
 STUDY_GPU := $(filter gpu,$(DEVICE))
@@ -93,7 +94,7 @@ $(STUDY)/%/pretrained:
 	@echo "pretrained $*"
 
 study-compare: $(STAMP)
-	$(SSLVIT) compare $(call study_group,mpp) $(call study_group,mae) $(call study_group,simmim) \
+	$(STUDY_ENV) $(VENV)/bin/torchrun --nproc-per-node $(STUDY_JOBS) -m ssl_vit compare $(call study_group,mpp) $(call study_group,mae) $(call study_group,simmim) \
 		$(call study_group,supervised) --scratch 3 --baseline scratch --suite $(STUDY_SUITE) \
 		--claims recipes/study/claims.yaml --out $(STUDY)/compare --overwrite
 

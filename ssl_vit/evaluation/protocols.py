@@ -328,10 +328,11 @@ def _train(model, protocol, suite, features: FeatureCache, keys: list[str] | Non
 
     _start_from_scored_backbone(model, features)
     data = suite.datasets[protocol.dataset]
-    # A labelled subset smaller than a batch still trains one batch per epoch: the stream resamples it.
-    subset = (
-        {} if keys is None else dict(train_keys=keys, train_batches=max(1, len(keys) // protocol.batch_size))
-    )
+    # An epoch of a labelled subset is its images in whole batches, at least one (the stream resamples a
+    # subset smaller than a batch); with `steps`, one epoch of all the steps: the stream reads the whole
+    # split to find a subset's images, and an epoch per batch would start its workers and read again.
+    batches = protocol.steps or max(1, len(keys or ()) // protocol.batch_size)
+    subset = {} if keys is None else dict(train_keys=keys, train_batches=batches)
     datamodule = ShardDataModule(
         train_urls=data["train_urls"],
         classes=protocol.classes,
