@@ -8,6 +8,7 @@ registered by the module that owns the concept, so this file only dispatches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import signal
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from ssl_vit.errors import UserError, user_error_message
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +66,9 @@ def lightning_cli(argv: list[str]):
     from ssl_vit.tasks.nonfinite import NonFiniteGuard
     from ssl_vit.tasks.preemption import Preemption
     from ssl_vit.tasks.resume import RandomState
+    from ssl_vit.tasks.run_lock import RunLock, job_leader
+
+    held = contextlib.ExitStack()  # the run directory's lock, released however the command ends
 
     class SaveAndLogConfig(SaveConfigCallback):
         """config.yaml in the run directory (Lightning's), and the whole resolved config, data and
@@ -123,6 +128,13 @@ def lightning_cli(argv: list[str]):
             if not self.config.get("subcommand"):
                 return
             config = self.config[self.config.subcommand]
+            root = str(config.trainer.default_root_dir or DEFAULT_ROOT)
+            if self.config.subcommand == "fit" and job_leader() and "://" not in root:
+                # The first thing done with the run directory, before the checkpoint below is read and
+                # before the used-directory check, config.yaml, W&B and checkpoints: one fit at a time.
+                # Only the job's rank 0 (every rank of a torchrun/srun job runs this command). An object
+                # store (s3://...) has no locks.
+                held.enter_context(RunLock(root))
             given = config.get("ckpt_path")
             path = resumed_checkpoint(given, checkpoint_dir(config)) if given == "last" else given
             if path is None or local_ckpt_path(path) is None:
@@ -163,7 +175,7 @@ def lightning_cli(argv: list[str]):
             data_args = getattr(config.get("data"), "init_args", None)
             if data_args is not None:
                 check_shard_urls(self.subcommand, data_args.as_dict())
-            root = Path(config.trainer.default_root_dir or "runs/default")
+            root = Path(config.trainer.default_root_dir or DEFAULT_ROOT)
             config.trainer.default_root_dir = str(root)
             if config.checkpoint.dirpath is None:
                 config.checkpoint.dirpath = str(root / "checkpoints")
@@ -182,7 +194,7 @@ def lightning_cli(argv: list[str]):
                 if (
                     init_args is not None
                     and "save_dir" in init_args
-                    and init_args.save_dir in (None, "runs/default")
+                    and init_args.save_dir in (None, DEFAULT_ROOT)
                 ):
                     init_args.save_dir = str(root)
 
@@ -195,26 +207,27 @@ def lightning_cli(argv: list[str]):
                 trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
             return trainer
 
-    return SslVitCLI(
-        args=None if argv == sys.argv[1:] else argv,  # None: LightningCLI reads sys.argv itself
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        save_config_callback=SaveAndLogConfig,
-        save_config_kwargs={"overwrite": True},  # a resumed job rewrites its run's config.yaml
-        trainer_defaults={
-            "callbacks": [
-                Throughput(),
-                LogSkippedSamples(),
-                LearningRateMonitor("step"),
-                RandomState(),  # exact resume: every rank's RNGs in the checkpoint
-                Preemption(),  # SIGTERM / SLURM's SIGUSR1: save at the step's end (and requeue)
-            ],
-            # Atomic saves, weights-only loads (also of http(s) checkpoints).
-            "plugins": [{"class_path": "ssl_vit.tasks.checkpointing.SafeCheckpointIO"}],
-        },
-        parser_kwargs={"prog": "ssl-vit"},
-    )
+    with held:
+        return SslVitCLI(
+            args=None if argv == sys.argv[1:] else argv,  # None: LightningCLI reads sys.argv itself
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            save_config_callback=SaveAndLogConfig,
+            save_config_kwargs={"overwrite": True},  # a resumed job rewrites its run's config.yaml
+            trainer_defaults={
+                "callbacks": [
+                    Throughput(),
+                    LogSkippedSamples(),
+                    LearningRateMonitor("step"),
+                    RandomState(),  # exact resume: every rank's RNGs in the checkpoint
+                    Preemption(),  # SIGTERM / SLURM's SIGUSR1: save at the step's end (and requeue)
+                ],
+                # Atomic saves, weights-only loads (also of http(s) checkpoints).
+                "plugins": [{"class_path": "ssl_vit.tasks.checkpointing.SafeCheckpointIO"}],
+            },
+            parser_kwargs={"prog": "ssl-vit"},
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +265,7 @@ def checkpoint_dir(config) -> Path:
     """Where the run's ModelCheckpoint writes (as `SslVitCLI.before_instantiate_classes` sets it)."""
     if config.checkpoint.dirpath:
         return Path(config.checkpoint.dirpath)
-    return Path(config.trainer.default_root_dir or "runs/default") / "checkpoints"
+    return Path(config.trainer.default_root_dir or DEFAULT_ROOT) / "checkpoints"
 
 
 def refuse_overridden_options(argv: list[str], before: dict, config, path) -> None:

@@ -1,7 +1,10 @@
-"""A callback tests add to `ssl-vit fit` (`--trainer.callbacks+=resume_helpers.StepRecorder`): one JSON
-line per training step with what the resume tests compare."""
+"""Callbacks tests add to `ssl-vit fit` (`--trainer.callbacks+=resume_helpers.StepRecorder`): one JSON
+line per training step with what the resume tests compare; NaN gradients on one rank; a hold before
+training."""
 
 import json
+import os
+import time
 
 import pytorch_lightning as pl
 
@@ -33,6 +36,20 @@ class PoisonGradients(pl.Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         if trainer.global_step in self.steps and trainer.global_rank == self.rank:
             next(p for p in pl_module.parameters() if p.grad is not None).grad.fill_(float("nan"))
+
+
+class HoldBeforeTraining(pl.Callback):
+    """Holds the fit before its first training step until the file `release` exists or a SIGTERM came,
+    after creating `release + ".reached"`: a test decides when the fit may go on (while it holds its run
+    directory), with no timing of its own."""
+
+    def __init__(self, release: str) -> None:
+        self.release = release
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        open(self.release + ".reached", "w").close()
+        while not os.path.exists(self.release) and not trainer.received_sigterm:
+            time.sleep(0.02)
 
 
 def read_steps(path) -> list[dict]:

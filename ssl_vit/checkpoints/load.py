@@ -13,7 +13,8 @@ Files without ssl-vit's config: width, depth, patch and image size come from the
 paper variant of that width and depth (`VARIANTS`); a classifier `head.*` is ignored. A config the
 caller gives wins (the shapes must fit it).
 
-Loading is safe: `torch.load(weights_only=True)` or safetensors, never unrestricted unpickling.
+Loading is safe: `torch.load(weights_only=True)` or safetensors, never unrestricted unpickling; a torch
+file's CRC-32s are checked first (`integrity`), so a damaged checkpoint is refused, not loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from timm.models import clean_state_dict
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
-from ssl_vit.checkpoints import SOURCES, mae
+from ssl_vit.checkpoints import SOURCES, integrity, mae
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import VARIANTS, ViT, ViTConfig, parse_variant
 
@@ -120,6 +121,9 @@ def read_weights(source: str) -> Weights:
 
 
 def _read_torch(path: Path) -> Weights:
+    # torch.load checks no checksum: a damaged file would load whatever its bytes now say. Files without
+    # checksums (torch's legacy format, other tools' files) load unchecked.
+    integrity.check(path, "restore it from a copy, or give another checkpoint")
     try:
         # MAE's training checkpoints keep their argparse.Namespace of arguments: plain data.
         with torch.serialization.safe_globals([argparse.Namespace]):

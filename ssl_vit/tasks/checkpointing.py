@@ -2,7 +2,11 @@
 
 - `SafeCheckpointIO` saves atomically (temp file in the target's directory, fsync, `os.replace`) and
   loads with `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
-- `LastLinkCheckpoint` makes `last.ckpt` a hard link to the newest checkpoint: no second write.
+- `LastLinkCheckpoint` makes `last.ckpt` a hard link to the newest checkpoint: no second write. With
+  `save_top_k: 1` (the default) it keeps the previous checkpoint too, so that one damaged file (the newest
+  and `last.ckpt` are one file) never leaves the run without an intact state to resume.
+- Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
+  refused in one line, and `--ckpt_path last` resumes from the newest checkpoint that verifies.
 
 Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so neither Lightning's
 `ckpt_path="last"` search nor a `*.ckpt` glob takes a half-written one for a checkpoint.
@@ -16,6 +20,7 @@ import pickle
 import re
 import secrets
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import suppress
@@ -25,9 +30,11 @@ from typing import Any, Literal
 import torch
 from lightning_fabric.plugins import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
+from lightning_fabric.utilities.rank_zero import rank_zero_only
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from ssl_vit.checkpoints import integrity
 from ssl_vit.errors import UserError
 
 TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")
@@ -67,7 +74,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
 def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
     """A Lightning checkpoint (local path, fsspec or http(s) URL) read with `torch.load(weights_only=True)`;
-    a file that is missing, unreadable or needs code to unpickle is a UserError."""
+    a file that is missing, damaged (`integrity.damage`), unreadable or needs code to unpickle is a
+    UserError."""
     text = str(path)
     try:
         if text.startswith(("http://", "https://")):
@@ -76,10 +84,14 @@ def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
             with tempfile.TemporaryDirectory(prefix="ssl-vit-ckpt-") as tmp:
                 local = os.path.join(tmp, "download.ckpt")
                 torch.hub.download_url_to_file(text, local, progress=False)
+                integrity.check(local, DAMAGED_FIX, name=text)  # damaged on the server, or cut off
                 return torch.load(local, map_location=map_location, weights_only=True)
         fs = get_filesystem(text)
         if not fs.exists(text):
             raise UserError(f"checkpoint {text} does not exist; give the path of a .ckpt file")
+        if _is_local_file_protocol(text):
+            # Remote (fsspec) files are not checked: that would download them twice.
+            integrity.check(_local(text), DAMAGED_FIX)
         with fs.open(text, "rb") as f:
             return torch.load(f, map_location=map_location, weights_only=True)
     except UserError:
@@ -91,6 +103,12 @@ def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
             f"{text} is not a readable checkpoint ({type(err).__name__}: {_first_line(err)}); give a .ckpt "
             "written by ssl-vit"
         ) from None
+
+
+DAMAGED_FIX = (
+    "restore it from a copy, or give an older checkpoint (`--ckpt_path last` resumes from the newest "
+    "checkpoint of the run that verifies)"
+)
 
 
 def refused(path: str, err: Exception) -> UserError:
@@ -139,6 +157,7 @@ class LastLinkCheckpoint(ModelCheckpoint):
 
     def __init__(self, *args: Any, save_last: bool | Literal["link"] | None = "link", **kwargs: Any) -> None:
         super().__init__(*args, save_last=save_last, **kwargs)
+        self._previous_path = ""  # with save_top_k 1: the checkpoint before best_model_path, kept
         if self.save_last == "link" and self.monitor is not None:
             # With a monitor, Lightning links last.ckpt to the last *top-k* checkpoint, which can be
             # older than the current state; `ckpt_path="last"` must resume from the newest state.
@@ -167,7 +186,37 @@ class LastLinkCheckpoint(ModelCheckpoint):
         state = super().state_dict()
         if getattr(self, "_linked_as", None):
             state["last_model_path"] = self._linked_as
+        state["previous_model_path"] = self._previous_path
         return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # as Lightning restores its paths
+            self._previous_path = state_dict.get("previous_model_path", "")
+
+    def _save_none_monitor_checkpoint(self, trainer, monitor_candidates) -> None:
+        """Lightning's, except that `save_top_k: 1` keeps the previous checkpoint until the next one is
+        written: Lightning's deletes it at once, and the newest step file and `last.ckpt` are one file,
+        so a single damaged file would leave nothing intact to resume (`--ckpt_path last` falls back to
+        the newest checkpoint that verifies). `save_top_k: -1` keeps every checkpoint anyway."""
+        if self.save_top_k != 1:
+            super()._save_none_monitor_checkpoint(trainer, monitor_candidates)
+            return
+        filepath = self._get_metric_interpolated_filepath_name(
+            monitor_candidates, trainer, self.best_model_path
+        )
+        older, previous = self._previous_path, self.best_model_path
+        # Set before saving, as Lightning sets best_model_path: both are part of the saved state.
+        self.best_model_path = filepath
+        if previous and previous != filepath:
+            self._previous_path = previous
+        self._save_checkpoint(trainer, filepath)
+        if (
+            older
+            and older not in (previous, filepath)
+            and self._should_remove_checkpoint(trainer, older, filepath)
+        ):
+            self._remove_checkpoint(trainer, older)
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         # Lightning sets last_model_path in _save_last_checkpoint, after the periodic checkpoint was
@@ -206,13 +255,13 @@ class LastLinkCheckpoint(ModelCheckpoint):
         return filepath
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
-        # What `ckpt_path="last"` resumes. Without a last*.ckpt (deleted, or a kill before the link),
-        # Lightning would start afresh and overwrite the step checkpoints: the newest of them instead.
-        found = super()._find_last_checkpoints(trainer)
-        if found or self.dirpath is None or not _is_local_file_protocol(self.dirpath):
-            return found
-        step = newest(Path(_local(self.dirpath)).glob("*.ckpt"))
-        return {os.path.normpath(step)} if step is not None else set()
+        # What `ckpt_path="last"` resumes: `resumable` (the newest checkpoint that verifies). Lightning's
+        # finds only last*.ckpt: without one (deleted, or a kill before the link) it would start afresh
+        # and overwrite the step checkpoints, and it takes a damaged one as it is.
+        if self.dirpath is None or not _is_local_file_protocol(self.dirpath):
+            return super()._find_last_checkpoints(trainer)
+        found = resumable(Path(_local(self.dirpath)))
+        return {os.path.normpath(found)} if found is not None else set()
 
     def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
         # Lightning's is a staticmethod called as self._link_checkpoint(trainer, filepath, linkpath).
@@ -324,21 +373,70 @@ __all__ = [
 
 
 def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint `--ckpt_path` makes this job continue from: `last` as Lightning resolves it (the
-    newest `last*.ckpt`), or, when the directory has no `last*.ckpt` (deleted, or never linked), its
-    newest checkpoint; no checkpoint yet: None, the job starts afresh. A local path as it is; None
-    otherwise."""
+    """The checkpoint `--ckpt_path` makes this job continue from: for `last`, `resumable(checkpoint_dir)`
+    (as `LastLinkCheckpoint` resolves it for Lightning); a local path as it is; None otherwise."""
     if not ckpt_path:
         return None
     if str(ckpt_path) == "last":
-        return newest(checkpoint_dir.glob("last*.ckpt")) or newest(checkpoint_dir.glob("*.ckpt"))
+        return resumable(checkpoint_dir)
     return Path(ckpt_path) if "://" not in str(ckpt_path) else None
+
+
+def resumable(checkpoint_dir: Path) -> Path | None:
+    """What `--ckpt_path last` resumes: the newest `last*.ckpt` (as Lightning picks it), else (deleted,
+    or never linked) the newest checkpoint of the directory; a damaged one (`integrity.damage`) is
+    passed over for the next newest, with one warning naming both. None when the directory holds no
+    checkpoint (the job starts afresh); a `DamagedCheckpoint` when it holds only damaged ones."""
+    if not checkpoint_dir.is_dir():
+        return None
+    candidates = by_age(checkpoint_dir.glob("last*.ckpt"))
+    candidates += [p for p in by_age(checkpoint_dir.glob("*.ckpt")) if p not in candidates]
+    damaged: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:
+            why = integrity.damage(path)  # last.ckpt and the newest step file are one file: read once
+        except FileNotFoundError:  # deleted since it was listed
+            continue
+        except OSError as err:  # not damaged, not readable either: the user's to fix, not to skip
+            raise integrity.unreadable(path, err) from None
+        if why is None:
+            if damaged:
+                others = ", ".join(p.name for p, _ in damaged[1:])
+                _warn_once(
+                    f"{damaged[0][0]} is damaged ({damaged[0][1]}); resuming from {path}, the newest "
+                    f"checkpoint that verifies" + (f" (also damaged: {others})" if others else "")
+                )
+            return path
+        damaged.append((path, why))
+    if damaged:
+        raise integrity.DamagedCheckpoint(
+            damaged[0][0], damaged[0][1],
+            f"no other checkpoint in {checkpoint_dir} verifies; restore the run's checkpoints from a copy, "
+            "or start afresh with another --trainer.default_root_dir",
+        )  # fmt: skip
+    return None
+
+
+def by_age(paths) -> list[Path]:
+    """`paths`, the most recently written first (Lightning picks the newest `last*.ckpt` by mtime)."""
+    return sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def newest(paths) -> Path | None:
     """The most recently written of `paths` (as Lightning picks among `last*.ckpt`); None if none."""
-    found = sorted(paths, key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    found = by_age(paths)
+    return found[0] if found else None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    # The CLI and Lightning both resolve `last` (same files, same answer): one line, on rank 0 only (the
+    # rank the launcher's environment gives, before the trainer exists).
+    if message not in _warned and rank_zero_only.rank == 0:
+        print(f"ssl-vit: warning: {message}", file=sys.stderr, flush=True)
+    _warned.add(message)
 
 
 def refuse_used_run_dir(checkpoint_dir: Path) -> None:
@@ -390,6 +488,9 @@ def check_ckpt_path(path: str | Path) -> dict:
         raise UserError(f"--ckpt_path {path} does not exist: {fix}")
     if not path.is_file():
         raise UserError(f"--ckpt_path {path} is not a file: {fix}")
+    # Before torch reads it: a damaged checkpoint would load silently (torch checks no CRC). A file
+    # without checksums (another tool's, torch's legacy format) goes on to torch.load unchecked.
+    integrity.check(path, DAMAGED_FIX, name=f"--ckpt_path {path}")
     try:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

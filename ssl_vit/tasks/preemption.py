@@ -27,6 +27,8 @@ from pathlib import Path
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from ssl_vit.tasks.run_lock import release_all
+
 log = logging.getLogger("ssl_vit")
 REQUEUE_SIGNAL = signal.SIGUSR1  # Lightning's SLURMEnvironment default
 
@@ -91,6 +93,9 @@ class Preemption(pl.Callback):
                 file=sys.stderr,
                 flush=True,
             )
+            # The checkpoint is saved: the run directory is the requeued job's (SLURM may kill this one
+            # before it exits and releases it, and the requeued job may start on another node).
+            release_all()
             result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
             message = (
                 ""

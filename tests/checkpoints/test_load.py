@@ -95,11 +95,17 @@ def test_timm_pretrained_weights_become_our_backbone(monkeypatch, tmp_path):
     torch.testing.assert_close(vit(images), source(images))
 
 
-@pytest.mark.parametrize("content", [b"not a checkpoint at all", b"PK\x03\x04garbage"])
-def test_a_file_that_is_not_a_checkpoint_is_a_one_line_error(tmp_path, content):
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        (b"not a checkpoint at all", "not a checkpoint torch can load safely"),
+        (b"PK\x03\x04garbage", "is damaged .its zip directory is missing"),  # the start of a zip archive
+    ],
+)
+def test_a_file_that_is_not_a_checkpoint_is_a_one_line_error(tmp_path, content, error):
     path = tmp_path / "weights.ckpt"
     path.write_bytes(content)
-    with pytest.raises(UserError, match="not a checkpoint torch can load safely"):
+    with pytest.raises(UserError, match=error):
         load_backbone(str(path))
     with pytest.raises(UserError, match="does not exist"):
         load_backbone(str(tmp_path / "missing.ckpt"))

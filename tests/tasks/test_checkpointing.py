@@ -173,17 +173,18 @@ class RecordRelinks(LastLinkCheckpoint):
         super()._link_checkpoint(trainer, filepath, linkpath)
 
 
-def test_last_is_a_hard_link_that_outlives_rotation(tmp_path):
+def test_last_is_a_hard_link_and_rotation_keeps_the_previous_checkpoint(tmp_path):
     callback = RecordRelinks(**EVERY_STEP, dirpath=tmp_path)
     boring_fit(tmp_path, callback, max_steps=4)
 
     last, newest = tmp_path / "last.ckpt", tmp_path / "step0000004.ckpt"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step0000004.ckpt"]
+    # save_top_k 1 keeps the previous checkpoint as well: last.ckpt is the newest one's data, and a
+    # damaged file must leave an intact state to resume from.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step0000003.ckpt", "step0000004.ckpt"]
     assert not last.is_symlink() and last.stat().st_ino == newest.stat().st_ino and last.stat().st_nlink == 2
-    # Each step saved step N+1 and removed step N (save_top_k=1) before relinking: in between, last.ckpt
-    # was the only name of step N's data, and loaded.
-    assert callback.seen == [(1, []), (2, []), (3, [])]
-    newest.unlink()
+    # Each step saved step N+1 and removed step N-1 before relinking: last.ckpt (step N) still loaded.
+    assert callback.seen == [(1, ["step0000001.ckpt"]), (2, ["step0000002.ckpt"]), (3, ["step0000003.ckpt"])]
+    newest.unlink()  # and a hard link outlives the file it was made from
     assert torch.load(last, weights_only=True)["global_step"] == 4
 
 
@@ -197,8 +198,11 @@ def test_resuming_from_a_runs_first_checkpoint_keeps_one_last(tmp_path):
     fit(1)
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1
     fit(3, ckpt_path="last")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step0000003.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step0000002.ckpt", "step0000003.ckpt"]
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 3
+    # The checkpoint's state names the previous one it kept: the next job rotates it away in turn.
+    fit(5, ckpt_path="last")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step0000004.ckpt", "step0000005.ckpt"]
 
 
 def test_link_falls_back_to_an_atomic_copy(tmp_path, monkeypatch):
