@@ -209,8 +209,11 @@ def test_compare_with_label_fractions_writes_a_row_per_fraction_and_the_picture(
             assert float(row[column]) == pytest.approx(record["results"][column])
             detail = record["details"][column]
             assert (detail["fraction"], detail["labels"]) == (fraction, labels[fraction])
-            # an epoch of a subset is its labels in whole batches, at least one
-            assert detail["optimizer_steps"] == max(1, labels[fraction] // 128), column
+            # an epoch of a subset is its training images in whole batches, at least one (the linear
+            # probe chooses its lr on a tenth of the labels, held out of its training images)
+            assert detail["optimizer_steps"] == max(1, detail["training_images"] // 128), column
+            held = detail.get("selection_images", 0)
+            assert detail["training_images"] + held == labels[fraction] and (held > 0) == column.startswith("lin")
 
     efficiency = list(csv.DictReader((out / "label_efficiency.csv").open()))
     assert [(r["name"], r["protocol"], float(r["fraction"]), int(r["labels"])) for r in efficiency] == [

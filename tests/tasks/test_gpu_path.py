@@ -269,7 +269,10 @@ def gpu_recipes() -> list[Path]:
         trainer = recipe.get("trainer") if isinstance(recipe, dict) else None
         if isinstance(trainer, str):
             trainer = yaml.safe_load((path.parent / trainer).read_text())
-        if isinstance(trainer, dict) and trainer.get("accelerator") == "gpu" and "model" in recipe:
+        # A recipe names its model's class; a file given after one (recipes/study/gpu.yaml) is checked
+        # composed with each recipe it serves, in tests/test_study.py.
+        model = recipe.get("model") if isinstance(recipe, dict) else None
+        if isinstance(trainer, dict) and trainer.get("accelerator") == "gpu" and "class_path" in (model or {}):
             found.append(path)
     return found
 
