@@ -1,11 +1,17 @@
-"""Test servers shared by the test files: nginx serving a directory over HTTP on 127.0.0.1."""
+"""Test servers shared by the test files, serving a directory over HTTP on 127.0.0.1: nginx, and a
+small Python server that fails on purpose (`faulty_http`)."""
 
+import email.utils
+import http.server
 import os
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from pathlib import Path
 
 import pytest
 from cli_helpers import free_port, skip_or_fail
@@ -75,3 +81,125 @@ http {{
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+class FaultyHandler(http.server.BaseHTTPRequestHandler):
+    """GET (with `Range: bytes=N-`) and HEAD of the files under the server's `root`; the server's
+    `faults` decide which requests fail and how."""
+
+    protocol_version = "HTTP/1.0"  # one request per connection: a fault never spills into the next
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def log_message(self, format, *args) -> None:  # quiet: the tests read `server.requests`
+        pass
+
+    def _serve(self, head: bool) -> None:
+        server: FaultyServer = self.server.owner
+        fault, then = server.fault_for(self.command, self.path)
+        try:
+            self._respond(server, fault, head)
+        finally:
+            if then is not None:
+                then()
+
+    def _respond(self, server: "FaultyServer", fault: str | None, head: bool) -> None:
+        if fault == "stall":  # nothing at all, until the test ends
+            server.released.wait(300)
+            return
+        if fault == "503":
+            self.send_error(503, "Service Unavailable (on purpose)")
+            return
+        path = server.root / self.path.lstrip("/").split("?")[0]
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        start = 0
+        wanted = self.headers.get("Range", "")
+        if wanted.startswith("bytes=") and wanted.endswith("-") and server.ranges:
+            start = int(wanted[len("bytes=") : -1])
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.send_header("Last-Modified", email.utils.formatdate(path.stat().st_mtime, usegmt=True))
+        self.end_headers()
+        if head:
+            return
+        body = data[start:]
+        if fault in ("half", "stall_body"):
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            if fault == "stall_body":
+                server.released.wait(300)
+            return  # HTTP/1.0: the connection closes, half a body short
+        self.wfile.write(body)
+
+
+class FaultyServer:
+    """A threaded HTTP server on 127.0.0.1 serving `root`, which fails on purpose: `fail(part, fault,
+    nth)` makes the `nth` GET (a set of them; None: every one) whose path contains `part` fail with
+    `fault`: "503" (an error status), "half" (half the body, then the connection closes), "stall"
+    (nothing at all until the test ends), "stall_body" (half the body, then nothing); `then` runs after
+    the faulty response. `ranges=False` makes it ignore Range headers, as some servers do. `requests`
+    lists (method, path, fault) of every request in order."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.ranges = True
+        self.faults: list[tuple] = []
+        self.seen: Counter = Counter()
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.lock = threading.Lock()
+        self.released = threading.Event()
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FaultyHandler)
+        self.httpd.daemon_threads = True
+        self.httpd.owner = self
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def fail(self, part: str, fault: str, nth: int | set[int] | None = None, method: str = "GET", then=None):
+        nth = {nth} if isinstance(nth, int) else nth
+        self.faults.append((part, nth, fault, method, then))
+
+    def reset(self) -> None:
+        """No faults, nothing seen yet."""
+        with self.lock:
+            self.faults.clear()
+            self.seen.clear()
+            self.requests.clear()
+
+    def fault_for(self, method: str, path: str) -> tuple:
+        """(fault, then) for this request: (None, None) when it is served as it should be."""
+        with self.lock:
+            found = (None, None)
+            for i, (part, nth, fault, on, then) in enumerate(self.faults):
+                if part in path and method == on:
+                    self.seen[i] += 1
+                    if found[0] is None and (nth is None or self.seen[i] in nth):
+                        found = (fault, then)
+            self.requests.append((method, path, found[0]))
+            return found
+
+    def count(self, part: str, method: str = "GET") -> int:
+        return sum(1 for m, path, _ in self.requests if m == method and part in path)
+
+
+@pytest.fixture
+def faulty_http(tmp_path):
+    """A `FaultyServer` serving tmp_path/www (empty: the test puts its files there); stopped afterwards."""
+    (tmp_path / "www").mkdir()
+    server = FaultyServer(tmp_path / "www")
+    server.thread.start()
+    try:
+        yield server
+    finally:
+        server.released.set()
+        server.httpd.shutdown()
+        server.httpd.server_close()

@@ -15,11 +15,20 @@ test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as di
 dropped since its previous batch), during training `stream` (the position of the batch's worker, which
 makes the training DataLoader resumable mid-epoch: `EpochLoader`), and with mixup/cutmix/label
 smoothing also `target` float [B,K] (timm's soft targets).
+
+Remote shards and manifests are read with retries and a read timeout (`read_retries`,
+`read_timeout_s`: `ssl_vit.data.remote`); a DataLoader whose workers deliver no batch for
+`loader_timeout_s` ends the run with one line naming the split's shards (`ShardLoader`). Each split's
+manifest is read once per data module (`manifests`), so the epoch size, the class count and the eval
+view all come from one reading.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import multiprocessing
+import os
 import signal
 from collections.abc import Callable, Collection
 from typing import Any
@@ -30,15 +39,79 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader
 
+from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import EvalView, Preset, build_transform, normalize
-from ssl_vit.data.urls import check_urls, expand, read_manifest
+from ssl_vit.data.urls import check_urls, expand, manifest_url, read_manifest
 from ssl_vit.errors import BadValue, UserError
 
 log = logging.getLogger("ssl_vit.data")
 
 
-class EpochLoader(DataLoader):
+class ShardLoader(DataLoader):
+    """A DataLoader of a `ShardStream` (`batch_size=None`) that ends the run with one line naming the
+    split's shards when its workers deliver no batch for `timeout` seconds, rather than wait for ever
+    on a stalled server or a stuck worker.
+
+    The wait is torch's DataLoader `timeout`, which applies with workers only; its RuntimeError becomes
+    a UserError here, and the workers are stopped at once (`_Workers`), not left to outlive the run.
+    Without workers the main process reads the shards itself, and every remote read times out on its
+    own (`read_timeout_s`)."""
+
+    def __init__(self, stream: ShardStream, *, split: str, timeout: float, num_workers: int, **kwargs):
+        workers = _Workers(num_workers)
+        super().__init__(
+            stream,
+            batch_size=None,
+            num_workers=num_workers,
+            timeout=timeout if num_workers else 0,
+            # A generator of its own: creating an iterator draws the workers' base seed from it rather
+            # than from the global torch RNG, which belongs to the model (masks, dropout) and is part of
+            # exact resume. The workers seed every random choice themselves (`ssl_vit.data.stream`).
+            generator=torch.Generator().manual_seed(0),
+            worker_init_fn=workers.start,
+            **kwargs,
+        )
+        self.split, self.wait_s, self.workers = split, timeout, workers
+
+    def __iter__(self):
+        self.workers.reset()
+        return _Watched(super().__iter__(), self)
+
+    def timed_out(self) -> UserError:
+        """The one line for no batch in `timeout` seconds; the workers are stopped first."""
+        self.workers.stop()
+        urls = self.dataset.urls
+        shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+        return UserError(
+            f"no batch from the {self.num_workers} DataLoader worker(s) in {self.wait_s:g} s while reading "
+            f"{self.split}_urls ({shown}): their server stalls or cannot be reached, or a worker is stuck; "
+            "check the shards (`ssl-vit data inspect`) or raise data.init_args.loader_timeout_s"
+        )
+
+
+class _Watched:
+    """A DataLoader iterator whose timeout is its loader's one-line error (`ShardLoader`)."""
+
+    def __init__(self, iterator, loader: ShardLoader):
+        self.iterator, self.loader = iterator, loader
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.iterator)
+        except RuntimeError as err:
+            if not str(err).startswith("DataLoader timed out"):
+                raise
+            raise self.loader.timed_out() from None
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+
+class EpochLoader(ShardLoader):
     """The training DataLoader: hands its stream the epoch (and, once after a resume, where each worker
     stands) before starting workers, and keeps track of the batches training consumed.
 
@@ -50,7 +123,7 @@ class EpochLoader(DataLoader):
     """
 
     def __init__(self, stream: ShardStream, start: Callable[[], tuple[int, ResumePlan | None]], **kwargs):
-        super().__init__(stream, batch_size=None, persistent_workers=False, **_loader_kwargs(), **kwargs)
+        super().__init__(stream, split="train", persistent_workers=False, **kwargs)
         self.start = start
         self.epoch: int | None = None
         self.consumed: dict[int, WorkerPosition] = {}
@@ -74,27 +147,55 @@ class EpochLoader(DataLoader):
         }
 
 
-def _loader_kwargs() -> dict:
-    # A generator of its own: creating an iterator draws the workers' base seed from it rather than from
-    # the global torch RNG, which belongs to the model (masks, dropout) and is part of exact resume.
-    # The workers seed every random choice themselves (`ssl_vit.data.stream`).
-    return {"generator": torch.Generator().manual_seed(0), "worker_init_fn": _ignore_job_signals}
-
-
 # How long a DataLoader worker outlives a SIGTERM: long enough for its main process to finish the step
 # and save (it stops its workers itself), bounded so that a worker whose main process never stops it
 # (e.g. a leaked iterator at interpreter exit, which terminates daemonic children with SIGTERM) ends.
 WORKER_SIGTERM_GRACE_S = 60
 
 
-def _ignore_job_signals(worker_id: int) -> None:
-    """SLURM signals every process of a job step, DataLoader workers included. A worker killed by
-    SIGUSR1 or SIGTERM would make the main process fail at once (torch raises from its SIGCHLD handler)
-    before it could save; the main process decides what the signal means (`ssl_vit.tasks.preemption`)
-    and stops its workers itself. So a worker ignores SIGUSR1, and ends WORKER_SIGTERM_GRACE_S seconds
-    after a SIGTERM (SIGALRM's default action) unless it was stopped before."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.alarm(WORKER_SIGTERM_GRACE_S))
+class _Workers:
+    """How a DataLoader's workers take job signals, and how its main process stops them at once.
+
+    SLURM signals every process of a job step, DataLoader workers included. A worker killed by SIGUSR1
+    or SIGTERM would make the main process fail at once (torch raises from its SIGCHLD handler) before
+    it could save; the main process decides what the signal means (`ssl_vit.tasks.preemption`) and
+    stops its workers itself. So a worker (`start`, its `worker_init_fn`) ignores SIGUSR1, and ends
+    WORKER_SIGTERM_GRACE_S seconds after a SIGTERM (SIGALRM's default action) unless it was stopped
+    before; but once its main process has given up on it (`stop`: no batch within the timeout), a
+    SIGTERM ends it at once, with status 0 (which torch's SIGCHLD handler takes for a normal end), so
+    that a worker stuck in a read does not keep the ending process alive for the grace period.
+
+    Shared memory (the workers' pids, the flag) because a worker's signal handler cannot ask its main
+    process anything, and torch gives no public way to the pids of an iterator's workers."""
+
+    def __init__(self, num_workers: int):
+        self.pids = multiprocessing.RawArray("i", max(1, num_workers))
+        self.stopping = multiprocessing.RawValue("b", 0)
+
+    def reset(self) -> None:
+        """Before an iterator starts its workers."""
+        self.pids[:] = [0] * len(self.pids)
+        self.stopping.value = 0
+
+    def start(self, worker_id: int) -> None:
+        self.pids[worker_id] = os.getpid()
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.stopping.value:
+            os._exit(0)
+        signal.alarm(WORKER_SIGTERM_GRACE_S)
+
+    def stop(self) -> None:
+        """In the main process: end the current iterator's workers now."""
+        self.stopping.value = 1
+        for pid in self.pids:
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
 
 SPLITS = ("train", "val", "test")
@@ -114,23 +215,42 @@ def check_required_urls(stage: str | None, urls: dict[str, Any]) -> None:
         )
 
 
-def check_shard_urls(stage: str | None, urls: dict[str, Any]) -> dict[str, list[str]]:
-    """The brace-expanded URLs of the splits `stage` reads, each shard checked (`check_urls`): one line
-    for a split without URLs or a shard that is missing. `urls` as for `check_required_urls`."""
+def check_shard_urls(
+    stage: str | None, urls: dict[str, Any], policy: ReadPolicy | None = None
+) -> dict[str, list[str]]:
+    """The brace-expanded URLs of the splits `stage` reads, each shard checked (`check_urls`, remote ones
+    with `policy`; by default the one `urls` sets, see `read_policy`): one line for a split without URLs
+    or a shard that is missing. `urls` as for `check_required_urls`."""
     check_required_urls(stage, urls)
+    policy = policy or read_policy(urls)
     expanded = {}
     for split in STAGE_SPLITS.get(stage, []):
         if urls.get(f"{split}_urls") is not None:
             expanded[split] = expand(urls[f"{split}_urls"], f"{split}_urls")
-            check_urls(expanded[split], f"{split}_urls")
+            check_urls(expanded[split], f"{split}_urls", policy)
     return expanded
+
+
+def read_policy(args: dict[str, Any]) -> ReadPolicy:
+    """The `ReadPolicy` of a data module's arguments (`read_retries`, `read_timeout_s`; the defaults
+    for those `args` leaves out), checked first."""
+    values = {key: args[key] for key in ("read_retries", "read_timeout_s") if args.get(key) is not None}
+    check_counts({k: v for k, v in values.items() if k in COUNT_MINIMUMS})
+    check_seconds({k: v for k, v in values.items() if k in SECONDS})
+    return ReadPolicy(
+        retries=values.get("read_retries", DEFAULT_READ.retries),
+        timeout_s=float(values.get("read_timeout_s", DEFAULT_READ.timeout_s)),
+    )
 
 
 # The integer settings of a `ShardDataModule` and their smallest values (None: the default applies).
 COUNT_MINIMUMS = {
     "batch_size": 1, "image_size": 1, "num_workers": 0, "segment_shards": 1, "train_batches": 1,
-    "num_classes": 1, "seed": 0,
+    "num_classes": 1, "seed": 0, "read_retries": 0,
 }  # fmt: skip
+# Its settings in seconds: positive, finite numbers (None: the default applies).
+SECONDS = ("read_timeout_s", "loader_timeout_s")
+DEFAULT_READ = ReadPolicy()
 
 
 def check_counts(values: dict[str, Any], where: str = "") -> None:
@@ -140,6 +260,14 @@ def check_counts(values: dict[str, Any], where: str = "") -> None:
         low = COUNT_MINIMUMS[key]
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
             raise BadValue(f"{where}{key} is {value!r}: it should be an integer of at least {low}")
+
+
+def check_seconds(values: dict[str, Any], where: str = "") -> None:
+    """One line for a setting in seconds (`SECONDS`) that is not a positive, finite number."""
+    for key, value in values.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and 0 < value < math.inf):
+            raise BadValue(f"{where}{key} is {value!r}: it should be a positive number of seconds")
 
 
 class ShardDataModule(pl.LightningDataModule):
@@ -173,6 +301,13 @@ class ShardDataModule(pl.LightningDataModule):
         mean, std: normalisation.
         draft: decode JPEGs at a reduced scale (1/2, 1/4, 1/8) when the crop's source region, or for
             `eval` the whole image, stays at least the size it is resized to.
+        read_retries: a remote shard, manifest or shard check (http(s), fsspec, `pipe:`) that fails is
+            tried this many more times, waiting 1 s, 2 s, 4 s, ... (at most 30 s) between tries; a shard
+            that still fails is skipped and counted, a manifest that still fails stops the run.
+        read_timeout_s: a remote read that gets no byte for this long has failed (and is retried).
+        loader_timeout_s: with DataLoader workers, no batch for this long ends the run with one line
+            naming the split's shards; by default twice the longest a shard read can take before it
+            gives up (every try timing out: 782 s with the defaults above).
     """
 
     def __init__(
@@ -200,6 +335,9 @@ class ShardDataModule(pl.LightningDataModule):
         mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN,
         std: tuple[float, float, float] = IMAGENET_DEFAULT_STD,
         draft: bool = True,
+        read_retries: int = 5,
+        read_timeout_s: float = 60.0,
+        loader_timeout_s: float | None = None,
     ):
         super().__init__()
         # No save_hyperparameters: the CLI logs the whole config (data included) to W&B, and Lightning
@@ -211,6 +349,9 @@ class ShardDataModule(pl.LightningDataModule):
                 "seed": seed,
             }
         )  # fmt: skip
+        check_seconds({"loader_timeout_s": loader_timeout_s})
+        self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})
+        self.loader_timeout_s = loader_timeout_s or 2 * self.read_policy.worst_case_s()
         if (mixup_alpha or cutmix_alpha) and train_preset != "supervised":
             raise BadValue(f"mixup/cutmix belong to train_preset 'supervised', not {train_preset!r}")
         # build once to validate the preset/randaugment combination at construction time
@@ -246,6 +387,11 @@ class ShardDataModule(pl.LightningDataModule):
         self.epoch = 0
         self.rank, self.world_size = 0, 1
         self._urls: dict[str, list[str]] = {}
+        # Manifests read, by URL (None: there is none), each once: another data module of the same run
+        # may share this dict (evaluation's trained protocols, the few-shot monitor) so that both decide
+        # from one reading.
+        self.manifests: dict[str, dict | None] = {}
+        self._views: dict[str, EvalView] = {}
         self._mixup: Mixup | None = None
         self._check_labels()
 
@@ -254,15 +400,20 @@ class ShardDataModule(pl.LightningDataModule):
     @property
     def manifest(self) -> dict | None:
         """The manifest of the first configured split that has one."""
-        if not hasattr(self, "_manifest"):
-            self._manifest = None
-            for urls in (self.train_urls, self.val_urls, self.test_urls):
-                if urls:
-                    found = read_manifest(expand(urls, "urls")[0])
-                    if found:
-                        self._manifest = found
-                        break
-        return self._manifest
+        for urls in (self.train_urls, self.val_urls, self.test_urls):
+            found = self._manifest_of(expand(urls, "urls")[0]) if urls else None
+            if found:
+                return found
+        return None
+
+    def _manifest_of(self, first_url: str) -> dict | None:
+        """The manifest beside the shard `first_url` (`read_manifest`), read once per data module."""
+        url = manifest_url(first_url)
+        if url is None:
+            return None
+        if url not in self.manifests:
+            self.manifests[url] = read_manifest(first_url, self.read_policy)
+        return self.manifests[url]
 
     def _check_labels(self) -> None:
         """Labels the manifest counts beyond `num_classes` would fail the first training step (an index
@@ -288,7 +439,9 @@ class ShardDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.rank, self.world_size = self._rank_and_world_size()
         self._urls.update(
-            check_shard_urls(stage, {f"{split}_urls": getattr(self, f"{split}_urls") for split in SPLITS})
+            check_shard_urls(
+                stage, {f"{split}_urls": getattr(self, f"{split}_urls") for split in SPLITS}, self.read_policy
+            )
         )
         for split in STAGE_SPLITS.get(stage, []):
             if split in self._urls and split != "train" and len(self._urls[split]) < self.world_size:
@@ -319,11 +472,17 @@ class ShardDataModule(pl.LightningDataModule):
         return batches
 
     def _samples_from_manifest(self) -> int:
-        manifest = read_manifest(self._urls["train"][0])
+        first = self._urls["train"][0]
+        manifest = self._manifest_of(first)
         if manifest is None:
+            url = manifest_url(first)
+            where = (
+                f"{url} does not exist"
+                if url
+                else f"only shards named SPLIT-NNNNNN.tar, not {first}, have one beside them: SPLIT.json"
+            )
             raise UserError(
-                "train_urls have no manifest ({split}.json next to the shards) to size an epoch: "
-                "set data.init_args.train_batches"
+                f"train_urls have no manifest ({where}) to size an epoch: set data.init_args.train_batches"
             )
         if self.classes is None:
             return manifest["num_samples"]
@@ -335,7 +494,11 @@ class ShardDataModule(pl.LightningDataModule):
             self.setup("fit")
         stream = self._stream("train", self.train_preset, batches_per_epoch=self.batches_per_epoch)
         self._train_loader = EpochLoader(
-            stream, self._start_epoch, num_workers=self.num_workers, pin_memory=torch.cuda.is_available()
+            stream,
+            self._start_epoch,
+            timeout=self.loader_timeout_s,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
         )
         return self._train_loader
 
@@ -351,23 +514,27 @@ class ShardDataModule(pl.LightningDataModule):
         if split not in self._urls:
             self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
         stream = self._stream(split, "eval", batches_per_epoch=None)
-        return DataLoader(
+        return ShardLoader(
             stream,
-            batch_size=None,
+            split=split,
+            timeout=self.loader_timeout_s,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            **_loader_kwargs(),
         )
 
     def eval_view(self, split: str) -> EvalView:
         """How the `eval` transform frames the images of `split`, chosen from the data: `whole` when its
         manifest records every image at `image_size` x `image_size` (CIFAR-style sets stored at the model's
         resolution: nothing to resize, and a centre crop would only throw the border away); otherwise
-        `crop`, ImageNet's resize to `image_size / eval_crop_pct` and centre crop."""
-        if split not in self._urls:
-            self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
-        stored = (read_manifest(self._urls[split][0]) or {}).get("image_size")
-        return "whole" if stored == [self.image_size, self.image_size] else "crop"
+        `crop`, ImageNet's resize to `image_size / eval_crop_pct` and centre crop. Chosen once per split
+        (from the manifest as read once, `manifests`): every pass over the split frames it this way, and
+        what a run records is what it used."""
+        if split not in self._views:
+            if split not in self._urls:
+                self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
+            stored = (self._manifest_of(self._urls[split][0]) or {}).get("image_size")
+            self._views[split] = "whole" if stored == [self.image_size, self.image_size] else "crop"
+        return self._views[split]
 
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
         transform = build_transform(
@@ -393,6 +560,7 @@ class ShardDataModule(pl.LightningDataModule):
             shuffle_buffer=self.shuffle_buffer,
             segment_shards=self.segment_shards,
             num_classes=self.num_classes,
+            read_policy=self.read_policy,
         )
 
     def _start_epoch(self) -> tuple[int, ResumePlan | None]:

@@ -42,6 +42,7 @@ from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ssl_vit.data import samples
+from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import BadSample, SkipCounter, decode_image, parse_label
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.errors import UserError
@@ -80,7 +81,8 @@ class ShardStream(IterableDataset):
 
     The webdataset pipeline is built inside each worker (in `__iter__`), where the worker id is known;
     `epoch` and `resume` are set from the main process before each pass (see `EpochLoader`).
-    `classes` and `keys` keep only the samples with these labels and these `__key__`s.
+    `classes` and `keys` keep only the samples with these labels and these `__key__`s. Remote shards
+    are read with `read_policy` (`ssl_vit.data.remote`: retries, read timeout).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class ShardStream(IterableDataset):
         batches_per_epoch: int | None = None,
         shuffle_buffer: int = 1000,
         segment_shards: int = 4,
+        read_policy: ReadPolicy = DEFAULT,
     ):
         super().__init__()
         self.urls = list(urls)
@@ -111,6 +114,7 @@ class ShardStream(IterableDataset):
         self.batches_per_epoch = batches_per_epoch
         self.shuffle_buffer = shuffle_buffer
         self.segment_shards = segment_shards
+        self.read_policy = read_policy
         self.epoch = 0
         self.resume: ResumePlan | None = None
 
@@ -173,7 +177,7 @@ class ShardStream(IterableDataset):
             draw = random.Random(stream_seed(*base, segment, 0))
             shards = [{"url": url} for url in draw.choices(self.urls, k=self.segment_shards)]
             raw = dry.source(shards)
-            for stage in tar_samples(counter):
+            for stage in tar_samples(counter, self.read_policy):
                 raw = stage(raw)
             raw = dry.passed(self._labelled(raw, counter))
             # shuffle raw bytes before decoding: cheap to buffer, and decoding is the expensive part
@@ -228,7 +232,7 @@ class ShardStream(IterableDataset):
             lambda shards: islice(shards, self.rank, None, self.world_size),  # rank from the main process
             wds.split_by_worker,
             lambda shards: dry.source(shards, exhaustive=True),
-            *tar_samples(counter),
+            *tar_samples(counter, self.read_policy),
             lambda raw: dry.passed(self._labelled(raw, counter)),
             wds.map(self.decode, handler=counter),
             counter.passed,
@@ -320,9 +324,9 @@ class DryShards:
     def _fail(self, urls: list[str]) -> None:
         shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
         raise UserError(
-            f"no usable sample in a whole pass over {len(urls)} shard(s) ({shown}): they are empty, or the "
-            "class filter (data.init_args.classes) keeps none of their labels; check them with "
-            "`ssl-vit data inspect`"
+            f"no usable sample in a whole pass over {len(urls)} shard(s) ({shown}): they are empty or "
+            "unreadable (see the warnings above), or the class filter (data.init_args.classes) keeps none of "
+            "their labels; check them with `ssl-vit data inspect`"
         )
 
 
@@ -342,6 +346,8 @@ def _seeded_rngs(seed: int, restore: bool):
             random.setstate(saved[2])
 
 
-def iter_samples(urls: Iterable[str], handler: Callable[[Exception], bool]) -> Iterator[dict]:
+def iter_samples(
+    urls: Iterable[str], handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT
+) -> Iterator[dict]:
     """Raw samples of `urls` in order, one process (for `inspect`)."""
-    return iter(wds.DataPipeline(wds.SimpleShardList(list(urls)), *tar_samples(handler)))
+    return iter(wds.DataPipeline(wds.SimpleShardList(list(urls)), *tar_samples(handler, policy)))

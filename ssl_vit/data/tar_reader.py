@@ -1,15 +1,19 @@
-"""Tar members of a shard: webdataset's URL opener and key grouping around a tar header parser of our
-own (`tar_files`; the docstring there says why it is not `tarfile`)."""
+"""Tar members of a shard: an opener (`ssl_vit.data.remote`: retries and a read timeout for remote
+URLs) and webdataset's key grouping around a tar header parser of our own (`tar_files`; the docstring
+there says why it is not `tarfile`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import tarfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
-from webdataset.tariterators import base_plus_ext, group_by_keys, url_opener
+from webdataset.tariterators import base_plus_ext, group_by_keys
+
+from ssl_vit.data.remote import DEFAULT, ReadPolicy, url_opener
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
@@ -20,12 +24,13 @@ _PAX = (b"x", b"X", b"g")  # X: Solaris' name for x
 _META = (*_PAX, b"L", b"K")  # headers that describe the member after them
 
 
-def tar_samples(handler: Callable[[Exception], bool]) -> list:
+def tar_samples(handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT) -> list:
     """Stages: shard URLs -> samples `{"__key__", "__url__", ext: bytes ...}`, as webdataset's
-    `tarfile_to_samples` (its URL opener and its grouping of members by key), with the tar headers
-    parsed by `tar_files` instead of Python's `tarfile`."""
+    `tarfile_to_samples` (a URL opener and its grouping of members by key), with remote shards read
+    with `policy` (`ssl_vit.data.remote`) and the tar headers parsed by `tar_files` instead of Python's
+    `tarfile`."""
     return [
-        partial(url_opener, handler=handler),
+        partial(url_opener, handler=handler, policy=policy),
         partial(tar_file_members, handler=handler),
         partial(group_by_keys, handler=handler),
     ]
@@ -37,13 +42,16 @@ def tar_file_members(sources: Iterable[dict], handler: Callable[[Exception], boo
 
     A shard that breaks off is one error for `handler`; the sample of the last member read before the
     break is dropped, since its other members may be what was lost (a sample whose `.cls` is lost would
-    otherwise pass as unlabelled)."""
+    otherwise pass as unlabelled). Closing the stream is part of reading it: a `pipe:` command or any
+    opener that reports a failure only when closed (webdataset's `Pipe` raises the command's exit
+    status there) fails the shard the same way, once."""
     for source in sources:
         stream, url = source["stream"], source["url"]
         fname = None
         try:
             for fname, data in tar_files(stream):
                 yield {"fname": fname, "data": data, "__url__": url}
+            stream.close()
             yield {}
         except Exception as exn:
             exn.args = (*exn.args, url)
@@ -54,7 +62,9 @@ def tar_file_members(sources: Iterable[dict], handler: Callable[[Exception], boo
                 yield {"fname": f"{key}.__bad__", "data": True, "__url__": url}
             yield {}
         finally:
-            stream.close()
+            # after a failure (counted above) or when the reader stops early (nothing was lost)
+            with contextlib.suppress(Exception):
+                stream.close()
 
 
 def tar_files(stream) -> Iterator[tuple[str, bytes]]:

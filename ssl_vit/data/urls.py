@@ -2,15 +2,15 @@
 manifest next to the shards, and fsspec URLs (`s3://`, `gs://`, ...) for webdataset's opener.
 
 URLs accept brace ranges (`train-{000000..000127}.tar`), local paths, `file://`, `http(s)://`,
-`pipe:CMD` and fsspec URLs when the matching fsspec package is installed. `pipe:` runs a command:
-recipes and suites are trusted input (they name the command); a manifest never supplies a URL.
+`pipe:CMD` and fsspec URLs when the matching fsspec package is installed, remote ones read with
+retries and a read timeout (`ssl_vit.data.remote`). `pipe:` runs a command: recipes and suites are
+trusted input (they name the command); a manifest never supplies a URL.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,28 +18,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from braceexpand import UnbalancedBracesError
-from webdataset.gopen import gopen_schemes
 from webdataset.shardlists import expand_urls
 
+from ssl_vit.data import remote
+from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError
-
-
-def _gopen_fsspec(url, mode="rb", bufsize=8192, **kw):
-    """Open `s3://`, `gs://`, ... through fsspec: webdataset 1.0's gopen has no fsspec fallback."""
-    import fsspec
-
-    return fsspec.open(url, mode).open()
-
-
-def _register_fsspec() -> None:
-    import fsspec
-
-    for proto in fsspec.available_protocols():
-        if proto not in gopen_schemes or proto == "gs":  # gs: fsspec (gcsfs) rather than the gsutil CLI
-            gopen_schemes[proto] = _gopen_fsspec
-
-
-_register_fsspec()
 
 
 def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
@@ -69,29 +52,29 @@ def _local_path(url: str) -> Path | None:
     return None
 
 
-def _problem(url: str) -> str | None:
-    """Why `url` cannot be read, or None when it can (or cannot be checked: `pipe:`)."""
-    scheme = urlparse(url).scheme
+def _problem(url: str, policy: ReadPolicy = DEFAULT) -> str | None:
+    """Why `url` cannot be read, or None when it can (or cannot be checked: `pipe:`). A remote URL is
+    asked with `policy`'s retries: a server that fails now and then is not a missing shard."""
     path = _local_path(url)
     if path is not None:
         return None if path.is_file() else "no such file"
-    if scheme == "pipe":
-        return None
-    if scheme in ("http", "https"):
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=15):
-                return None
-        except (urllib.error.URLError, OSError) as err:
-            return f"unreachable ({getattr(err, 'reason', err)})"
     try:
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(url)
-        return None if fs.exists(path) else "no such object"
+        remote.probe(url, policy)
+    except remote.Missing as err:
+        return f"missing ({_after_url(err, url)})"
+    except remote.ReadFailed as err:
+        return f"unreachable ({_after_url(err, url)})"
     except ImportError as err:
+        scheme = urlparse(url).scheme
         return f"needs the fsspec package for {scheme}:// ({err.name}): pip install {err.name}"
     except Exception as err:
         return f"unreachable ({err})"
+    return None
+
+
+def _after_url(err: Exception, url: str) -> str:
+    """A `remote` error's message without the URL it starts with (the caller names it)."""
+    return str(err).removeprefix(f"{url}: ")
 
 
 # Shards found readable in this process: the CLI checks a run's shards before its logger starts, the
@@ -99,12 +82,12 @@ def _problem(url: str) -> str | None:
 _readable: set[str] = set()
 
 
-def check_urls(urls: Sequence[str], what: str) -> None:
+def check_urls(urls: Sequence[str], what: str, policy: ReadPolicy = DEFAULT) -> None:
     """Fail at start-up, with one line, on a missing shard or an unreachable URL rather than hang
     or silently lose data later."""
     todo = [u for u in urls if u not in _readable]
     with ThreadPoolExecutor(16) as pool:
-        found = list(zip(todo, pool.map(_problem, todo)))
+        found = list(zip(todo, pool.map(lambda url: _problem(url, policy), todo)))
     _readable.update(u for u, p in found if p is None)
     problems = [(u, p) for u, p in found if p]
     if problems:
@@ -122,30 +105,35 @@ def manifest_url(shard_url: str) -> str | None:
     return match.group(1) + ".json"
 
 
-def read_manifest(first_url: str) -> dict | None:
-    """The manifest `{split}.json` next to shards named `{split}-NNNNNN.tar`, or None if there is none.
+def read_manifest(first_url: str, policy: ReadPolicy = DEFAULT) -> dict | None:
+    """The manifest `{split}.json` next to shards named `{split}-NNNNNN.tar`, or None if there is none
+    (no such file; HTTP 404 or 410; no such object).
 
-    A manifest that exists but is not JSON, or whose keys have the wrong types, is a UserError naming
-    the file and the key: the readers size epochs and count classes from it."""
+    A manifest that exists but cannot be read (a server error or a timeout after `policy`'s retries, a
+    refused connection, a permission) is a UserError naming it, never "no manifest": the readers size
+    epochs, count classes and choose the eval view from it. So is one that is not JSON, or whose keys
+    have the wrong types (naming the file and the key)."""
     url = manifest_url(first_url)
     if url is None:
         return None
+    path = _local_path(url)
     try:
-        path = _local_path(url)
         if path is not None:
             if not path.is_file():
                 return None
             text = path.read_bytes()
-        elif urlparse(url).scheme in ("http", "https"):
-            with urllib.request.urlopen(url, timeout=15) as f:
-                text = f.read()
         else:
-            import fsspec
-
-            with fsspec.open(url, "rb") as f:
-                text = f.read()
-    except (OSError, ImportError):
+            text = remote.read_url(url, policy)
+    except remote.Missing:
         return None
+    except (OSError, ImportError, ValueError) as err:
+        reason = (
+            _after_url(err, url) if isinstance(err, remote.ReadFailed) else f"{type(err).__name__}: {err}"
+        )
+        raise UserError(
+            f"manifest {url} exists but cannot be read ({reason}): fix the server or the file, or raise "
+            "data.init_args.read_retries / read_timeout_s"
+        ) from None
     try:
         manifest = json.loads(text)
     except ValueError as err:

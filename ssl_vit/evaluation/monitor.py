@@ -91,7 +91,19 @@ class FewShotMonitor(pl.Callback):
             train_preset="eval",
             # an exact pass does not use the training epoch length; setting it spares the manifest lookup
             train_batches=1,
+            # remote shards read as the training data reads them
+            **(
+                {
+                    "read_retries": data.read_policy.retries,
+                    "read_timeout_s": data.read_policy.timeout_s,
+                    "loader_timeout_s": data.loader_timeout_s,
+                }
+                if isinstance(data, ShardDataModule)
+                else {}
+            ),
         )
+        if isinstance(data, ShardDataModule):  # one reading of each manifest, for training's decisions too
+            self.datamodule.manifests = data.manifests
         # A missing shard fails now, in one line, not at the first evaluation hours into the run.
         self.datamodule.setup("fit")
 

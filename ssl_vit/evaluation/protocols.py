@@ -30,7 +30,10 @@ from ssl_vit.evaluation.knn import knn_correct
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
-DATA_KEYS = ("image_size", "batch_size", "num_workers", "mean", "std", "eval_crop_pct", "num_classes", "seed")
+DATA_KEYS = (
+    "image_size", "batch_size", "num_workers", "mean", "std", "eval_crop_pct", "num_classes", "seed",
+    "read_retries", "read_timeout_s", "loader_timeout_s",
+)  # fmt: skip
 
 
 class FeatureCache:
@@ -71,6 +74,11 @@ class FeatureCache:
 
     def num_classes(self) -> int:
         return self.datamodule.num_classes or int(self.labels("train").max()) + 1
+
+    def eval_views(self) -> dict[str, str]:
+        """How the eval transform framed each split: the data module chooses once per split, from the
+        manifest as it read it once, so this is the view every pass over the split used."""
+        return {split: self.datamodule.eval_view(split) for split in self.splits()}
 
 
 def _restrict(features: Features, classes: list[int] | None) -> Features:
@@ -341,6 +349,8 @@ def _train(model, protocol, suite, features: FeatureCache, keys: list[str] | Non
         **{k: v for k, v in data.items() if k in DATA_KEYS and k != "batch_size"},
         batch_size=protocol.batch_size,
     )
+    # the manifests as the frozen protocols' data module read them: the same epoch size and eval view
+    datamodule.manifests = features.datamodule.manifests
     if protocol.steps is None:
         length = dict(max_epochs=protocol.epochs)
     else:

@@ -48,7 +48,7 @@ from timm.data.auto_augment import rand_augment_transform
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.datamodule import COUNT_MINIMUMS, check_counts
+from ssl_vit.data.datamodule import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
 from ssl_vit.data.transforms import Preset
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import local_device
@@ -333,6 +333,7 @@ def load_suite(path: str | Path) -> Suite:
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
     """A data block's counts and its image size, which the backbone must take as they are."""
     check_counts({key: value for key, value in data.items() if key in COUNT_MINIMUMS}, f"{where}: ")
+    check_seconds({key: value for key, value in data.items() if key in SECONDS}, f"{where}: ")
     size = data.get("image_size", inspect.signature(ShardDataModule).parameters["image_size"].default)
     if size != backbone.img_size:
         raise UserError(
@@ -445,10 +446,7 @@ def evaluate(
         "details": details,
         "protocols": [asdict(p) for p in suite.protocols],
         # how the eval transform framed each split (whole image or resize + centre crop), from its manifest
-        "eval_view": {
-            name: {split: cache.datamodule.eval_view(split) for split in cache.splits()}
-            for name, cache in features.items()
-        },
+        "eval_view": {name: cache.eval_views() for name, cache in features.items()},
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }

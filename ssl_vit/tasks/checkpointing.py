@@ -7,6 +7,8 @@
   and `last.ckpt` are one file) never leaves the run without an intact state to resume.
 - Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
   refused in one line, and `--ckpt_path last` resumes from the newest checkpoint that verifies.
+- A remote checkpoint (http(s), fsspec) is downloaded with retries and a read timeout
+  (`ssl_vit.data.remote`; `read_retries`, `read_timeout_s` of the plugin).
 
 Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so neither Lightning's
 `ckpt_path="last"` search nor a `*.ckpt` glob takes a half-written one for a checkpoint.
@@ -35,6 +37,8 @@ from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from ssl_vit.checkpoints import integrity
+from ssl_vit.data import remote
+from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError
 
 TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")
@@ -44,7 +48,18 @@ NO_HARD_LINK = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's TorchCheckpointIO with atomic local saves and weights-only loads."""
+    """Lightning's TorchCheckpointIO with atomic local saves and weights-only loads.
+
+    Args:
+        read_retries, read_timeout_s: how hard a remote checkpoint's download tries (as the data
+            module's options of the same names; `trainer.plugins` in a recipe sets them).
+    """
+
+    def __init__(self, read_retries: int = DEFAULT.retries, read_timeout_s: float = DEFAULT.timeout_s):
+        from ssl_vit.data.datamodule import read_policy
+
+        super().__init__()
+        self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(path):
@@ -69,21 +84,33 @@ class SafeCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         # `weights_only` is ignored: Lightning passes None by default, and its `_load` turns None into
         # weights_only=False for http(s) URLs, i.e. unpickles whatever a server sends.
-        return load_checkpoint(path, map_location)
+        return load_checkpoint(path, map_location, self.read_policy)
 
 
-def load_checkpoint(path: _PATH, map_location: Any = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: _PATH, map_location: Any = "cpu", policy: ReadPolicy = DEFAULT) -> dict[str, Any]:
     """A Lightning checkpoint (local path, fsspec or http(s) URL) read with `torch.load(weights_only=True)`;
     a file that is missing, damaged (`integrity.damage`), unreadable or needs code to unpickle is a
-    UserError."""
+    UserError. A remote one is downloaded first (torch.load needs a file it can seek in) with `policy`'s
+    retries and read timeout."""
     text = str(path)
     try:
-        if text.startswith(("http://", "https://")):
+        if remote.is_remote(text) and not text.startswith("pipe:"):
             # Not torch.hub.load_state_dict_from_url: it caches by file name under ~/.cache/torch/hub, so
-            # a new checkpoint served under an old name would be ignored.
+            # a new checkpoint served under an old name would be ignored; and it neither retries nor
+            # times out a stalled read.
             with tempfile.TemporaryDirectory(prefix="ssl-vit-ckpt-") as tmp:
                 local = os.path.join(tmp, "download.ckpt")
-                torch.hub.download_url_to_file(text, local, progress=False)
+                try:
+                    remote.download(text, local, policy)
+                except remote.Missing:
+                    raise UserError(
+                        f"checkpoint {text} does not exist; give the URL of a .ckpt file"
+                    ) from None
+                except remote.ReadFailed as err:
+                    raise UserError(
+                        f"checkpoint {text} cannot be read ({str(err).removeprefix(f'{text}: ')}): check the "
+                        "server, or raise the checkpoint plugin's read_retries / read_timeout_s"
+                    ) from None
                 integrity.check(local, DAMAGED_FIX, name=text)  # damaged on the server, or cut off
                 return torch.load(local, map_location=map_location, weights_only=True)
         fs = get_filesystem(text)

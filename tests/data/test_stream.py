@@ -217,7 +217,8 @@ def test_missing_shard_empty_list_and_unreachable_url_fail_at_setup(unequal_shar
         (f"file://{tmp_path}/nothing.tar", "no such file"),
     ]
     for val_urls, message in cases:
-        dm = ShardDataModule(val_urls=val_urls, num_workers=0, **TINY)
+        # read_retries 0: a refused connection is tried once (the retries are tests/data/test_remote.py's)
+        dm = ShardDataModule(val_urls=val_urls, num_workers=0, read_retries=0, **TINY)
         with pytest.raises(UserError, match=message) as err:
             dm.setup("validate")
         assert "\n" not in str(err.value)

@@ -213,7 +213,8 @@ def test_compare_with_label_fractions_writes_a_row_per_fraction_and_the_picture(
             # probe chooses its lr on a tenth of the labels, held out of its training images)
             assert detail["optimizer_steps"] == max(1, detail["training_images"] // 128), column
             held = detail.get("selection_images", 0)
-            assert detail["training_images"] + held == labels[fraction] and (held > 0) == column.startswith("lin")
+            assert detail["training_images"] + held == labels[fraction]
+            assert (held > 0) == column.startswith("linear")
 
     efficiency = list(csv.DictReader((out / "label_efficiency.csv").open()))
     assert [(r["name"], r["protocol"], float(r["fraction"]), int(r["labels"])) for r in efficiency] == [

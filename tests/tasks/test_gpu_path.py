@@ -272,7 +272,8 @@ def gpu_recipes() -> list[Path]:
         # A recipe names its model's class; a file given after one (recipes/study/gpu.yaml) is checked
         # composed with each recipe it serves, in tests/test_study.py.
         model = recipe.get("model") if isinstance(recipe, dict) else None
-        if isinstance(trainer, dict) and trainer.get("accelerator") == "gpu" and "class_path" in (model or {}):
+        on_gpu = isinstance(trainer, dict) and trainer.get("accelerator") == "gpu"
+        if on_gpu and "class_path" in (model or {}):
             found.append(path)
     return found
 

@@ -1,0 +1,506 @@
+"""Reading over a network: every fetch of a manifest, shard or checkpoint from an `http(s)://`, fsspec
+(`s3://`, `gs://`, ...) or `pipe:` URL tries again a bounded number of times, waits longer before
+each try, gives up on a read that gets no byte for a while, and continues where the data broke off.
+
+- `ReadPolicy`: how hard (`retries` after the first failure of one fetch, `timeout_s` without a byte);
+  `ShardDataModule`'s `read_retries` and `read_timeout_s`, and `SafeCheckpointIO`'s for checkpoints.
+- `open_url` / `read_url` / `probe`: a stream, the whole content, whether it exists. A URL that does not
+  exist (HTTP 404 or 410, no such object) is `Missing` at once, never retried: that is an answer. Any
+  other failure (5xx, 408, 429, a timeout, a refused or dropped connection, a command that exits
+  non-zero) is tried again; after the last try it is `ReadFailed`, whose message names the URL, what
+  went wrong and how many tries were made.
+- `url_opener`: the stage that opens shards in a stream, webdataset's `url_opener` with a policy.
+
+A fetch that breaks off after some bytes continues at the next byte rather than starting again: an
+HTTP range request (`Range: bytes=N-`; from a server that ignores ranges, the first N bytes are read
+again and dropped), a seek for fsspec files, and for a `pipe:` command the command run again with its
+first N bytes dropped. So a shard read through a dropped connection gives exactly the samples of an
+uninterrupted read. A file that changes between tries (another length, ETag or Last-Modified) fails
+instead of being stitched together from two versions.
+
+Hand-written, because none of the libraries does this for a stream: webdataset opens http(s) with
+`curl` writing to a pipe, which has no read timeout (only `--connect-timeout`) and whose exit status is
+raised only when the pipe is closed; and curl's `--retry` restarts a transfer that broke after bytes
+were written, writing them into the pipe again (curl's manual warns of it: a 3 MB file whose first
+response stops half way comes out as 4.5 MB, exit status 0). urllib and fsspec open and read without
+retrying. The timeouts are the libraries': urllib's socket timeout (per read, connect included),
+`select` on a command's output, and for fsspec the backend's own (botocore's `read_timeout`, ...).
+
+Every retry is logged as a warning (logger `ssl_vit.data`) with the URL, the reason and the wait.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import logging
+import os
+import random
+import select
+import signal
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from webdataset.gopen import gopen, gopen_curl, gopen_pipe, gopen_schemes
+
+log = logging.getLogger("ssl_vit.data")
+
+MAX_BACKOFF_S = 30.0  # the longest wait between two tries
+BUFFER = 1 << 18  # bytes read from the network at a time; tar headers are then read from memory
+
+
+@dataclass(frozen=True)
+class ReadPolicy:
+    """How hard one fetch tries: after a failure, up to `retries` more tries, waiting `backoff_s`,
+    then twice as long before each next one (at most MAX_BACKOFF_S, drawn between half and all of it so
+    that many workers do not come back at once); a read, or a connection, that gets no byte for
+    `timeout_s` seconds has failed. The tries are counted over the whole fetch, a fetch that resumes
+    included."""
+
+    retries: int = 5
+    timeout_s: float = 60.0
+    backoff_s: float = 1.0
+
+    def delay(self, retry: int) -> float:
+        """The longest wait before retry number `retry` (0 for the first)."""
+        return min(MAX_BACKOFF_S, self.backoff_s * 2**retry)
+
+    def worst_case_s(self) -> float:
+        """The longest one fetch goes without a byte before it gives up: every try timing out, and the
+        waits between them."""
+        return (self.retries + 1) * self.timeout_s + sum(self.delay(k) for k in range(self.retries))
+
+
+DEFAULT = ReadPolicy()
+
+
+class Missing(FileNotFoundError):
+    """The URL names nothing (HTTP 404 or 410, no such object or file): an answer, never retried."""
+
+
+class ReadFailed(OSError):
+    """A fetch that failed for good: after its last try, or at once for an error no retry can mend
+    (HTTP 403, a bad certificate). The message is one line: URL, reason, tries."""
+
+
+class _Changed(OSError):
+    """The file changed between two tries of one fetch: its two parts would not be one file."""
+
+
+def is_remote(url: str) -> bool:
+    """Whether `url` is read by this module (not a local path or `file://`)."""
+    return urlparse(url).scheme not in ("", "file")
+
+
+def open_url(url: str, policy: ReadPolicy = DEFAULT) -> io.BufferedReader:
+    """A stream of the remote file `url`, read with `policy` (see the module's docstring). Opening
+    raises `Missing` or `ReadFailed`; reading raises `ReadFailed` once the tries are spent."""
+    return io.BufferedReader(_Resumable(url, _source(url, policy.timeout_s), policy), BUFFER)
+
+
+def read_url(url: str, policy: ReadPolicy = DEFAULT) -> bytes:
+    """The whole content of the remote file `url` (a manifest): `Missing` or `ReadFailed` as `open_url`."""
+    with open_url(url, policy) as stream:
+        return stream.read()
+
+
+def download(url: str, path: str, policy: ReadPolicy = DEFAULT) -> None:
+    """The remote file `url` copied to the local file `path` (a checkpoint), as `open_url` reads it."""
+    with open_url(url, policy) as stream, open(path, "wb") as out:
+        while chunk := stream.read(BUFFER):
+            out.write(chunk)
+
+
+def probe(url: str, policy: ReadPolicy = DEFAULT) -> None:
+    """Returns if the remote file `url` exists; raises `Missing` if it does not, `ReadFailed` if that
+    cannot be told after the tries (an http(s) HEAD request; `exists` for fsspec; nothing for `pipe:`,
+    whose command runs only when the shard is read)."""
+    scheme = urlparse(url).scheme
+    if scheme == "pipe":
+        return
+    if scheme in ("http", "https"):
+
+        def head() -> None:
+            request = urllib.request.Request(url, method="HEAD")
+            with urllib.request.urlopen(request, timeout=policy.timeout_s):
+                pass
+
+        _tried(url, policy, head, _http_verdict)
+        return
+    import fsspec
+
+    def exists() -> None:
+        fs, path = fsspec.core.url_to_fs(url)
+        if not fs.exists(path):
+            raise Missing(f"{url}: no such object")
+
+    _tried(url, policy, exists, _fsspec_verdict)
+
+
+def url_opener(
+    sources: Iterable[dict], handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT
+) -> Iterator[dict]:
+    """Stage: `{"url"}` -> `{"url", "stream"}`, as webdataset's `url_opener`, remote URLs opened with
+    `policy`; an error (after the tries) goes to `handler` with the URL, as there. Not webdataset's own:
+    it passes its keyword arguments to every scheme's opener, and its own (`ais:`, `hf:`, ...) take
+    none; the other schemes are opened by webdataset's `gopen`."""
+    for source in sources:
+        url = source["url"]
+        try:
+            stream = open_url(url, policy) if _ours(url) else gopen(url)
+        except Exception as exn:
+            exn.args = (*exn.args, url)
+            if handler(exn):
+                continue
+            break
+        yield {**source, "stream": stream}
+
+
+# --- retrying -------------------------------------------------------------------------------------
+
+# What a failure means: the URL names nothing, try again, or give up at once.
+MISSING, RETRY, FATAL = "missing", "retry", "fatal"
+
+
+def _tried(url: str, policy: ReadPolicy, attempt: Callable[[], object], verdict: Callable) -> object:
+    """`attempt()`, tried up to 1 + policy.retries times."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return attempt()
+        except Exception as err:
+            _after_failure(url, policy, err, verdict(err), tries)
+
+
+def _after_failure(url: str, policy: ReadPolicy, err: Exception, kind: str, tries: int) -> None:
+    """Raise what a failure of try number `tries` comes to, or wait before the next try."""
+    reason = _reason(err, policy)
+    if kind == MISSING:
+        raise Missing(f"{url}: {reason}") from None
+    if kind == FATAL:
+        raise ReadFailed(f"{url}: {reason}") from None
+    if tries > policy.retries:
+        raise ReadFailed(f"{url}: {reason} (tried {tries} times)") from None
+    wait = policy.delay(tries - 1) * _jitter.uniform(0.5, 1.0)
+    log.warning(
+        "reading %s failed (%s): try %d of %d in %.1f s", url, reason, tries + 1, policy.retries + 1, wait
+    )
+    time.sleep(wait)
+
+
+_jitter = random.Random()  # its own: the global RNGs are seeded per sample (ssl_vit.data.stream)
+
+
+def _reason(err: BaseException, policy: ReadPolicy) -> str:
+    """What went wrong, in a few words on one line."""
+    if isinstance(err, urllib.error.HTTPError):
+        return f"HTTP {err.code} {err.reason}"
+    if isinstance(err, urllib.error.URLError):
+        return _reason(err.reason, policy) if isinstance(err.reason, BaseException) else str(err.reason)
+    if isinstance(err, TimeoutError) and str(err) in ("", "timed out"):  # the socket's own
+        return f"no byte for {policy.timeout_s:g} s"
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, (ConnectionError, TimeoutError, ChildProcessError, _Changed)) and text:
+        return text  # ours, or the system's "[Errno N] ..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _http_verdict(err: Exception) -> str:
+    if isinstance(err, urllib.error.HTTPError):
+        if err.code in (404, 410):
+            return MISSING
+        return RETRY if err.code >= 500 or err.code in (408, 425, 429) else FATAL
+    if isinstance(err, _Changed):
+        return FATAL
+    if isinstance(err, urllib.error.URLError) and isinstance(err.reason, ssl.SSLCertVerificationError):
+        return FATAL
+    if isinstance(err, (OSError, http.client.HTTPException)):  # timeouts, refused and cut connections
+        return RETRY
+    return FATAL
+
+
+def _fsspec_verdict(err: Exception) -> str:
+    if isinstance(err, FileNotFoundError):
+        return MISSING
+    if isinstance(err, (_Changed, ImportError, ValueError, PermissionError)):
+        return FATAL
+    return RETRY  # the backends raise their own types for network trouble (botocore, aiohttp, ...)
+
+
+def _command_verdict(err: Exception) -> str:
+    return FATAL if isinstance(err, (_Changed, ValueError)) else RETRY
+
+
+class _Resumable(io.RawIOBase):
+    """The bytes of one remote file from its start to its end, through failures: a try that breaks off
+    is followed, after a wait, by one that opens the source at the next byte (`_source`)."""
+
+    def __init__(self, url: str, source, policy: ReadPolicy):
+        super().__init__()
+        self.url, self.source, self.policy = url, source, policy
+        self.position = 0  # bytes delivered
+        self.tries = 0
+        self.body = None
+        self.body = self._open()
+
+    def readable(self) -> bool:
+        return True
+
+    def _open(self):
+        while True:
+            self.tries += 1
+            try:
+                return self.source.open(self.position)
+            except Exception as err:
+                _after_failure(self.url, self.policy, err, self.source.verdict(err), self.tries)
+
+    def readinto(self, buffer) -> int:
+        while True:
+            if self.body is None:
+                self.body = self._open()  # raises Missing or ReadFailed once the tries are spent
+            try:
+                n = self.body.readinto(buffer)
+            except Exception as err:
+                self._drop_body()
+                # the failed read belongs to the current try; the next one is counted by `_open`
+                _after_failure(self.url, self.policy, err, self.source.verdict(err), self.tries)
+                continue
+            self.position += n
+            return n
+
+    def _drop_body(self) -> None:
+        if self.body is not None:
+            body, self.body = self.body, None
+            try:
+                body.close()
+            except Exception:  # a broken connection or command: its failure is being handled
+                pass
+
+    def close(self) -> None:
+        self._drop_body()
+        super().close()
+
+
+def _ours(url: str) -> bool:
+    scheme = urlparse(url).scheme
+    return scheme in ("http", "https", "pipe") or gopen_schemes.get(scheme) is _gopen_fsspec
+
+
+def _source(url: str, timeout_s: float):
+    scheme = urlparse(url).scheme
+    if scheme in ("http", "https"):
+        return _Http(url, timeout_s)
+    if scheme == "pipe":
+        return _Command(url.removeprefix("pipe:"), timeout_s)
+    return _Fsspec(url)
+
+
+def _skip(body, count: int) -> None:
+    """Read and drop the first `count` bytes of `body` (a source that cannot start at a byte)."""
+    scratch, left = bytearray(min(count, BUFFER)), count
+    while left:
+        n = body.readinto(memoryview(scratch)[: min(left, len(scratch))])
+        if n == 0:
+            raise _Changed(f"the data now ends before byte {count}: it changed between two tries")
+        left -= n
+
+
+# --- http(s) ----------------------------------------------------------------------------------------
+
+
+class _Http:
+    """urllib with its timeout on every socket operation; later tries ask for the rest (`Range`)."""
+
+    def __init__(self, url: str, timeout_s: float):
+        self.url, self.timeout_s = url, timeout_s
+        self.identity: tuple | None = None  # (length, ETag, Last-Modified) of the first response
+
+    verdict = staticmethod(_http_verdict)
+
+    def open(self, offset: int):
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        response = urllib.request.urlopen(
+            urllib.request.Request(self.url, headers=headers), timeout=self.timeout_s
+        )
+        try:
+            if offset and response.status == 206:
+                start, _, total = response.headers.get("Content-Range", "").partition(" ")[2].partition("/")
+                if not start.startswith(f"{offset}-"):
+                    raise _Changed(f"asked for byte {offset} on, the server sent {start or 'no range'}")
+                length = int(total) if total.isdigit() else None
+            else:
+                length = _int(response.headers.get("Content-Length"))
+            identity = (length, response.headers.get("ETag"), response.headers.get("Last-Modified"))
+            if self.identity is None:
+                self.identity = identity
+            elif any(a != b for a, b in zip(identity, self.identity) if a is not None and b is not None):
+                raise _Changed("the file changed between two tries (length, ETag or Last-Modified)")
+            body = _HttpBody(
+                response, None if length is None else length - (offset if response.status == 206 else 0)
+            )
+            if offset and response.status != 206:
+                _skip(body, offset)  # a server that ignores ranges sends it all again
+            return body
+        except BaseException:
+            response.close()
+            raise
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
+
+
+class _HttpBody:
+    """A response's body that raises when the connection ends before Content-Length (http.client
+    returns 0, as at the end)."""
+
+    def __init__(self, response, remaining: int | None):
+        self.response, self.remaining = response, remaining
+
+    def readinto(self, buffer) -> int:
+        n = self.response.readinto(buffer)
+        if self.remaining is not None:
+            if n == 0 and self.remaining > 0 and len(buffer):
+                raise ConnectionError(f"the connection closed {self.remaining} bytes before the end")
+            self.remaining -= n
+        return n
+
+    def close(self) -> None:
+        self.response.close()
+
+
+# --- pipe: commands -----------------------------------------------------------------------------------
+
+
+class _Command:
+    """A `pipe:` command's output. A try runs the command (in a process group of its own, so that
+    closing early ends it and what it started); its exit status is read at the end of its output."""
+
+    def __init__(self, command: str, timeout_s: float):
+        self.command, self.timeout_s = command, timeout_s
+
+    verdict = staticmethod(_command_verdict)
+
+    def open(self, offset: int):
+        from webdataset import utils
+
+        if utils.enforce_security:  # as webdataset's own `pipe:` opener
+            raise ValueError("pipe: URLs are refused while webdataset's enforce_security is set")
+        body = _CommandBody(self.command, self.timeout_s)
+        try:
+            _skip(body, offset)
+        except BaseException:
+            body.close()
+            raise
+        return body
+
+
+class _CommandBody:
+    def __init__(self, command: str, timeout_s: float):
+        self.command, self.timeout_s = command, timeout_s
+        self.process = subprocess.Popen(
+            command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True
+        )  # a shell, as webdataset runs `pipe:` commands: recipes are trusted input
+        self.fd = self.process.stdout.fileno()
+
+    def readinto(self, buffer) -> int:
+        if not select.select([self.fd], [], [], self.timeout_s)[0]:
+            raise TimeoutError(f"`{self.command}` wrote nothing for {self.timeout_s:g} s")
+        n = os.readv(self.fd, [buffer])
+        if n == 0 and len(buffer):
+            try:
+                status = self.process.wait(self.timeout_s)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"`{self.command}` closed its output but did not exit") from None
+            if status != 0:
+                raise ChildProcessError(f"`{self.command}` exited with status {status}")
+        return n
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.stdout.close()
+        self.process.wait()
+
+
+# --- fsspec -------------------------------------------------------------------------------------------
+
+
+class _Fsspec:
+    """An fsspec file; a later try seeks to the next byte."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.size: int | None = None
+
+    verdict = staticmethod(_fsspec_verdict)
+
+    def open(self, offset: int):
+        import fsspec
+
+        f = fsspec.open(self.url, "rb").open()
+        try:
+            size = getattr(f, "size", None)
+            if self.size is None:
+                self.size = size
+            elif size is not None and size != self.size:
+                raise _Changed(f"the file changed between two tries (size {self.size}, now {size})")
+            if offset:
+                f.seek(offset)
+            return _FileBody(f, None if size is None else size - offset)
+        except BaseException:
+            f.close()
+            raise
+
+
+class _FileBody(_HttpBody):
+    def readinto(self, buffer) -> int:
+        data = self.response.read(len(buffer))
+        buffer[: len(data)] = data
+        if self.remaining is not None:
+            if not data and self.remaining > 0 and len(buffer):
+                raise ConnectionError(f"the data ended {self.remaining} bytes before its size")
+            self.remaining -= len(data)
+        return len(data)
+
+
+def _gopen_fsspec(url, mode="rb", bufsize=8192, **kw):
+    """Open `s3://`, `gs://`, ... through fsspec (webdataset 1.0's gopen has no fsspec fallback),
+    with retries."""
+    if mode != "rb":
+        import fsspec
+
+        return fsspec.open(url, mode).open()
+    return open_url(url)
+
+
+def _gopen(url, mode="rb", bufsize=8192, **kw):
+    """webdataset's opener for `http(s)://` and `pipe:` reads: ours, with the default policy."""
+    if mode != "rb":
+        return (gopen_pipe if url.startswith("pipe:") else gopen_curl)(url, mode, bufsize)
+    return open_url(url)
+
+
+def register() -> None:
+    """Make webdataset's `gopen` (anything in this process that opens a URL through webdataset) read
+    http(s), `pipe:` and fsspec URLs as here, with the default policy."""
+    import fsspec
+
+    for proto in fsspec.available_protocols():
+        if proto not in gopen_schemes or proto == "gs":  # gs: fsspec (gcsfs), not the gsutil CLI
+            gopen_schemes[proto] = _gopen_fsspec
+    for scheme in ("http", "https", "pipe"):
+        gopen_schemes[scheme] = _gopen
+
+
+register()
