@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import logging
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
-from ssl_vit.errors import UserError, user_error_message
+from ssl_vit.errors import Interrupted, UserError, resource_error_message, user_error_message
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
@@ -232,22 +235,31 @@ def lightning_cli(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A user's mistake, however deep it was raised and however it was wrapped on the
-    way up, ends as one line, `ssl-vit: error: WHAT: FIX`, and exit status 2. jsonargparse's own
-    parse errors (usage message, exit 2) pass through as they are."""
+    way up, ends as one line, `ssl-vit: error: WHAT: FIX`, and exit status 2; the machine running out
+    of memory or disk space, or a DataLoader worker dying, as one such line and exit status 1.
+    jsonargparse's own parse errors (usage message, exit 2) pass through as they are."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
             lightning_cli(argv)
             return 0
         args = build_parser().parse_args(argv)
-        return args.func(args) or 0
+        with _interrupts_raise(Interrupted):
+            return args.func(args) or 0
     except Exception as err:
         message = user_error_message(err)
+        if message is not None:
+            print(f"ssl-vit: error: {message}", file=sys.stderr)
+            return 2
+        message = resource_error_message(err)
         if message is None:
             raise
+        saved = getattr(err, "saved", None)  # `SaveOnWorkerDeath` saved the run's state
+        if saved:
+            message += f"; saved {saved}: resume with the same command and --ckpt_path last"
         print(f"ssl-vit: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+        return 1
+    except (KeyboardInterrupt, Interrupted):
         # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.
         print("ssl-vit: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -259,6 +271,43 @@ def main(argv: list[str] | None = None) -> int:
         if str(stop):
             print(f"ssl-vit: {stop}", file=sys.stderr)
         return 0 if getattr(stop, "requeued", False) else 128 + signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _interrupts_raise(error: type[BaseException]):
+    """SIGINT raises `error` in this process while the block runs (KeyboardInterrupt in processes forked
+    from it, such as DataLoader workers, whose loop expects that one); the handler before is put back."""
+    main_pid = os.getpid()
+
+    def interrupt(signum, frame):
+        if os.getpid() != main_pid:
+            raise KeyboardInterrupt()
+        if _in_logging(frame):
+            # Raised there, it could leave logging's module lock held, and the next log line (Lightning
+            # logs as it tears down) would wait for it for ever: the signal comes again in 50 ms.
+            threading.Timer(0.05, os.kill, (main_pid, signal.SIGINT)).start()
+            return
+        raise error()
+
+    try:
+        previous = signal.signal(signal.SIGINT, interrupt)
+    except ValueError:  # not the main thread (an embedding program): Python's own handling stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _in_logging(frame) -> bool:
+    """Whether `frame` or a caller of it runs code of the `logging` package (which holds locks)."""
+    logging_dir = os.path.dirname(logging.__file__)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(logging_dir):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def checkpoint_dir(config) -> Path:

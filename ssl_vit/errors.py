@@ -3,6 +3,7 @@ it behind the wrappers libraries put around it."""
 
 from __future__ import annotations
 
+import errno
 import re
 import sys
 from collections import deque
@@ -22,6 +23,13 @@ class UserError(Exception):
         UserError.recent.append(str(self))
 
 
+class Interrupted(BaseException):
+    """Ctrl-C during a command other than fit/validate/test (`ssl_vit.cli.main`), raised instead of
+    KeyboardInterrupt: the Lightning trainers of evaluate's and compare's trained protocols turn a
+    KeyboardInterrupt into a printed line and exit status 1, but re-raise any other exception after
+    tearing down, so the command still ends with one line and 130."""
+
+
 class BadValue(UserError, ValueError):
     """A UserError raised where callers (and tests) expect a ValueError: a bad argument value."""
 
@@ -39,14 +47,8 @@ def check_at_least(args, low: int, *names: str) -> None:
 _WORKER_LINE = r"(?P<name>[A-Za-z_][\w.]*): (?P<message>.*)"
 
 
-def user_error_message(err: BaseException) -> str | None:
-    """The one-line message of the UserError behind `err`, or None when there is none.
-
-    Finds it where libraries put it: `err` itself, its `__cause__`/`__context__` chain (jsonargparse
-    and Lightning re-raise constructor and hook errors, e.g. as MisconfigurationException), the last
-    line of a DataLoader worker's re-raised exception (`Caught UserError in DataLoader worker process
-    0. Original Traceback ...`), or, by its text, a recent UserError pasted into another exception's
-    message (jsonargparse's Union errors)."""
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions behind it (`__cause__`, `__context__`), each once, `err` first."""
     chain, seen, todo = [], set(), [err]
     while todo:
         exc = todo.pop(0)
@@ -55,6 +57,62 @@ def user_error_message(err: BaseException) -> str | None:
         seen.add(id(exc))
         chain.append(exc)
         todo += [exc.__cause__, None if exc.__suppress_context__ else exc.__context__]
+    return chain
+
+
+# How torch words running out of memory: the CPU allocator's RuntimeError, CUDA's OutOfMemoryError.
+_OUT_OF_MEMORY = ("can't allocate memory", "CUDA out of memory", "out of memory")
+# How torch's DataLoader reports a worker that died (killed by the kernel's OOM killer, or by hand).
+_WORKER_DIED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:exited unexpectedly|is killed by signal: (?P<sig>[^.]+))"
+)
+RESOURCE_FIXES = {
+    "memory": "lower the batch size (data.init_args.batch_size, a suite's batch_size, bench's "
+    "--batch-size) or the number of DataLoader workers, or turn on "
+    "--model.init_args.backbone.grad_checkpointing",
+    "space": "free space there, or give a --trainer.default_root_dir / --out on a disk with room",
+    "worker": "it is usually the kernel's out-of-memory killer: use fewer data.init_args.num_workers or a "
+    "smaller shuffle_buffer, or give the job more memory",
+}
+
+
+def worker_died(err: BaseException) -> bool:
+    """Whether `err` is torch's report of a DataLoader worker that died."""
+    return any(_WORKER_DIED.search(str(exc)) for exc in _chain(err))
+
+
+def resource_error_message(err: BaseException) -> str | None:
+    """One line naming the resource behind `err` and the fix, when it is the machine that ran out (memory,
+    disk space) or a DataLoader worker that died, however deep it was wrapped; else None. Not a mistake
+    of the user's input, so the CLI exits 1, not 2."""
+    for exc in _chain(err):
+        text = str(exc)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" on the disk of {exc.filename}" if exc.filename else ""
+            return f"no space left{where} ({exc.strerror}): {RESOURCE_FIXES['space']}"
+        if (
+            isinstance(exc, MemoryError)
+            or type(exc).__name__ == "OutOfMemoryError"
+            or any(words in text for words in _OUT_OF_MEMORY)
+        ):
+            first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+            return f"out of memory ({first[:160]}): {RESOURCE_FIXES['memory']}"
+        found = _WORKER_DIED.search(text)
+        if found:
+            how = f"was killed by signal {found['sig'].strip()}" if found["sig"] else "exited unexpectedly"
+            return f"a DataLoader worker {how}: {RESOURCE_FIXES['worker']}"
+    return None
+
+
+def user_error_message(err: BaseException) -> str | None:
+    """The one-line message of the UserError behind `err`, or None when there is none.
+
+    Finds it where libraries put it: `err` itself, its `__cause__`/`__context__` chain (jsonargparse
+    and Lightning re-raise constructor and hook errors, e.g. as MisconfigurationException), the last
+    line of a DataLoader worker's re-raised exception (`Caught UserError in DataLoader worker process
+    0. Original Traceback ...`), or, by its text, a recent UserError pasted into another exception's
+    message (jsonargparse's Union errors)."""
+    chain = _chain(err)
     for exc in chain:
         text = str(exc)
         worker = _worker_user_error(text) if "Original Traceback" in text else None

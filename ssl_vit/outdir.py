@@ -53,12 +53,21 @@ def staged(out: str | Path) -> Iterator[Path]:
     out = Path(os.path.abspath(out))  # a real `out.name` and `out.parent` for paths such as `runs/..` too
     out.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    # mkdtemp makes it 0700 whatever the umask; the finished --out gets what mkdir would have given it.
+    temp.chmod(0o777 & ~_umask())
     try:
         yield temp
         _replace(temp, out)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _replace(temp: Path, out: Path) -> None:

@@ -52,6 +52,28 @@ class HoldBeforeTraining(pl.Callback):
             time.sleep(0.02)
 
 
+class HoldAt(pl.Callback):
+    """Holds the fit at a moment a test chooses (`where`: `sanity`, the first validation batch of the
+    sanity check; `step`, the end of training step `step`), after creating `release + ".reached"`, until
+    the file `release` exists or a SIGTERM came: the test acts (a signal, a kill) while the fit is there."""
+
+    def __init__(self, release: str, where: str = "step", step: int = 1) -> None:
+        self.release, self.where, self.step = release, where, step
+
+    def _hold(self, trainer) -> None:
+        open(self.release + ".reached", "w").close()
+        while not os.path.exists(self.release) and not trainer.received_sigterm:
+            time.sleep(0.02)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.where == "sanity" and trainer.sanity_checking and batch_idx == 0:
+            self._hold(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.where == "step" and trainer.global_step == self.step:
+            self._hold(trainer)
+
+
 def read_steps(path) -> list[dict]:
     """The recorded steps, in the order they were written (a resumed run appends after the first)."""
     with open(path) as f:

@@ -30,8 +30,10 @@ import math
 import multiprocessing
 import os
 import signal
+import threading
+import weakref
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -39,6 +41,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader
 
+from ssl_vit.data.identity import changes, identity
 from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import EvalView, Preset, build_transform, normalize
@@ -76,7 +79,9 @@ class ShardLoader(DataLoader):
 
     def __iter__(self):
         self.workers.reset()
-        return _Watched(super().__iter__(), self)
+        iterator = super().__iter__()
+        _DeadWorkers.watch()
+        return _Watched(iterator, self)
 
     def timed_out(self) -> UserError:
         """The one line for no batch in `timeout` seconds; the workers are stopped first."""
@@ -90,6 +95,54 @@ class ShardLoader(DataLoader):
         )
 
 
+class _DeadWorkers:
+    """When torch reports a dead DataLoader worker: from inside `next`, between two steps.
+
+    Torch's SIGCHLD handler (set by the first iterator with workers) raises a dead worker's error
+    wherever the main thread is when the worker dies: in the middle of a step, between an optimizer's
+    updates, where the run's state cannot be saved. Wrapped here (`watch`), it raises at once only while
+    the main thread waits in a loader's `next` (a batch of the dead worker would never come), and
+    otherwise keeps the error for the next `next`, which raises it before fetching (`_Watched`). Either
+    way the error leaves `next` marked `at_batch_boundary`, and `ssl_vit.tasks.preemption` saves there."""
+
+    in_next = False
+    pending: BaseException | None = None
+
+    @classmethod
+    def watch(cls) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        torch_handler = signal.getsignal(signal.SIGCHLD)
+        if getattr(torch_handler, "__module__", "") != "torch.utils.data._utils.signal_handling":
+            return  # not set (no workers), or wrapped already
+
+        def handler(signum, frame):
+            try:
+                torch_handler(signum, frame)
+            except RuntimeError as err:
+                if cls.in_next:
+                    raise
+                cls.pending = err
+
+        signal.signal(signal.SIGCHLD, handler)
+
+    @classmethod
+    def fetch(cls, iterator):
+        """`next(iterator)`, or the error of a worker that died since the last fetch."""
+        try:
+            if cls.pending is not None:
+                err, cls.pending = cls.pending, None
+                raise err
+            cls.in_next = True
+            try:
+                return next(iterator)
+            finally:
+                cls.in_next = False
+        except RuntimeError as err:
+            err.at_batch_boundary = True
+            raise
+
+
 class _Watched:
     """A DataLoader iterator whose timeout is its loader's one-line error (`ShardLoader`)."""
 
@@ -101,7 +154,7 @@ class _Watched:
 
     def __next__(self):
         try:
-            return next(self.iterator)
+            return _DeadWorkers.fetch(self.iterator)
         except RuntimeError as err:
             if not str(err).startswith("DataLoader timed out"):
                 raise
@@ -150,7 +203,8 @@ class EpochLoader(ShardLoader):
 # How long a DataLoader worker outlives a SIGTERM: long enough for its main process to finish the step
 # and save (it stops its workers itself), bounded so that a worker whose main process never stops it
 # (e.g. a leaked iterator at interpreter exit, which terminates daemonic children with SIGTERM) ends.
-WORKER_SIGTERM_GRACE_S = 60
+# SSL_VIT_WORKER_GRACE_S sets it (a cluster whose jobs need longer between SIGTERM and SIGKILL; tests).
+WORKER_SIGTERM_GRACE_S = int(os.environ.get("SSL_VIT_WORKER_GRACE_S", "60"))
 
 
 class _Workers:
@@ -171,6 +225,7 @@ class _Workers:
     def __init__(self, num_workers: int):
         self.pids = multiprocessing.RawArray("i", max(1, num_workers))
         self.stopping = multiprocessing.RawValue("b", 0)
+        _LIVE.add(self)
 
     def reset(self) -> None:
         """Before an iterator starts its workers."""
@@ -188,14 +243,28 @@ class _Workers:
         signal.alarm(WORKER_SIGTERM_GRACE_S)
 
     def stop(self) -> None:
-        """In the main process: end the current iterator's workers now."""
+        """In the main process: end the current iterator's workers now (only processes that are still
+        this process's children: a finished iterator's pids may belong to anyone by now)."""
         self.stopping.value = 1
+        children = {child.pid for child in multiprocessing.active_children()}
         for pid in self.pids:
-            if pid:
+            if pid in children:
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+
+
+# Every data loader's workers of this process, for `stop_all_workers`.
+_LIVE: weakref.WeakSet[_Workers] = weakref.WeakSet()
+
+
+def stop_all_workers() -> None:
+    """End every DataLoader worker of this process now: for a run that has saved and is stopping
+    (SIGTERM), whose workers would otherwise sit out their grace period, the process waiting for them
+    at exit."""
+    for workers in list(_LIVE):
+        workers.stop()
 
 
 SPLITS = ("train", "val", "test")
@@ -305,6 +374,9 @@ class ShardDataModule(pl.LightningDataModule):
             tried this many more times, waiting 1 s, 2 s, 4 s, ... (at most 30 s) between tries; a shard
             that still fails is skipped and counted, a manifest that still fails stops the run.
         read_timeout_s: a remote read that gets no byte for this long has failed (and is retried).
+        on_data_change: a resume whose training shards or manifest differ from the checkpoint's
+            (`ssl_vit.data.identity`) cannot be exact: `warn` says so in one line and goes on, `refuse`
+            stops with that line.
         loader_timeout_s: with DataLoader workers, no batch for this long ends the run with one line
             naming the split's shards; by default twice the longest a shard read can take before it
             gives up (every try timing out: 782 s with the defaults above).
@@ -338,6 +410,7 @@ class ShardDataModule(pl.LightningDataModule):
         read_retries: int = 5,
         read_timeout_s: float = 60.0,
         loader_timeout_s: float | None = None,
+        on_data_change: Literal["warn", "refuse"] = "warn",
     ):
         super().__init__()
         # No save_hyperparameters: the CLI logs the whole config (data included) to W&B, and Lightning
@@ -392,6 +465,7 @@ class ShardDataModule(pl.LightningDataModule):
         # from one reading.
         self.manifests: dict[str, dict | None] = {}
         self._views: dict[str, EvalView] = {}
+        self.on_data_change = on_data_change
         self._mixup: Mixup | None = None
         self._check_labels()
 
@@ -633,6 +707,8 @@ class ShardDataModule(pl.LightningDataModule):
         stand in the current one (gathered: only rank 0 writes the checkpoint, every rank resumes from
         it; Lightning builds the checkpoint on every rank, so the collective is matched)."""
         state = {"seed": self.seed, "epoch": self.epoch}
+        if "train" in self._urls:
+            state["data"] = identity(self._urls["train"], self._manifest_of(self._urls["train"][0]))
         if self._train_loader is not None and self._train_loader.epoch is not None:
             local = self._train_loader.position()
             ranks = [local]
@@ -649,15 +725,41 @@ class ShardDataModule(pl.LightningDataModule):
         iterator already, and it is started again here, from the restored position."""
         self.seed, self.epoch = state_dict["seed"], state_dict["epoch"]
         self._resume = state_dict.get("position")
+        if "data" in state_dict and "train" in self._urls:  # checkpoints from before it was recorded: none
+            self._check_same_data(state_dict["data"])
         started = self._train_loader is not None and self._train_loader.epoch is not None
         if started and self.trainer is not None and not self._train_loader.consumed:
             # Lightning has no public way to restart its training fetcher (which prefetches a batch).
             iter(self.trainer.fit_loop._data_fetcher)
 
+    def _check_same_data(self, saved: dict) -> None:
+        """One line when the training data differ from the checkpoint's: a warning, or with
+        `on_data_change: refuse` the error that stops the resume."""
+        found = changes(saved, identity(self._urls["train"], self._manifest_of(self._urls["train"][0])))
+        if not found:
+            return
+        text = (
+            f"the training data differ from the checkpoint's ({'; '.join(found)}), so this resume is not "
+            "exact: the epoch's remaining samples are drawn from the data as they are now"
+        )
+        if self.on_data_change == "refuse":
+            raise UserError(
+                f"{text}: give the shards the run was trained on, or resume anyway with "
+                "--data.init_args.on_data_change warn"
+            )
+        if self.rank == 0:
+            log.warning("%s (--data.init_args.on_data_change refuse stops instead)", text)
+
 
 class LogSkippedSamples(pl.Callback):
     """Logs `data/skipped_{train,val,test}`: bad samples dropped by the data pipeline, summed over
-    batches and ranks (the pipeline also logs each one as a warning with its key and shard)."""
+    batches and ranks (the pipeline also logs each one as a warning with its key and shard); and at the
+    end of each epoch (of training, or a validation or test pass) one line naming the shards that could
+    not be opened in it (deleted, or unreachable after their retries), with `data/unreadable_shards_*`:
+    a pass that quietly read 3 of its 4 shards would otherwise look like any other."""
+
+    def __init__(self) -> None:
+        self.unreadable: dict[str, set[str]] = {"train": set(), "val": set(), "test": set()}
 
     def _log(self, pl_module: pl.LightningModule, batch: Any, stage: str) -> None:
         if isinstance(batch, dict) and "skipped" in batch:
@@ -670,6 +772,22 @@ class LogSkippedSamples(pl.Callback):
                 sync_dist=True,
                 batch_size=1,
             )
+        if isinstance(batch, dict):
+            self.unreadable[stage].update(batch.get("unreadable") or ())
+
+    def _report(self, trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        found, self.unreadable[stage] = sorted(self.unreadable[stage]), set()
+        if trainer.sanity_checking:
+            return
+        pl_module.log(f"data/unreadable_shards_{stage}", float(len(found)), reduce_fx="sum", sync_dist=True)
+        if found:
+            where = f" on rank {trainer.global_rank}" if trainer.world_size > 1 else ""
+            what = {"train": f"training epoch {trainer.current_epoch}", "val": "validation", "test": "test"}
+            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            log.warning(
+                "%d shard(s) could not be read in the %s%s and were skipped: %s",
+                len(found), what[stage], where, shown,
+            )  # fmt: skip
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._log(pl_module, batch, "train")
@@ -679,3 +797,12 @@ class LogSkippedSamples(pl.Callback):
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self._log(pl_module, batch, "test")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._report(trainer, pl_module, "train")
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self._report(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer, pl_module):
+        self._report(trainer, pl_module, "test")

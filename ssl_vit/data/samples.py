@@ -74,6 +74,7 @@ class SkipCounter:
     def __init__(self, limit: int | None = None):
         self.limit = limit
         self.pending = 0  # skipped since the last batch left this worker
+        self.unreadable: set[str] = set()  # shards that could not be opened, since the last batch
         self.in_a_row = 0
 
     def __call__(self, exn: Exception) -> bool:
@@ -86,6 +87,18 @@ class SkipCounter:
                 "check the shards with `ssl-vit data inspect`"
             ) from exn
         return True
+
+    def shard_failed(self, exn: Exception) -> bool:
+        """The handler of the shard opener: a shard that could not be opened (after its retries), named
+        in the next batch's `unreadable` besides being counted."""
+        url = exn.args[-1] if exn.args else None
+        if isinstance(url, str):
+            self.unreadable.add(url)
+        return self(exn)
+
+    def take_unreadable(self) -> list[str]:
+        found, self.unreadable = sorted(self.unreadable), set()
+        return found
 
     def passed(self, samples: Iterable[dict]) -> Iterator[dict]:
         """Stage after decoding: every good sample ends a run of failures."""

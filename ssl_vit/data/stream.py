@@ -1,4 +1,5 @@
-"""The stream: shard URLs -> webdataset stages -> batches `{"image", "label", "key", "skipped"}`.
+"""The stream: shard URLs -> webdataset stages -> batches `{"image", "label", "key", "skipped",
+"unreadable"}`.
 
 Two kinds of stream (every rank must run the same number of steps, or DDP hangs):
 
@@ -20,7 +21,8 @@ most one segment's raw bytes per worker, never decoding them again.
 
 Bad samples (undecodable image, missing image member, unparsable label or one beyond `num_classes`,
 unreadable shard) are skipped, logged with their key and shard, and counted; each batch carries in
-`skipped` how many its worker dropped since its previous batch, so the count reaches the main process
+`skipped` how many its worker dropped since its previous batch (and in `unreadable` the shards it could
+not open since then, by URL), so the count reaches the main process
 and can be logged as a metric (`ssl_vit.data.datamodule.LogSkippedSamples`). A stream that reads every
 one of its shards to the end without a usable sample fails with one line naming them, instead of
 spinning for ever.
@@ -135,6 +137,7 @@ class ShardStream(IterableDataset):
             batches = wds.DataPipeline(*self._exact_stages(counter))
         for batch in batches:
             batch["skipped"] = torch.tensor(counter.take())
+            batch["unreadable"] = counter.take_unreadable()
             yield batch
         if counter.pending:
             log.warning(

@@ -30,7 +30,8 @@ def tar_samples(handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAU
     with `policy` (`ssl_vit.data.remote`) and the tar headers parsed by `tar_files` instead of Python's
     `tarfile`."""
     return [
-        partial(url_opener, handler=handler, policy=policy),
+        # a handler that tells shards it could not open from broken samples (`SkipCounter.shard_failed`)
+        partial(url_opener, handler=getattr(handler, "shard_failed", handler), policy=policy),
         partial(tar_file_members, handler=handler),
         partial(group_by_keys, handler=handler),
     ]

@@ -43,7 +43,8 @@ def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
     return out
 
 
-def _local_path(url: str) -> Path | None:
+def local_path(url: str) -> Path | None:
+    """The file a local URL (a path or `file://`) names; None for any other scheme."""
     parsed = urlparse(url)
     if parsed.scheme == "":
         return Path(url)
@@ -55,7 +56,7 @@ def _local_path(url: str) -> Path | None:
 def _problem(url: str, policy: ReadPolicy = DEFAULT) -> str | None:
     """Why `url` cannot be read, or None when it can (or cannot be checked: `pipe:`). A remote URL is
     asked with `policy`'s retries: a server that fails now and then is not a missing shard."""
-    path = _local_path(url)
+    path = local_path(url)
     if path is not None:
         return None if path.is_file() else "no such file"
     try:
@@ -116,7 +117,7 @@ def read_manifest(first_url: str, policy: ReadPolicy = DEFAULT) -> dict | None:
     url = manifest_url(first_url)
     if url is None:
         return None
-    path = _local_path(url)
+    path = local_path(url)
     try:
         if path is not None:
             if not path.is_file():

@@ -346,14 +346,40 @@ def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
     temp = _temp_path(target)  # same directory, so same filesystem: os.replace is a rename
     try:
         with _create(temp) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the name points at it
+            recording = _Recording(f)
+            try:
+                write(recording)
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the name points at it
+            except Exception as err:
+                full = recording.error or (err if isinstance(err, OSError) else None)
+                if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
+                    # torch's zip writer reports a failed write as "unexpected pos": say what it was.
+                    raise OSError(full.errno, os.strerror(full.errno), target) from err
+                raise
         os.replace(temp, target)
     finally:
         with suppress(FileNotFoundError):  # a failed save leaves the previous checkpoint untouched
             os.unlink(temp)
     _fsync_directory(directory)  # and the rename itself survives a power loss
+
+
+class _Recording:
+    """A file for torch.save that remembers the OSError a write raised (ENOSPC, EDQUOT), which torch's
+    zip writer turns into a RuntimeError about positions."""
+
+    def __init__(self, file) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def _create(path: str):

@@ -13,6 +13,11 @@ SIGTERM; the save happens when the step is over, and rank 0 then runs `scontrol 
 
 Lightning installs its own SIGUSR1 handler only where none is installed yet, so this one, installed at
 `setup`, takes its place.
+
+A DataLoader worker that dies during training (the kernel's out-of-memory killer, a `kill`) ends the run
+too. Its death is reported from a loader's `next`, between two steps (the data module defers torch's
+report, which would otherwise come mid-step: `ssl_vit.data.datamodule._DeadWorkers`), so the state is
+saved the same way; not in a job of several processes (the other ranks are not at that boundary).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from ssl_vit.data.datamodule import stop_all_workers
+from ssl_vit.errors import worker_died
 from ssl_vit.tasks.run_lock import release_all
 
 log = logging.getLogger("ssl_vit")
@@ -72,11 +79,17 @@ class Preemption(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        boundary = getattr(exception, "at_batch_boundary", False)
+        if worker_died(exception) and boundary and trainer.training and trainer.world_size == 1:
+            path = last_path(trainer)
+            trainer.save_checkpoint(path)
+            exception.saved = str(path)  # the CLI's one line says so
+            return
         if not isinstance(exception, SIGTERMException):
             return
-        path = Path(trainer.checkpoint_callback.dirpath or Path(trainer.default_root_dir) / "checkpoints")
-        path = path / "last.ckpt"
+        path = last_path(trainer)
         trainer.save_checkpoint(path)
+        stop_all_workers()  # saved: nothing is pending, the workers need no grace
         what = "the requeue signal (SIGUSR1)" if self.requeue_requested else "SIGTERM"
         message = f"stopped by {what} after step {trainer.global_step}; saved {path}"
         job = slurm_job_id()
@@ -103,6 +116,12 @@ class Preemption(pl.Callback):
                 else f"`scontrol requeue {job}` failed: {result.stderr.strip()[:200]}"
             )
         exception.args = (message,)
+
+
+def last_path(trainer: pl.Trainer) -> Path:
+    """Where a stopping run saves: `last.ckpt` of its checkpoint directory."""
+    directory = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
+    return Path(directory or Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
 
 
 def slurm_job_id() -> str | None:
