@@ -41,6 +41,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader
 
+from ssl_vit.data.device_decode import device_transform, place_jpegs
 from ssl_vit.data.identity import changes, identity
 from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
@@ -370,6 +371,13 @@ class ShardDataModule(pl.LightningDataModule):
         mean, std: normalisation.
         draft: decode JPEGs at a reduced scale (1/2, 1/4, 1/8) when the crop's source region, or for
             `eval` the whole image, stays at least the size it is resized to.
+        decode: where training JPEGs are decoded. `cpu`: in the DataLoader workers. `device`: the workers
+            read the tars and draw each crop box and flip from the JPEG's header (the same draws as
+            `cpu`), and the batch is decoded, cropped, resized and flipped on the device it is moved to
+            (`ssl_vit.data.device_decode`), which frees the workers' cores; other formats, CMYK JPEGs and
+            JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`).
+            Random-resized-crop presets (`pretrain`, `supervised` without RandAugment) only;
+            validation and test are decoded on the CPU.
         read_retries: a remote shard, manifest or shard check (http(s), fsspec, `pipe:`) that fails is
             tried this many more times, waiting 1 s, 2 s, 4 s, ... (at most 30 s) between tries; a shard
             that still fails is skipped and counted, a manifest that still fails stops the run.
@@ -407,6 +415,7 @@ class ShardDataModule(pl.LightningDataModule):
         mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN,
         std: tuple[float, float, float] = IMAGENET_DEFAULT_STD,
         draft: bool = True,
+        decode: Literal["cpu", "device"] = "cpu",
         read_retries: int = 5,
         read_timeout_s: float = 60.0,
         loader_timeout_s: float | None = None,
@@ -423,6 +432,15 @@ class ShardDataModule(pl.LightningDataModule):
             }
         )  # fmt: skip
         check_seconds({"loader_timeout_s": loader_timeout_s})
+        if decode not in ("cpu", "device"):
+            raise BadValue(f"decode must be 'cpu' or 'device', got {decode!r}")
+        if decode == "device" and (train_preset == "eval" or randaugment):
+            raise BadValue(
+                "decode 'device' decodes the random-resized-crop presets ('pretrain', 'supervised' without "
+                "randaugment), whose crop it draws before decoding; "
+                + ("RandAugment works on PIL images" if randaugment else "'eval' resizes whole images")
+                + ": use decode 'cpu'"
+            )
         self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})
         self.loader_timeout_s = loader_timeout_s or 2 * self.read_policy.worst_case_s()
         if (mixup_alpha or cutmix_alpha) and train_preset != "supervised":
@@ -456,7 +474,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.train_keys = frozenset(train_keys) if train_keys is not None else None
         self._num_classes = num_classes
         self.mean, self.std = tuple(mean), tuple(std)
-        self.draft = draft
+        self.draft, self.decode = draft, decode
         self.epoch = 0
         self.rank, self.world_size = 0, 1
         self._urls: dict[str, list[str]] = {}
@@ -611,7 +629,9 @@ class ShardDataModule(pl.LightningDataModule):
         return self._views[split]
 
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
-        transform = build_transform(
+        transform = device_transform(self.image_size, self.crop_scale, self.draft) if (
+            self.decode == "device" and preset != "eval"
+        ) else build_transform(
             preset,
             self.image_size,
             mean=self.mean,
@@ -678,7 +698,9 @@ class ShardDataModule(pl.LightningDataModule):
         Lightning calls it after moving each batch to the device (`on_after_batch_transfer`); callers
         of the DataLoaders outside Lightning (feature extraction) call it themselves, after `.to(device)`.
         Workers keep images uint8 so that they skip a float conversion per sample and move 4x fewer
-        bytes; the conversion runs once per batch where the batch already is."""
+        bytes; the conversion runs once per batch where the batch already is. With `decode="device"`,
+        the batch's JPEGs are decoded and cropped here first (`device_decode.place_jpegs`)."""
+        batch = place_jpegs(batch, self.image_size)
         return {**batch, "image": normalize(batch["image"], self.mean, self.std)}
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
@@ -766,6 +788,16 @@ class LogSkippedSamples(pl.Callback):
             pl_module.log(
                 f"data/skipped_{stage}",
                 batch["skipped"].float(),
+                reduce_fx="sum",
+                on_step=False,
+                on_epoch=True,
+                sync_dist=True,
+                batch_size=1,
+            )
+        if isinstance(batch, dict) and "decoded_on_cpu" in batch:
+            pl_module.log(
+                f"data/decoded_on_cpu_{stage}",
+                batch["decoded_on_cpu"].float(),
                 reduce_fx="sum",
                 on_step=False,
                 on_epoch=True,

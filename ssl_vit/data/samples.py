@@ -12,6 +12,8 @@ from typing import TypeVar
 import numpy as np
 from PIL import Image
 
+from ssl_vit.data.device_decode import JpegCrop
+
 log = logging.getLogger("ssl_vit.data")
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy")
 MAX_SKIPS_IN_A_ROW = 1000
@@ -55,7 +57,10 @@ def decode_image(sample: dict, transform: Callable[[Image.Image], T]) -> T:
             if array.dtype != np.uint8 or array.ndim not in (2, 3):
                 raise ValueError(f"npy image must be uint8 (H, W[, C]), got {array.dtype} {array.shape}")
             return transform(Image.fromarray(array))
-        return transform(Image.open(io.BytesIO(sample[ext])))
+        out = transform(Image.open(io.BytesIO(sample[ext])))
+        if isinstance(out, JpegCrop):
+            out.data = sample[ext]  # decoded later, on the device
+        return out
     except Exception as err:
         raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
 

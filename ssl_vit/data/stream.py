@@ -44,6 +44,7 @@ from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ssl_vit.data import samples
+from ssl_vit.data.device_decode import collate_jpegs
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import BadSample, SkipCounter, decode_image, parse_label
 from ssl_vit.data.tar_reader import tar_samples
@@ -267,29 +268,38 @@ class ShardStream(IterableDataset):
 
     def collate(self, samples_: list[dict]) -> dict:
         """Samples -> batch: `image` [B,3,H,W] uint8, `label` [B] int64, `key` list[str]. The datamodule
-        turns `image` into normalised floats on the device (`ShardDataModule.prepare_batch`)."""
-        images = [s["image"] for s in samples_]
-        # The transforms give channel-first views of HWC pixels (`transforms.to_uint8_tensor`): stack
-        # the HWC memory (one plain copy per image) rather than transpose every image into CHW; the
-        # batch is then a channels-last [B,3,H,W] view, made contiguous by `normalize` on the device.
-        hwc = all(i.dim() == 3 and i.permute(1, 2, 0).is_contiguous() for i in images)
-        if hwc:
-            images = [i.permute(1, 2, 0) for i in images]
-        out = None
-        if get_worker_info() is not None:
-            # as torch's default_collate: stack straight into shared memory, so handing the batch to
-            # the main process costs no extra copy
-            storage = images[0]._typed_storage()._new_shared(len(images) * images[0].numel())
-            out = images[0].new(storage).resize_(len(images), *images[0].shape)
-        stacked = torch.stack(images, out=out)
+        turns `image` into normalised floats on the device (`ShardDataModule.prepare_batch`). JPEGs left
+        for the device (`decode="device"`) come as bytes and crop boxes instead (`device_decode`), and
+        `image` holds only the others."""
+        images, jpegs = collate_jpegs([s["image"] for s in samples_])
         batch = {
-            "image": stacked.permute(0, 3, 1, 2) if hwc else stacked,
+            "image": _stack(images) if images else torch.empty(0, 3, 0, 0, dtype=torch.uint8),
             "label": torch.tensor([s["label"] for s in samples_], dtype=torch.int64),
             "key": [s["__key__"] for s in samples_],
+            **jpegs,
         }
         if "__position__" in samples_[-1]:
             batch["last_position"] = samples_[-1]["__position__"]
         return batch
+
+
+def _stack(images: list[torch.Tensor]) -> torch.Tensor:
+    """uint8 [3,H,W] images -> [B,3,H,W].
+
+    The transforms give channel-first views of HWC pixels (`transforms.to_uint8_tensor`): stack the HWC
+    memory (one plain copy per image) rather than transpose every image into CHW; the batch is then a
+    channels-last [B,3,H,W] view, made contiguous by `normalize` on the device."""
+    hwc = all(i.dim() == 3 and i.permute(1, 2, 0).is_contiguous() for i in images)
+    if hwc:
+        images = [i.permute(1, 2, 0) for i in images]
+    out = None
+    if get_worker_info() is not None:
+        # as torch's default_collate: stack straight into shared memory, so handing the batch to the
+        # main process costs no extra copy
+        storage = images[0]._typed_storage()._new_shared(len(images) * images[0].numel())
+        out = images[0].new(storage).resize_(len(images), *images[0].shape)
+    stacked = torch.stack(images, out=out)
+    return stacked.permute(0, 3, 1, 2) if hwc else stacked
 
 
 class DryShards:

@@ -1,5 +1,5 @@
 """A 2-process DDP `fit` (CPU, gloo) on ShardDataModule, run by test_ddp_fit.py as
-`python ddp_fit.py TRAIN_URLS VAL_URLS OUT`.
+`python ddp_fit.py TRAIN_URLS VAL_URLS OUT [DECODE]`.
 
 Lightning's DDP launcher re-runs this script for rank 1. Each rank writes OUT/rankN.json with the
 training batches it ran per epoch, the validation keys it saw and the synced metrics.
@@ -27,6 +27,7 @@ class PooledLinear(pl.LightningModule):
         self.head = torch.nn.Linear(3, num_classes)
         self.val_samples = torchmetrics.SumMetric()
         self.train_batches: list[int] = []
+        self.train_keys: list[str] = []
         self.val_keys: list[str] = []
 
     def forward(self, images):
@@ -37,6 +38,7 @@ class PooledLinear(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         self.train_batches[-1] += 1
+        self.train_keys.extend(batch["key"])
         return F.cross_entropy(self(batch["image"]), batch["label"])
 
     def validation_step(self, batch, batch_idx):
@@ -48,7 +50,7 @@ class PooledLinear(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main(urls: str, val_urls: str, out: str) -> None:
+def main(urls: str, val_urls: str, out: str, decode: str = "cpu") -> None:
     pl.seed_everything(0, verbose=False)
     dm = ShardDataModule(
         train_urls=urls,
@@ -59,6 +61,7 @@ def main(urls: str, val_urls: str, out: str) -> None:
         eval_crop_pct=1.0,
         train_batches=TRAIN_BATCHES,
         shuffle_buffer=8,
+        decode=decode,
     )
     model = PooledLinear(num_classes=10)
     trainer = pl.Trainer(
@@ -79,6 +82,7 @@ def main(urls: str, val_urls: str, out: str) -> None:
         json.dumps(
             {
                 "train_batches": model.train_batches,
+                "train_keys": model.train_keys,
                 "val_keys": model.val_keys,
                 "metrics": metrics,
                 "world_size": trainer.world_size,

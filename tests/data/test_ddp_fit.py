@@ -38,3 +38,29 @@ def test_two_process_ddp_fit_on_unequal_shards(tmp_path):
         assert r["metrics"]["data/skipped_val"] == bad
     seen = Counter(k for r in ranks for k in r["val_keys"])
     assert sorted(seen) == sorted(val_keys + good) and set(seen.values()) == {2}  # once per epoch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_device_decoding_keeps_ddp_in_lockstep_on_the_samples_of_cpu_decoding(tmp_path):
+    train_urls, _ = write_shards(tmp_path / "train", [9, 4, 7], prefix="train", fmt="jpg")
+    val_urls, _ = write_shards(tmp_path / "val", [4, 3], prefix="val", seed=1)
+    runs = {}
+    for decode in ("cpu", "device"):
+        (tmp_path / decode).mkdir()
+        out = str(tmp_path / decode)
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "ddp_fit.py"), train_urls, val_urls, out, decode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[decode] = [json.loads((tmp_path / decode / f"rank{r}.json").read_text()) for r in range(2)]
+    for cpu, device in zip(runs["cpu"], runs["device"], strict=True):
+        assert device["train_batches"] == [4, 4]  # both epochs, both ranks: lockstep
+        assert device["train_keys"] == cpu["train_keys"]  # the same samples in the same order
+        assert device["metrics"]["data/decoded_on_cpu_train"] == 0  # every JPEG decoded on the device
+        assert "data/decoded_on_cpu_train" not in cpu["metrics"]
