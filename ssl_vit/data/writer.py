@@ -233,14 +233,18 @@ def _finished_shards(partial: Path, options: dict) -> list[dict]:
         return []
     finished = []
     for entry in record["shards"]:  # a shard that is gone or has another size ends the usable prefix
-        path = partial / entry["url"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+        path = partial / str(entry.get("url")) if isinstance(entry, dict) else None
+        if path is None or not path.is_file() or path.stat().st_size != entry.get("bytes"):
             break
         finished.append(entry)
     keep = {entry["url"] for entry in finished}
     for path in partial.iterdir():
-        if path.name not in keep:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.name in keep:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     if finished:
         _save_progress(partial, options, finished)
         total = options["source_records"]
