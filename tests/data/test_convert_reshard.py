@@ -4,13 +4,17 @@ interrupted conversion that continues where it stopped."""
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import webdataset as wds
+from cli_helpers import start_cli
 from PIL import Image
 
 
@@ -179,3 +183,21 @@ def test_an_interrupted_conversion_continues_and_equals_an_uninterrupted_one(cli
     assert sorted(p.name for p in (tmp_path / "other").iterdir()) == [
         "train-000000.tar", "train-000001.tar", "train-000002.tar", "train.json"
     ]  # fmt: skip
+
+
+def test_ctrl_c_keeps_the_finished_shards_for_the_next_run(cli, tmp_path):
+    out = tmp_path / "out"
+    args = ("data", "convert", "synthetic:3000", str(out), "--shard-size", "50", "--no-progress")
+    running = start_cli(*args, session=True)
+    progress = out / ".train.partial" / "progress.json"
+    deadline = time.monotonic() + 120
+    while not progress.exists() and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(running.pid, signal.SIGINT)
+    proc = running.wait(120)
+    assert proc.returncode == 130 and proc.stderr.endswith("ssl-vit: interrupted\n"), proc.stderr
+    assert "finished shards in" in proc.stderr and "run the same command again to continue" in proc.stderr
+    proc = cli(*args)
+    assert "continuing the interrupted conversion after its" in proc.stderr
+    assert json.loads((out / "train.json").read_text())["num_samples"] == 3000
+    assert not (out / ".train.partial").exists()
