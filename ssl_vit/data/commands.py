@@ -14,14 +14,19 @@ def add_parser(subparsers) -> None:
     data = subparsers.add_parser("data", help="convert image sources to WebDataset shards, inspect shards")
     sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
 
-    convert = sub.add_parser("convert", help="write OUTDIR/{split}-NNNNNN.tar shards and OUTDIR/{split}.json")
+    convert = sub.add_parser(
+        "convert",
+        help="write OUTDIR/{split}-NNNNNN.tar shards and OUTDIR/{split}.json",
+        description="An interrupted conversion (kill, Ctrl-C, crash) keeps its finished shards: the same "
+        "command again continues from the next one; with other options it starts over.",
+    )
     convert.add_argument("source", metavar="SOURCE", help=SOURCES_HELP)
     convert.add_argument("outdir", metavar="OUTDIR")
     convert.add_argument(
         "--split",
         default="train",
         help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits "
-        "(train|val) and cifar (train|test)",
+        "and imagenet (train|val) and cifar (train|test)",
     )
     convert.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     convert.add_argument(
@@ -32,13 +37,25 @@ def add_parser(subparsers) -> None:
         help="png (lossless, default) or jpg",
     )
     convert.add_argument("--quality", type=int, default=95, help="JPEG quality (default 95)")
+    convert.add_argument(
+        "--max-side",
+        type=int,
+        metavar="N",
+        help="shrink images whose longer side exceeds N pixels to N (aspect kept, never enlarged) and "
+        "re-encode them in --format; smaller images in that format are stored byte for byte",
+    )
     convert.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
     convert.add_argument(
         "--overwrite",
         action="store_true",
         help="replace an existing split in OUTDIR (the old one stays until the new one is complete)",
     )
-    convert.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    convert.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress (default: a bar on a terminal, else a line per finished shard, on stderr)",
+    )
     convert.set_defaults(func=_convert)
 
     inspect = sub.add_parser(
@@ -98,7 +115,7 @@ def _size(text: str) -> tuple[int, int]:
 def _convert(args) -> int:
     from ssl_vit.data.writer import convert, manifest_path
 
-    check_at_least(args, 1, "workers")
+    check_at_least(args, 1, "workers", "max_side")
 
     manifest = convert(
         args.source,
@@ -107,6 +124,7 @@ def _convert(args) -> int:
         shard_size=args.shard_size,
         image_format=args.image_format,
         quality=args.quality,
+        max_side=args.max_side,
         workers=args.workers,
         overwrite=args.overwrite,
         progress=args.progress,

@@ -1,9 +1,11 @@
 """Image sources that `ssl-vit data convert` turns into shards.
 
 A source is parsed from a SOURCE string (`ssl-vit data convert SOURCE`) into a `Source`: a name, class names
-and a list of records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or
-`(H, W, 3)`, or a path to an image file (read in the writer's worker processes, so the parent never
-holds a whole image folder in memory). `label` is -1 for unlabelled images.
+and its records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or
+`(H, W, 3)`, a path to an image file (read in the writer's worker processes, so the parent never
+holds a whole image folder in memory), or an image file's bytes read from a shard (`wds:`, see
+`ssl_vit.data.wds_source`). `label` is -1 for unlabelled images. Records are a list, or for `wds:` an
+iterable read lazily (a large set of shards is never held in memory).
 
 Each loader validates what it reads and raises `UserError` with a one-line message naming the file
 and what is wrong with it, before anything is written.
@@ -14,11 +16,13 @@ from __future__ import annotations
 import gzip
 import pickle
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ssl_vit.data import imagenet
 from ssl_vit.errors import UserError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
@@ -26,7 +30,11 @@ DIGITS_SIZE = 32
 DIGITS_VAL_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
 SOURCES_HELP = (
-    "digits, synthetic:N, imagefolder:DIR, cifar10:DIR, cifar100:DIR, idx:IMAGES[,LABELS], npz:FILE"
+    "digits, synthetic:N, imagefolder:DIR, cifar10:DIR, cifar100:DIR, idx:IMAGES[,LABELS], npz:FILE, "
+    "wds:URLS (existing WebDataset shards, re-sharded: image jpg/jpeg/png/webp, label from cls or a json "
+    "member's label/cls, keys kept), imagenet:DIR (ILSVRC-2012: DIR/train/nXXXXXXXX/*.JPEG; DIR/val in "
+    "class folders or flat with LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt plus the "
+    "devkit's meta.mat in DIR)"
 )
 
 
@@ -34,8 +42,10 @@ SOURCES_HELP = (
 class Source:
     name: str  # the SOURCE string's kind, used in sample keys and the manifest
     spec: str  # the SOURCE string as given
-    class_names: list[str]
-    records: list  # [(payload, label)]; payload: uint8 array (H, W[, 3]) or image file path
+    class_names: list[str] | None  # None: "0" ... "K-1" from the labels written (wds: without a manifest)
+    records: Iterable  # of (payload, label); payload: uint8 array (H, W[, 3]), image file path, or
+    # `wds_source.ShardImage` / `wds_source.Broken`
+    total: int | None  # the number of records, where known before reading them (progress, resume)
 
 
 def open_source(spec: str, split: str) -> Source:
@@ -49,6 +59,8 @@ def open_source(spec: str, split: str) -> Source:
         "cifar100": _cifar100,
         "idx": _idx,
         "npz": _npz,
+        "wds": _wds,
+        "imagenet": imagenet.load,
     }
     if kind not in loaders:
         raise UserError(f"unknown source {spec!r}: use one of {SOURCES_HELP}")
@@ -57,9 +69,17 @@ def open_source(spec: str, split: str) -> Source:
     if kind != "digits" and not arg:
         raise UserError(f"source {kind!r} needs an argument: use one of {SOURCES_HELP}")
     class_names, records = loaders[kind](arg, split)
-    if not records:
+    total = len(records) if isinstance(records, list) else records.total
+    if total == 0:
         raise UserError(f"source {spec!r} has no images for split {split!r}")
-    return Source(kind, spec, class_names, records)
+    return Source(kind, spec, class_names, records, total)
+
+
+def _wds(arg: str, split: str):
+    # imported here: webdataset imports torch, and `ssl-vit --help` imports this module
+    from ssl_vit.data import wds_source
+
+    return wds_source.load(arg, split)
 
 
 def _digits(_: str, split: str):

@@ -1,12 +1,17 @@
 """Source -> WebDataset shards plus a manifest (`ssl-vit data convert`).
 
 Shards are `OUTDIR/{split}-000000.tar ...`, each sample `KEY.png` or `KEY.jpg` plus `KEY.cls` (the
-label as ASCII digits, absent when unlabelled), written by `webdataset.ShardWriter` with a fixed mtime
-so the same source gives byte-identical shards. Keys are `{source}-{split}-{index:08d}`. The manifest
-`OUTDIR/{split}.json` is described in data/README.md.
+label as ASCII digits, absent when unlabelled), written by `webdataset.TarWriter` with a fixed mtime
+so the same source gives byte-identical shards. Keys are `{source}-{split}-{index:08d}`, or for `wds:`
+the samples' own keys. Records are encoded by `--workers` processes (`ssl_vit.data.encode`). The
+manifest `OUTDIR/{split}.json` is described in data/README.md.
 
 Everything is written into `OUTDIR/.{split}.partial/` first and moved into place at the end, so a
-failed or interrupted run never leaves a half-written set next to (or instead of) a good one. With
+failed or interrupted run never leaves a half-written set next to (or instead of) a good one. Each
+finished shard is recorded there in `progress.json` (with the conversion's options): a rerun of the
+same conversion after a kill, Ctrl-C or a crash keeps the finished shards and continues with the
+next one, skipping the source records they hold without encoding them again; a rerun with other
+options (or a source with another record count) starts over, saying so. With
 --overwrite the old split's files are set aside in `OUTDIR/.{split}.old/` while the new ones move in
 (the manifest last), and deleted only then: a failure at any point leaves the old split or the new
 one complete, with the manifest that describes it.
@@ -14,58 +19,31 @@ one complete, with the manifest that describes it.
 
 from __future__ import annotations
 
-import io
+import itertools
 import json
 import logging
 import multiprocessing
 import os
 import re
 import shutil
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import webdataset as wds
-from PIL import Image
 
+from ssl_vit.data.encode import encode_star
 from ssl_vit.data.sources import Source, open_source
 from ssl_vit.errors import UserError
 
 log = logging.getLogger(__name__)
 MANIFEST_VERSION = 1
+PROGRESS = "progress.json"  # in .{split}.partial/: the options and the shards finished so far
 
 
 def manifest_path(outdir: str | Path, split: str) -> Path:
     return Path(outdir) / f"{split}.json"
-
-
-def encode_record(record, image_format: str, quality: int):
-    """Encode one `(payload, label)` record. Returns `(bytes, (H, W), label)`, or `(None, reason, label)`
-    for an image file that cannot be read (it is skipped and counted by the caller)."""
-    payload, label = record
-    if isinstance(payload, Path):
-        try:
-            data = payload.read_bytes()
-            img = Image.open(io.BytesIO(data))
-            img.load()
-        except Exception as err:
-            return None, f"{payload}: {err}", label
-        if image_format == "jpg" and img.format == "JPEG":
-            # ImageNet-style sources are JPEG already: keep their bytes instead of re-encoding lossily.
-            return data, (img.height, img.width), label
-        img = img.convert("L" if img.mode in ("L", "1", "I;16") else "RGB")
-    else:
-        img = Image.fromarray(np.ascontiguousarray(payload))
-    buf = io.BytesIO()
-    if image_format == "png":
-        img.save(buf, format="PNG", compress_level=6)
-    else:
-        img.save(buf, format="JPEG", quality=quality)
-    return buf.getvalue(), (img.height, img.width), label
-
-
-def _encode_star(args):
-    return encode_record(*args)
 
 
 def convert(
@@ -76,11 +54,13 @@ def convert(
     shard_size: int = 1000,
     image_format: str = "png",
     quality: int = 95,
+    max_side: int | None = None,
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Write the shards and manifest for SOURCE `spec`; returns the manifest."""
+    """Write the shards and manifest for SOURCE `spec`, images shrunk to `max_side` pixels on their
+    longer side where larger; returns the manifest."""
     check_split_name(split)
     if shard_size <= 0:
         raise UserError(f"--shard-size must be positive, got {shard_size}")
@@ -88,6 +68,8 @@ def convert(
         raise UserError(f"--format must be png or jpg, got {image_format!r}")
     if not 1 <= quality <= 100:
         raise UserError(f"--quality must be in 1..100, got {quality}")
+    if max_side is not None and max_side <= 0:
+        raise UserError(f"--max-side must be a positive number of pixels, got {max_side}")
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise UserError(f"OUTDIR {outdir} exists and is not a directory: choose another OUTDIR")
@@ -109,19 +91,37 @@ def convert(
             "or choose another OUTDIR or --split"
         )
     source = open_source(spec, split)
+    options = {
+        "source": spec,
+        "split": split,
+        "shard_size": shard_size,
+        "image_format": image_format,
+        "quality": quality,
+        "max_side": max_side,
+        "source_records": source.total,
+    }
 
     outdir.mkdir(parents=True, exist_ok=True)
     partial = outdir / f".{split}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
+    finished = _finished_shards(partial, options)
     try:
-        manifest = _write_shards(source, partial, split, shard_size, image_format, quality, workers, progress)
-        # The manifest is written into .partial first: while it is there, the swap is not done.
-        (partial / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        _swap_in(outdir, split, partial, manifest)
-    finally:
-        if not (outdir / f".{split}.old").exists():  # else it holds the only copy of some old files
+        manifest = _write_shards(source, partial, options, finished, workers, progress)
+    except UserError:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
+        raise
+    except BaseException:  # killed, Ctrl-C, out of disk: keep what is finished for the next run
+        kept = len(_read_progress(partial).get("shards", []))
+        if kept:
+            log.warning(
+                "kept the %d finished shards in %s: run the same command again to continue", kept, partial
+            )
+        else:
             shutil.rmtree(partial, ignore_errors=True)
+        raise
+    # The manifest is written into .partial first: while it is there, the swap is not done.
+    (partial / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    _swap_in(outdir, split, partial, manifest)
+    shutil.rmtree(partial, ignore_errors=True)  # what is left: the progress record
     return manifest
 
 
@@ -216,81 +216,191 @@ def _is_complete(outdir: Path, split: str) -> bool:
         return False
 
 
-def _write_shards(
-    source: Source,
-    partial: Path,
-    split: str,
-    shard_size: int,
-    image_format: str,
-    quality: int,
-    workers: int,
-    progress: bool,
-) -> dict:
-    jobs = ((record, image_format, quality) for record in source.records)
-    counts: dict[str, int] = {}
-    class_counts: Counter = Counter()
-    sizes: Counter = Counter()
-    skipped = 0
-    index = 0
-    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
-    encoded = pool.imap(_encode_star, jobs, chunksize=64) if pool else map(_encode_star, jobs)
+def _finished_shards(partial: Path, options: dict) -> list[dict]:
+    """The shards an interrupted run of the same conversion finished in `partial` (their progress
+    entries, in order), everything else there deleted; [] and an empty `partial` to start afresh."""
+    record = _read_progress(partial)
+    if record.get("options") != options:
+        if record:
+            changed = sorted(k for k in options if record.get("options", {}).get(k) != options[k])
+            log.warning(
+                "%s: an interrupted conversion with other %s is discarded; starting over",
+                partial,
+                ", ".join(changed) or "options",
+            )
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        return []
+    finished = []
+    for entry in record["shards"]:  # a shard that is gone or has another size ends the usable prefix
+        path = partial / str(entry.get("url")) if isinstance(entry, dict) else None
+        if path is None or not path.is_file() or path.stat().st_size != entry.get("bytes"):
+            break
+        finished.append(entry)
+    keep = {entry["url"] for entry in finished}
+    for path in partial.iterdir():
+        if path.name in keep:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if finished:
+        _save_progress(partial, options, finished)
+        total = options["source_records"]
+        log.warning(
+            "%s: continuing the interrupted conversion after its %d finished shards (%d of %s source "
+            "records)",
+            partial,
+            len(finished),
+            finished[-1]["records"],
+            total if total is not None else "the",
+        )
+    return finished
+
+
+def _read_progress(partial: Path) -> dict:
     try:
-        # maxsize is unlimited so that --shard-size alone decides where shards end; mtime fixed for
-        # reproducible tar bytes.
-        with (
-            wds.ShardWriter(
-                str(partial / f"{split}-%06d.tar"),
-                maxcount=shard_size,
-                maxsize=float("inf"),
-                verbose=0,
-                mtime=0,
-            ) as sink,
-            _progress(progress, len(source.records), split) as bar,
-        ):
-            for data, size, label in encoded:
-                bar(1)
+        record = json.loads((partial / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) and isinstance(record.get("shards"), list) else {}
+
+
+def _save_progress(partial: Path, options: dict, shards: list[dict]) -> None:
+    """Replace the progress record in one step, so that a kill leaves the old one or the new one."""
+    tmp = partial / f"{PROGRESS}.tmp"
+    tmp.write_text(json.dumps({"options": options, "shards": shards}) + "\n")
+    os.replace(tmp, partial / PROGRESS)
+
+
+class _Shard:
+    """One output shard being written, and what the progress record and manifest say of it.
+
+    `webdataset.TarWriter` per shard rather than `ShardWriter`, which opens the next shard only when
+    the next sample arrives: a shard must be closed and recorded as soon as it is full, so that a
+    kill right after it does not lose it."""
+
+    def __init__(self, partial: Path, name: str):
+        self.path = partial / name
+        # unlimited size (--shard-size alone decides where shards end); mtime fixed: reproducible bytes
+        self.tar = wds.TarWriter(str(self.path), mtime=0)
+        self.samples = 0
+        self.class_counts: Counter = Counter()
+        self.sizes: Counter = Counter()
+
+    def write(self, key: str, image_format: str, data: bytes, size: tuple[int, int], label: int) -> None:
+        sample = {"__key__": key, image_format: data}
+        if label >= 0:
+            sample["cls"] = str(label)
+        self.tar.write(sample)
+        self.samples += 1
+        self.class_counts[label] += 1
+        self.sizes[size] += 1
+
+    def close(self, records: int, skipped: int) -> dict:
+        """Close the tar; its progress entry. `records`: source records consumed up to its end;
+        `skipped`: unreadable ones among them since the previous shard."""
+        self.tar.close()
+        return {
+            "url": self.path.name,
+            "num_samples": self.samples,
+            "bytes": self.path.stat().st_size,
+            "records": records,
+            "skipped": skipped,
+            "class_counts": {str(k): v for k, v in self.class_counts.items()},
+            "sizes": [[h, w, n] for (h, w), n in self.sizes.items()],
+        }
+
+
+def _write_shards(
+    source: Source, partial: Path, options: dict, finished: list[dict], workers: int, show: bool
+) -> dict:
+    """Encode the records after those of the `finished` shards and write the rest of the shards;
+    returns the manifest of all of them."""
+    split, shard_size, image_format = options["split"], options["shard_size"], options["image_format"]
+    shards = list(finished)
+    consumed = shards[-1]["records"] if shards else 0
+    index = sum(entry["num_samples"] for entry in shards)  # samples written: the next key's number
+    jobs = (
+        (record, image_format, options["quality"], options["max_side"])
+        for record in itertools.islice(source.records, consumed, None)
+    )
+    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    encoded = pool.imap(encode_star, jobs, chunksize=16) if pool else map(encode_star, jobs)
+    shard, skipped = None, 0  # skipped: unreadable records since the last shard closed
+    try:
+        with _Progress(show, split, source.total, consumed) as progress:
+            for data, size, label, key in encoded:
+                consumed += 1
+                progress.advance()
                 if data is None:
                     skipped += 1
                     log.warning("skipping unreadable image %s", size)
                     continue
-                sample = {"__key__": f"{source.name}-{split}-{index:08d}", image_format: data}
-                if label >= 0:
-                    sample["cls"] = str(label)
-                sink.write(sample)
-                name = os.path.basename(sink.fname)
-                counts[name] = counts.get(name, 0) + 1
-                class_counts[label] += 1
-                sizes[size] += 1
+                if shard is None:
+                    shard = _Shard(partial, f"{split}-{len(shards):06d}.tar")
+                shard.write(key or f"{source.name}-{split}-{index:08d}", image_format, data, size, label)
                 index += 1
+                if shard.samples == shard_size:
+                    shards.append(shard.close(consumed, skipped))
+                    _save_progress(partial, options, shards)
+                    progress.shard_done(shards[-1]["url"])
+                    shard, skipped = None, 0
+            if shard is not None:
+                shards.append(shard.close(consumed, skipped))
+                _save_progress(partial, options, shards)
+                progress.shard_done(shards[-1]["url"])
+                skipped = 0
     finally:
         if pool:
             pool.terminate()
-    if index == 0:
-        raise UserError(f"source {source.spec!r}: none of its {len(source.records)} images could be read")
+    return _manifest(source, options, shards, trailing_skipped=skipped)
+
+
+def _manifest(source: Source, options: dict, shards: list[dict], trailing_skipped: int) -> dict:
+    """The manifest of a split from its shards' progress entries."""
+    num_samples = sum(entry["num_samples"] for entry in shards)
+    skipped = sum(entry["skipped"] for entry in shards) + trailing_skipped
+    if num_samples == 0:
+        raise UserError(f"source {source.spec!r}: none of its {skipped} images could be read")
     if skipped:
-        log.warning("skipped %d unreadable images of %d", skipped, len(source.records))
+        log.warning("skipped %d unreadable images of %d", skipped, num_samples + skipped)
+    class_counts: Counter = Counter()
+    sizes: Counter = Counter()
+    for entry in shards:
+        class_counts.update({int(k): v for k, v in entry["class_counts"].items()})
+        sizes.update({(h, w): n for h, w, n in entry["sizes"]})
+    class_names = source.class_names
+    if class_names is None:  # from the labels written
+        class_names = [str(c) for c in range(max(class_counts) + 1)]
     height, width = sizes.most_common(1)[0][0]
     return {
         "version": MANIFEST_VERSION,
         "source": source.spec,
-        "split": split,
-        "num_samples": index,
+        "split": options["split"],
+        "num_samples": num_samples,
         "skipped": skipped,
-        "image_format": image_format,
+        "image_format": options["image_format"],
+        "max_side": options["max_side"],
         "image_size": [height, width] if len(sizes) == 1 else None,
-        "num_classes": len(source.class_names),
-        "class_names": source.class_names,
+        "num_classes": len(class_names),
+        "class_names": class_names,
         "class_counts": {str(k): v for k, v in sorted(class_counts.items())},
-        "shards": [{"url": name, "num_samples": n} for name, n in counts.items()],
+        "shards": [{"url": entry["url"], "num_samples": entry["num_samples"]} for entry in shards],
     }
 
 
-class _progress:
-    """A rich progress bar on stderr (nothing when `enabled` is false); calling it advances the bar."""
+class _Progress:
+    """Progress on stderr, nothing when not `enabled`: on a terminal a rich bar with the rate and an
+    ETA; elsewhere (a log file, a batch job's output) one line per finished shard with the same."""
 
-    def __init__(self, enabled: bool, total: int, split: str):
+    def __init__(self, enabled: bool, split: str, total: int | None, done: int):
+        self.split, self.total, self.start_done, self.done = split, total, done, done
+        self.start = time.monotonic()
         self.bar = None
-        if enabled:
+        self.lines = enabled and not sys.stderr.isatty()
+        if enabled and not self.lines:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
@@ -301,17 +411,37 @@ class _progress:
                 TimeRemainingColumn(),
                 console=Console(stderr=True),
             )
-            self.task = self.bar.add_task(f"writing {split}", total=total)
+            self.task = self.bar.add_task(f"writing {split}", total=total, completed=done)
 
     def __enter__(self):
         if self.bar:
             self.bar.start()
         return self
 
-    def __call__(self, n: int):
+    def advance(self) -> None:
+        self.done += 1
         if self.bar:
-            self.bar.advance(self.task, n)
+            self.bar.advance(self.task, 1)
+
+    def shard_done(self, name: str) -> None:
+        if not self.lines:
+            return
+        elapsed = time.monotonic() - self.start
+        rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        line = f"{name}: {self.done}"
+        if self.total:
+            line += f"/{self.total} images ({100 * self.done / self.total:.0f}%)"
+            if rate > 0:
+                line += f", ETA {_clock((self.total - self.done) / rate)}"
+        else:
+            line += " images"
+        print(f"{line}, {rate:.0f} images/s", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         if self.bar:
             self.bar.stop()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"

@@ -1,0 +1,91 @@
+"""The `wds:URLS` source: existing WebDataset shards, re-sharded (another shard size, `--max-side`).
+
+URLS are what the training stream reads (brace ranges, local paths, `file://`, `http(s)://`, `pipe:`,
+fsspec URLs), read with the same tar reader and retries (`ssl_vit.data.tar_reader`). Of each sample the
+first image member among `jpg`, `jpeg`, `png`, `webp` is kept, its bytes unchanged unless the output
+format or `--max-side` asks for a new encoding, under the sample's own key; the label is read as
+training reads it (`cls`, ASCII digits, or a `json` member's `label` or `cls` field; neither:
+unlabelled, -1). A sample without an image member or with a label that does not parse, and a shard
+that cannot be read or breaks off, become `Broken` records, which the writer skips and counts.
+
+Class names come from an ssl-vit manifest next to the shards (`{split}.json`) when there is one, else
+from the labels seen (`"0"` ... `"K-1"`); the same manifest gives the sample count for the progress ETA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import webdataset as wds
+
+from ssl_vit.data.samples import BadSample, parse_label
+from ssl_vit.data.tar_reader import tar_samples
+from ssl_vit.data.urls import check_urls, expand, read_manifest
+
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+
+
+@dataclass(frozen=True)
+class ShardImage:
+    """A sample's image file as a shard stores it, and the key it has there (kept in the new shards)."""
+
+    key: str
+    data: bytes
+    where: str  # "URL: KEY", for messages
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A sample, or the rest of a shard, that cannot be converted: skipped and counted by the writer."""
+
+    reason: str
+
+
+class ShardRecords:
+    """The `(payload, label)` records of `urls` in order, read afresh by each iteration. `total` is the
+    sample count the manifest gives for exactly these shards, or None."""
+
+    def __init__(self, urls: list[str], total: int | None):
+        self.urls, self.total = urls, total
+
+    def __iter__(self) -> Iterator[tuple[ShardImage | Broken, int]]:
+        failures: list[str] = []
+
+        def failed(exn: Exception) -> bool:
+            failures.append(" ".join(str(a) for a in exn.args if a is not None))
+            return True
+
+        for sample in wds.DataPipeline(wds.SimpleShardList(self.urls), *tar_samples(failed)):
+            while failures:
+                yield Broken(failures.pop(0)), -1
+            yield _record(sample)
+        while failures:
+            yield Broken(failures.pop(0)), -1
+
+
+def _record(sample: dict) -> tuple[ShardImage | Broken, int]:
+    where = f"{sample['__url__']}: {sample['__key__']}"
+    ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
+    if ext is None:
+        return Broken(f"{where}: no image member ({', '.join(IMAGE_MEMBERS)})"), -1
+    try:
+        label = parse_label(sample)
+    except BadSample as err:
+        return Broken(f"{where}: {err}"), -1
+    return ShardImage(sample["__key__"], sample[ext], where), label
+
+
+def load(arg: str, split: str) -> tuple[list[str] | None, ShardRecords]:
+    """`(class_names or None for "from the labels seen", records)` of the shards URLS in `arg`; every
+    shard is checked to exist before anything is written."""
+    urls = expand(arg, "wds:URLS")
+    check_urls(urls, "wds:URLS")
+    manifest = read_manifest(urls[0])
+    if manifest is None:
+        return None, ShardRecords(urls, None)
+    counts = {s["url"]: s["num_samples"] for s in manifest["shards"]}
+    names = [PurePosixPath(u).name for u in urls]
+    total = sum(counts[n] for n in names) if all(n in counts for n in names) else None
+    return manifest["class_names"] or None, ShardRecords(urls, total)
