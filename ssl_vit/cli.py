@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from ssl_vit.errors import Interrupted, UserError, resource_error_message, user_error_message
+from ssl_vit.quiet import quiet, verbose_requested
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     way up, ends as one line, `ssl-vit: error: WHAT: FIX`, and exit status 2; the machine running out
     of memory or disk space, or a DataLoader worker dying, as one such line and exit status 1.
     jsonargparse's own parse errors (usage message, exit 2) pass through as they are."""
-    argv = sys.argv[1:] if argv is None else argv
+    verbose, argv = verbose_requested(sys.argv[1:] if argv is None else argv)
+    quiet(verbose)
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
             lightning_cli(argv)

@@ -4,6 +4,7 @@ that a restarted job continues, and where the tasks' pictures go."""
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -76,15 +77,23 @@ class WandbLogger(LightningWandbLogger):
             **resume,
             **kwargs,
         )
+        # Lightning passes `anonymous` to wandb.init even when unset, and W&B warns on every run that
+        # the setting is deprecated
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
     @property
     def experiment(self):
+        if self._id_to_save is not None and rank_zero_only.rank == 0:
+            # W&B looks for a git repository from its directory as it starts, and warns that the
+            # directory does not exist when the run directory is not made yet
+            self._id_to_save[0].parent.mkdir(parents=True, exist_ok=True)
         run = super().experiment
         if self._id_to_save is not None and rank_zero_only.rank == 0:  # only rank 0 creates the run
             id_file, run_id = self._id_to_save
-            id_file.parent.mkdir(parents=True, exist_ok=True)
             id_file.write_text(run_id + "\n")
             self._id_to_save = None
+            print(f"W&B: {where(run)}", file=sys.stderr)
         return run
 
     @rank_zero_only
@@ -94,6 +103,14 @@ class WandbLogger(LightningWandbLogger):
         if self._prefix:
             metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
         self.experiment.log({**metrics, "trainer/global_step": step}, step=step)
+
+
+def where(run) -> str:
+    """Where a W&B run is, in a few words: its page, or its offline folder and how to upload it."""
+    if getattr(run, "offline", False) or not getattr(run, "url", None):
+        folder = os.path.relpath(run.settings.sync_dir)
+        return f"offline run in {folder} (upload: wandb sync {folder})"
+    return str(run.url)
 
 
 def logging_step(trainer: pl.Trainer) -> int:

@@ -193,6 +193,15 @@ class EpochLoader(ShardLoader):
         worker, batches, segment, offset = (int(v) for v in batch["stream"])
         self.consumed[worker] = WorkerPosition(batches, segment, offset)
 
+    # Lightning's Stateful-loader protocol: it warns that a resume in the middle of an epoch is not
+    # exact unless the training loader has these. Where the stream stands is the data module's state
+    # (`ShardDataModule.state_dict`), which makes the resume exact, or says why it cannot be.
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
     def position(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
@@ -506,6 +515,19 @@ class ShardDataModule(pl.LightningDataModule):
         if url not in self.manifests:
             self.manifests[url] = read_manifest(first_url, self.read_policy)
         return self.manifests[url]
+
+    def samples_in(self, split: str) -> int | None:
+        """The samples in the shards of `split` (before any class filter), as their manifest counts them
+        shard by shard; None when a shard is not in it or there is none."""
+        if split not in self._urls:
+            self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
+        urls = self._urls[split]
+        counts = {
+            entry["url"].rsplit("/", 1)[-1]: entry["num_samples"]
+            for entry in (self._manifest_of(urls[0]) or {}).get("shards", [])
+        }
+        names = [url.rsplit("/", 1)[-1] for url in urls]
+        return sum(counts[name] for name in names) if all(name in counts for name in names) else None
 
     def _check_labels(self) -> None:
         """Labels the manifest counts beyond `num_classes` would fail the first training step (an index

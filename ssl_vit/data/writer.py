@@ -432,7 +432,7 @@ class _Progress:
         if self.total:
             line += f"/{self.total} images ({100 * self.done / self.total:.0f}%)"
             if rate > 0:
-                line += f", ETA {_clock((self.total - self.done) / rate)}"
+                line += f", ETA {clock((self.total - self.done) / rate)}"
         else:
             line += " images"
         print(f"{line}, {rate:.0f} images/s", file=sys.stderr, flush=True)
@@ -442,6 +442,7 @@ class _Progress:
             self.bar.stop()
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"

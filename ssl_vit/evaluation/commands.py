@@ -53,9 +53,12 @@ def add_parsers(subparsers) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    from ssl_vit.evaluation import progress
     from ssl_vit.evaluation.suite import evaluate, load_suite
 
-    record = evaluate(args.checkpoint, load_suite(args.suite), args.out, overwrite=args.overwrite).record
+    with progress.job("evaluate", 1):
+        progress.run(0, args.checkpoint)
+        record = evaluate(args.checkpoint, load_suite(args.suite), args.out, overwrite=args.overwrite).record
     print(json.dumps(record["results"], indent=2))
     print(f"wrote {args.out}/results.json")
     return 0

@@ -62,9 +62,11 @@ def extract_feature_set(
     kinds: tuple[FeatureKind, ...],
     last_k: int = 4,
     prepare: Callable[[dict], dict] | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> dict[FeatureKind, Features]:
     """`extract_features` for several kinds from one pass over `loader` (one forward per batch,
-    `ViT.feature_set`): {kind: Features}, equal to separate passes, sharing labels and keys."""
+    `ViT.feature_set`): {kind: Features}, equal to separate passes, sharing labels and keys.
+    `on_batch(n)` is called after each batch of n images (a progress display)."""
     if not kinds:
         raise ValueError("kinds is empty: name at least one feature kind")
     for kind in kinds:
@@ -91,6 +93,8 @@ def extract_feature_set(
                     xs[kind].append(x.float().cpu())
                 ys.append(batch["label"].cpu())
                 keys.extend(batch["key"])
+                if on_batch is not None:
+                    on_batch(len(batch["key"]))
     finally:
         backbone.train(was_training)
     if dist.is_available() and dist.is_initialized():

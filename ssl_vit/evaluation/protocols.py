@@ -24,9 +24,11 @@ from timm.optim import Lars
 from torch.optim import SGD, AdamW, Optimizer
 
 from ssl_vit.errors import UserError
+from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.features import Features, extract_feature_set, local_device
 from ssl_vit.evaluation.fewshot import fewshot_correct
 from ssl_vit.evaluation.knn import knn_correct
+from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
@@ -59,9 +61,10 @@ class FeatureCache:
             raise ValueError(f"feature {feature!r} is not among this cache's kinds {self.kinds}")
         if split not in self._cache:
             loader = self.datamodule.exact_dataloader(split)
-            self._cache[split] = extract_feature_set(
-                self.backbone, loader, self.kinds, prepare=self.datamodule.prepare_batch
-            )
+            with progress.step(f"features of {split}", self.datamodule.samples_in(split)) as advance:
+                self._cache[split] = extract_feature_set(
+                    self.backbone, loader, self.kinds, prepare=self.datamodule.prepare_batch, on_batch=advance
+                )
         return self._cache[split][feature]
 
     def splits(self) -> tuple[str, ...]:
@@ -310,17 +313,30 @@ def _training_set(
     return keys, selection, used
 
 
+def _advancing(advance: Callable[[int], None]):
+    """A Lightning callback calling `advance(1)` after each training step (the progress display)."""
+    import pytorch_lightning as pl
+
+    class Advance(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            advance(1)
+
+    return Advance()
+
+
 def _correct(model, features: FeatureCache, classes: list[int] | None) -> torch.Tensor:
     """(M,) bool: which test images (of `classes`, in key order, as the cached features) the trained
     `model` (images (B, 3, H, W) -> logits (B, K)) classifies correctly; one pass over the test split."""
     model.eval()
     hits, labels, keys = [], [], []
-    with torch.inference_mode():
+    total = features.datamodule.samples_in("test")
+    with torch.inference_mode(), progress.step("scoring the test split", total) as advance:
         for batch in features.datamodule.exact_dataloader("test"):
             batch = features.datamodule.prepare_batch({**batch, "image": batch["image"].to(model.device)})
             hits.append((model(batch["image"]).argmax(1) == batch["label"]).cpu())
             labels.append(batch["label"].cpu())
             keys.extend(batch["key"])
+            advance(len(batch["key"]))
     order = sorted(range(len(keys)), key=keys.__getitem__)
     hits, labels = torch.cat(hits)[order], torch.cat(labels)[order]
     return hits if classes is None else hits[torch.isin(labels, torch.tensor(classes))]
@@ -367,7 +383,11 @@ def _train(model, protocol, suite, features: FeatureCache, keys: list[str] | Non
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(model, datamodule=datamodule)
+    total = protocol.steps or (batches * protocol.epochs if keys is not None else None)
+    with progress.step(f"{protocol.name}: training", total, unit="steps") as advance:
+        trainer.callbacks.append(_advancing(advance))
+        with lightning_info_dropped("`Trainer.fit` stopped"):  # the end of one protocol, not the command's
+            trainer.fit(model, datamodule=datamodule)
     return {
         "optimizer_steps": trainer.global_step,
         "train_loss": float(trainer.callback_metrics["train/loss"]),

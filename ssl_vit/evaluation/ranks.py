@@ -12,13 +12,13 @@ of ranks, and the ranks need no collective until the end.
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 from datetime import timedelta
 from typing import NamedTuple
 
 import torch.distributed as dist
 
+from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.suite import Evaluation, Suite, evaluate
 
 # Ranks reach the final gather when their last checkpoint is done, hours apart when fine-tuning
@@ -55,11 +55,12 @@ def evaluate_checkpoints(
     grouped = {name for name, sources in checkpoints.items() if len(sources) > 1}
     rank, world_size = rank_and_world_size()
     mine: dict[tuple[str, int], Evaluation | Failed] = {}
-    for j, (name, i, source) in enumerate(runs):
-        if j % world_size == rank:
-            if world_size > 1:
-                run = f"{name}/{i + 1}" if name in grouped else name  # as its results.json folder
-                print(f"ssl-vit compare: {run} on rank {rank} of {world_size}", file=sys.stderr, flush=True)
+    assigned = [(name, i, source) for j, (name, i, source) in enumerate(runs) if j % world_size == rank]
+    command = "compare" if world_size == 1 else f"compare (rank {rank} of {world_size})"
+    # under torchrun the ranks share a terminal: lines, not bars
+    with progress.job(command, len(assigned), lines=True if world_size > 1 else None):
+        for k, (name, i, source) in enumerate(assigned):
+            progress.run(k, f"{name}/{i + 1}" if name in grouped else name)  # as its results.json folder
             try:
                 mine[name, i] = evaluate(source, suite, replicate=i)
             except Exception as err:

@@ -1,0 +1,101 @@
+"""What a command prints: its own lines, Lightning's progress bar and final metrics, and where its W&B
+run is, once (`tracking.WandbLogger`). Library messages that do not apply to how ssl-vit uses the
+library are dropped by their exact text, each with the reason it does not apply; nothing is filtered
+by module or category, so a new warning, or one that reports a real problem (skipped samples,
+non-finite steps, a resume that cannot be exact, a compile that falls back), still shows.
+`--verbose` or `SSL_VIT_VERBOSE=1` shows everything."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import warnings
+
+VERBOSE_ENV = "SSL_VIT_VERBOSE"
+
+# Python warnings, as regular expressions matching the start of their message.
+WARNINGS = (
+    # Lightning's SLURM check: srun is installed (a login node, a cluster image) but this process was not
+    # started by it. ssl-vit's SLURM jobs start every task through srun (recipes/slurm/pretrain.sbatch);
+    # a process outside srun is not a SLURM task, and the hint would only mislead.
+    re.escape("The `srun` command is available on your system but is not used."),
+    # Lightning's own pytree helper calls a torch API that torch deprecated; nothing a user can change.
+    re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
+    # The training stream's length is per rank and per epoch, and each worker delivers its exact share
+    # (`ShardStream.share`), which is the case Lightning's warning says it cannot check.
+    re.escape("Your `IterableDataset` has `__len__` defined."),
+    # The frozen backbone of a linear probe, or the teacher of a masked task, is in eval mode on purpose.
+    r"Found \d+ module\(s\) in eval mode at the start of training\.",
+    # A fit refuses a run directory that holds checkpoints unless it resumes from one (`--ckpt_path`),
+    # so a non-empty checkpoint directory is always the run's own.
+    r"Checkpoint directory .* exists and is not empty\.",
+)
+
+# Lightning's INFO lines, by their start: facts a user of ssl-vit either chose (the seed, the devices in
+# the recipe) or cannot act on (an advertisement, a data loader being sized).
+INFO_LINES = (
+    "💡 Tip: For seamless cloud logging",
+    "GPU available:",
+    "TPU available:",
+    "HPU available:",
+    "Seed set to",
+    "Loading `train_dataloader` to estimate number of stepping batches.",
+    "Restoring states from the checkpoint path at",  # "Restored all states from ..." follows, naming it too
+)
+INFO_LOGGERS = (
+    "pytorch_lightning.utilities.rank_zero",
+    "lightning_fabric.utilities.rank_zero",
+    "lightning_fabric.utilities.seed",
+)
+
+
+def verbose_requested(argv: list[str]) -> tuple[bool, list[str]]:
+    """Whether `--verbose` (anywhere) or SSL_VIT_VERBOSE asks for everything, and argv without it."""
+    verbose = "--verbose" in argv or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    return verbose, [a for a in argv if a != "--verbose"]
+
+
+def quiet(verbose: bool) -> None:
+    """Drop the listed messages in this process and the processes it starts (DataLoader workers, DDP
+    ranks started by Lightning or torchrun inherit the environment), unless `verbose`."""
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # ranks Lightning starts run `ssl-vit` again
+        return
+    for message in WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    for name in INFO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in logger.filters):
+            logger.addFilter(_DropLines())
+    # W&B prints its version, sync mode, local folder and a viewer hint at the start of every run and a
+    # sync hint at its end; `tracking.WandbLogger` says where the run is in one line instead.
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, starts: tuple[str, ...] = INFO_LINES):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+@contextlib.contextmanager
+def lightning_info_dropped(*starts: str):
+    """Lightning's INFO lines that start with `starts` dropped while the block runs (a trainer that is
+    one step of a longer command, whose own display says where it is), unless verbose."""
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        yield
+        return
+    drop = _DropLines(starts)
+    loggers = [logging.getLogger(name) for name in INFO_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
