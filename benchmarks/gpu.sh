@@ -3,10 +3,15 @@
 # torch.compile off, then per transformer block, then of the whole step as CUDA graphs
 # (`--compile-scope step --compile-mode reduce-overhead`); images/s, MFU and the MAE / supervised
 # ratios, as tables. The third table's heading counts the compiled graphs that ran without CUDA
-# graphs, if any (inductor's "skipping cudagraphs due to ..." warning above it says why). Last, MAE's
+# graphs, if any (inductor's "skipping cudagraphs due to ..." warning above it says why). Next, MAE's
 # eager step piece by piece (`ssl-vit bench parts`): encoder blocks, decoder blocks and the rest, each
-# with its FLOP rate against supervised's blocks.
-#   bash benchmarks/gpu.sh              (about 5 min on an H200, compilation included; WHOLE_STEP=0: 2 min)
+# with its FLOP rate against supervised's blocks. Then the input path (`ssl-vit bench feed`): ImageNet's
+# typical 500x375 JPEGs streamed from shards by 4, 8 and 16 DataLoader workers to normalised batches on
+# the GPU, and decoded on the GPU (`--decode device`) with 2 and 4 workers, each against the supervised
+# and MAE step rates of the first table, eager and compiled ("feed / step" above 1: the GPU never waits
+# for data). `--decode device` needs a ShardDataModule that takes `decode` (DECODE_DEVICE=0 leaves it out).
+#   bash benchmarks/gpu.sh   (about 5 min on an H200, compilation included, and about 1 more for the feed
+#                            rows; WHOLE_STEP=0: 2 min and that)
 # Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.
 # The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.
 set -euo pipefail
@@ -28,4 +33,15 @@ if [ "${WHOLE_STEP:-1}" = 1 ]; then
 fi
 $SSLVIT bench parts "${common[@]}" --task mae --json "${JSON%.json}-parts.json"
 written+=("${JSON%.json}-parts.json")
+feed=(
+    --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
+    --device "${DEVICE:-cuda}" --stored "${STORED:-500x375}" --batches "${FEED_BATCHES:-4}" --step-json "$JSON"
+)
+$SSLVIT bench feed "${feed[@]}" --workers "${FEED_WORKERS:-4,8,16}" --json "${JSON%.json}-feed.json"
+written+=("${JSON%.json}-feed.json")
+if [ "${DECODE_DEVICE:-1}" = 1 ]; then
+    $SSLVIT bench feed "${feed[@]}" --decode device --workers "${DEVICE_WORKERS:-2,4}" \
+        --json "${JSON%.json}-feed-device.json"
+    written+=("${JSON%.json}-feed-device.json")
+fi
 echo "tables above; numbers in ${written[*]}"

@@ -1,11 +1,13 @@
-"""`ssl-vit bench step|parts|loop|scaling` and benchmarks/gpu.sh run end to end (tiny sizes, CPU) and count
-FLOPs as `ssl-vit info` does. Only correctness: no timing is asserted."""
+"""`ssl-vit bench step|parts|loop|scaling|feed` and benchmarks/gpu.sh run end to end (tiny sizes, CPU)
+and count FLOPs as `ssl-vit info` does. Only correctness: no timing is asserted."""
 
+import inspect
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ssl_vit.benchmark.parts import PartsBench
 from ssl_vit.benchmark.scaling import traffic_table
 from ssl_vit.benchmark.step import NUM_CLASSES, StepBench, build_task, simmim_cell, task_flops
+from ssl_vit.data import ShardDataModule
 from ssl_vit.info import mae_cost, vit_cost
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import step_loss
@@ -251,11 +254,13 @@ def assert_step_report(report: dict) -> None:
 def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     """benchmarks/gpu.sh: `ssl-vit bench step` of supervised and MAE, compile off, per block, and the
     whole step under CUDA graphs' mode (inductor without CUDA graphs on the CPU), then `bench parts` of
-    MAE; tables printed and every report in its JSON."""
+    MAE, then `bench feed` against the first steps (decoding on the CPU only: the device's needs a
+    CUDA decoder); tables printed and every report in its JSON."""
     env = {
         **os.environ, "SSLVIT": f"{sys.executable} -m ssl_vit", "VARIANT": "Ti/8", "IMG_SIZE": "32",
         "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "2", "STEPS": "1", "WARMUP": "1",
         "JSON": str(tmp_path / "gpu.json"), "WANDB_MODE": "offline",
+        "STORED": "64x48", "FEED_WORKERS": "1", "FEED_BATCHES": "1", "DECODE_DEVICE": "0",
     }  # fmt: skip
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -274,3 +279,85 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     parts = json.loads((tmp_path / "gpu-parts.json").read_text())
     assert parts["config"]["task"] == "mae" and len(parts["rows"]) == 7
     assert "| mae | decoder blocks |" in parts_table
+    feed = json.loads((tmp_path / "gpu-feed.json").read_text())
+    assert feed["step_reports"] == json.loads((tmp_path / "gpu.json").read_text())  # not measured again
+    assert list(feed["step"]) == ["supervised", "mae", "supervised, compiled", "mae, compiled"]
+    assert [row["workers"] for row in feed["rows"]] == [1] and feed["config"]["stored"] == [64, 48]
+    assert "| feed / step (supervised) |" in parts_table
+
+
+FEED = ["--stored", "64x48", "--img-size", "32", "--variant", "Ti/8", "--batch-size", "2", "--batches", "2"]
+
+
+def feed_shards() -> set[Path]:
+    """`bench feed`'s temporary shard directories now present."""
+    return set(Path(tempfile.gettempdir()).glob("ssl-vit-bench-feed-*"))
+
+
+@pytest.mark.slow
+def test_bench_feed_times_the_input_path_against_the_step(tmp_path):
+    """`ssl-vit bench feed`: the step measured as `bench step` measures it, then shards streamed
+    through 0 and 1 DataLoader workers to normalised batches; a table and the JSON report, and no
+    shards left behind."""
+    before, out = feed_shards(), tmp_path / "feed.json"
+    proc = run_cli("bench", "feed", *FEED, "--workers", "0,1", "--steps", "1", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert feed_shards() == before
+    config = report["config"]
+    assert config["stored"] == [64, 48] and config["img_size"] == 32 and config["decode"] == "cpu"
+    assert config["batch_size"] == 2 and config["batches"] == 2 and config["device"] == "cpu"
+    (step,) = report["step_reports"]
+    assert [row["name"] for row in step["rows"]] == ["plain", "mae"]
+    assert report["step"] == {"mae": step["rows"][1]["images_per_s"]}
+    assert [row["workers"] for row in report["rows"]] == [0, 1]
+    for row in report["rows"]:
+        assert row["images_per_s"] > 0 and row["per_worker"] == row["images_per_s"]
+        assert row["vs_step"]["mae"] == pytest.approx(row["images_per_s"] / report["step"]["mae"])
+    assert "| workers | img/s | per worker | feed / step (mae) |" in proc.stdout
+    assert "| 0 (in-process) |" in proc.stdout and "| mae |" in proc.stdout  # and the step's own table
+
+
+@pytest.mark.slow
+def test_bench_feed_takes_the_step_from_a_bench_step_report(tmp_path):
+    """With `--step-json`, every task and compile setting of the report is a `feed / step` column,
+    and nothing is measured again; a report of another batch is refused."""
+    step_json, out = tmp_path / "step.json", tmp_path / "feed.json"
+    run_cli("bench", "step", *TINY, "--tasks", "supervised", "mae", "--json", str(step_json))
+    proc = run_cli(
+        "bench", "feed", *FEED, "--workers", "1", "--step-json", str(step_json), "--json", str(out)
+    )
+    report = json.loads(out.read_text())
+    steps = json.loads(step_json.read_text())
+    assert report["step_reports"] == steps and "round 1/" not in proc.stdout
+    assert list(report["step"]) == ["supervised", "mae"]
+    (row,) = report["rows"]
+    assert row["workers"] == 1 and set(row["vs_step"]) == {"supervised", "mae"}
+    assert "| feed / step (supervised) | feed / step (mae) |" in proc.stdout
+    wrong = run_cli("bench", "feed", *FEED, "--batch-size", "4", "--step-json", str(step_json), check=False)
+    assert wrong.returncode == 2 and wrong.stderr.strip() == (
+        f"ssl-vit: error: --step-json {step_json}: measured Ti/8 at 32 px, batch 2 on cpu, not Ti/8 at 32 "
+        "px, batch 4 on cpu: give the feed the step's --variant, --img-size, --batch-size and --device"
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers", "0,x"], "--workers 0,x: give worker counts of 0 or more separated by commas"),
+        (["--workers=-1"], "--workers -1: give worker counts of 0 or more"),
+        (["--stored=-64x48"], "--stored -64x48: give sides of 1 to 8192 pixels"),
+        (["--quality", "0"], "--quality 0: give a JPEG quality of 1 to 100"),
+        (["--batches", "0"], "--batches must be at least 1, got 0"),
+        (["--decode", "device"], "--decode device: this version's ShardDataModule decodes JPEGs on the CPU"),
+        (["--variant", "X/16"], "unknown ViT variant 'X/16'"),
+        (["--step-json", "missing.json"], "--step-json missing.json: not a `bench step --json` report"),
+    ],
+)
+def test_bench_feed_mistakes_are_one_line(args, message, tmp_path):
+    if args[:1] == ["--decode"] and "decode" in inspect.signature(ShardDataModule).parameters:
+        pytest.skip("ShardDataModule decodes on the device")
+    before = feed_shards()
+    proc = run_cli("bench", "feed", *FEED, *args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
+    assert list(tmp_path.iterdir()) == [] and feed_shards() == before

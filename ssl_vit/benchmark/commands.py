@@ -1,5 +1,5 @@
-"""`ssl-vit bench step|parts|loop|scaling`: the training-step (whole, and piece by piece), training-loop
-and scaling benchmarks."""
+"""`ssl-vit bench step|parts|loop|scaling|feed`: the training-step (whole, and piece by piece),
+training-loop, scaling and input-path benchmarks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
+from ssl_vit.data.commands import add_jpeg_options, check_jpeg_options
 from ssl_vit.errors import UserError, check_at_least
 
 
@@ -45,8 +46,32 @@ def add_bench_parsers(bench_subparsers) -> None:
     _run_options(parts, steps=2)
     parts.set_defaults(func=_parts)
 
+    feed = bench_subparsers.add_parser(
+        "feed", help="img/s of the whole input path (shards, workers, device) per worker count vs the step"
+    )
+    _step_options(feed, tasks=("mae",), steps=2)  # with one round (below): about a minute on 2 CPU cores
+    add_jpeg_options(feed, stored=(500, 375))
+    feed.add_argument(
+        "--workers", help="DataLoader worker counts, e.g. 0,1,2 (0: the main process decodes; default 1, 2, "
+        "4, ... up to the cores)",
+    )  # fmt: skip
+    feed.add_argument(
+        "--decode", choices=("cpu", "device"), default="cpu", help="where JPEGs are decoded (default cpu)"
+    )
+    feed.add_argument(
+        "--batches", type=int, default=16, help="timed batches per worker, after 2 untimed (default 16)"
+    )
+    feed.add_argument(
+        "--step-json", type=Path,
+        help="the step's side from this `bench step --json` report (same variant, size, batch and device) "
+        "instead of measuring it",
+    )  # fmt: skip
+    feed.set_defaults(func=_feed, rounds=1)
 
-def _step_options(parser, variant: str = "B/16", tasks: tuple[str, ...] | None = None) -> None:
+
+def _step_options(
+    parser, variant: str = "B/16", tasks: tuple[str, ...] | None = None, steps: int = 3
+) -> None:
     _model_options(parser, variant)
     parser.add_argument(
         "--tasks", nargs="+", choices=TASKS, default=list(tasks or TASKS), help="default: all"
@@ -60,7 +85,7 @@ def _step_options(parser, variant: str = "B/16", tasks: tuple[str, ...] | None =
         "--compile-mode", choices=COMPILE_MODES, default="default",
         help="torch.compile's mode (reduce-overhead: CUDA graphs)",
     )  # fmt: skip
-    _run_options(parser, steps=3)
+    _run_options(parser, steps)
 
 
 def _model_options(parser, variant: str = "B/16") -> None:
@@ -185,3 +210,70 @@ def _scaling(args) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _feed(args) -> int:
+    from ssl_vit.benchmark.feed import default_workers, format_feed, run_feed, step_rates
+    from ssl_vit.benchmark.step import format_table
+
+    workers = _worker_counts(args.workers) if args.workers is not None else default_workers()
+    check_at_least(args, 1, "batches")
+    check_jpeg_options(args)
+    _check_decode(args.decode)
+    _check(args)
+    if args.step_json is not None:
+        steps = _read_step_reports(args)
+    else:
+        steps = _step_reports(args)
+        for step in steps:
+            print("\n" + format_table(step) + "\n")
+    report = run_feed(
+        workers, stored=args.stored, quality=args.quality, img_size=args.img_size, batch_size=args.batch_size,
+        batches=args.batches, device=args.device, decode=args.decode, progress=print,
+    )  # fmt: skip
+    report = step_rates(report, steps)
+    print("\n" + format_feed(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _worker_counts(text: str) -> list[int]:
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise UserError(f"--workers {text}: give worker counts of 0 or more separated by commas, e.g. 1,2,4")
+    return counts
+
+
+def _check_decode(decode: str) -> None:
+    import inspect
+
+    from ssl_vit.data import ShardDataModule
+
+    if decode != "cpu" and "decode" not in inspect.signature(ShardDataModule).parameters:
+        raise UserError(f"--decode {decode}: this version's ShardDataModule decodes JPEGs on the CPU only")
+
+
+def _read_step_reports(args) -> list[dict]:
+    """The reports of `bench step --json` in `args.step_json`, refused unless measured at the variant,
+    image size, batch and device the feed runs at."""
+    import torch
+
+    try:
+        reports = json.loads(args.step_json.read_text())
+        measured = {(r["config"]["variant"], r["config"]["img_size"], r["config"]["batch_size"],
+                     torch.device(r["config"]["device"]).type) for r in reports}  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+        raise UserError(f"--step-json {args.step_json}: not a `bench step --json` report ({err})") from None
+    wanted = (args.variant, args.img_size, args.batch_size, torch.device(args.device).type)
+    if measured != {wanted}:
+        said = lambda v, s, b, d: f"{v} at {s} px, batch {b} on {d}"  # noqa: E731
+        found = ", ".join(said(*config) for config in sorted(measured)) or "nothing"
+        raise UserError(
+            f"--step-json {args.step_json}: measured {found}, not {said(*wanted)}: give the feed the step's "
+            "--variant, --img-size, --batch-size and --device"
+        )
+    return reports

@@ -62,6 +62,16 @@ def make_jpegs(n: int, size: tuple[int, int], seed: int = 0, quality: int = 90) 
     return out
 
 
+def write_shards(jpegs: list[bytes], directory: str | Path, shards: int = 4) -> str:
+    """`jpegs` as about `shards` tars in `directory` (labels 0-9 in turn); their URLs as one brace range."""
+    per_shard = max(1, len(jpegs) // shards)
+    with wds.ShardWriter(f"{directory}/bench-%06d.tar", maxcount=per_shard, verbose=0) as sink:
+        for i, data in enumerate(jpegs):
+            sink.write({"__key__": f"{i:08d}", "jpg": data, "cls": str(i % 10)})
+    written = len(list(Path(directory).glob("bench-*.tar")))
+    return f"{directory}/bench-{{000000..{written - 1:06d}}}.tar"
+
+
 def _worker_rss_kib() -> int:
     """Resident memory of the (single) DataLoader worker, from /proc (Linux)."""
     (child,) = multiprocessing.active_children()
@@ -150,10 +160,7 @@ def run(
     rates: dict[tuple[int, bool], list[float]] = {}
     references = []
     with tempfile.TemporaryDirectory() as tmp:
-        with wds.ShardWriter(f"{tmp}/bench-%06d.tar", maxcount=max(1, images // 4), verbose=0) as sink:
-            for i, data in enumerate(jpegs):
-                sink.write({"__key__": f"{i:08d}", "jpg": data, "cls": str(i % 10)})
-        urls = f"{tmp}/bench-{{000000..{(len(list(Path(tmp).glob('*.tar'))) - 1):06d}}}.tar"
+        urls = write_shards(jpegs, tmp)
         for _ in range(repeats):
             # the reference is measured before, between and after the pipeline runs; each pipeline rate
             # is divided by the mean of the two bare-loop measurements around it

@@ -7,7 +7,8 @@ import argparse
 from ssl_vit.data.sources import SOURCES_HELP
 from ssl_vit.errors import UserError, check_at_least
 
-MAX_STORED = 8192  # `bench data` holds its generated JPEGs in memory; larger sides only exhaust it
+# `bench data` and `bench feed` hold their generated JPEGs in memory; larger sides only exhaust it
+MAX_STORED = 8192
 
 
 def add_parser(subparsers) -> None:
@@ -77,18 +78,7 @@ def add_bench_parser(bench_subparsers) -> None:
     # least twice the crop with margin, where draft decoding can pay (500x375, ImageNet's
     # typical size, is below 2x224); see benchmarks/RESULTS.md for the other settings.
     bench.add_argument("--image-size", type=int, default=224, help="crop size (default 224)")
-    bench.add_argument(
-        "--stored",
-        type=_size,
-        default=(1000, 750),
-        help="stored JPEG size WxH (default 1000x750; ImageNet's typical size is 500x375)",
-    )
-    bench.add_argument(
-        "--quality",
-        type=int,
-        default=90,
-        help="JPEG quality of the stored images (default 90: ImageNet's files are mostly 75-90)",
-    )
+    add_jpeg_options(bench, stored=(1000, 750))
     bench.add_argument(
         "--crop-scale",
         type=float,
@@ -102,6 +92,30 @@ def add_bench_parser(bench_subparsers) -> None:
         "--repeats", type=int, default=1, help="repeat every measurement, report median ratios (default 1)"
     )
     bench.set_defaults(func=_bench)
+
+
+def add_jpeg_options(parser, stored: tuple[int, int]) -> None:
+    """`--stored` and `--quality` of the JPEGs a benchmark generates (`ssl_vit.data.bench.make_jpegs`);
+    `check_jpeg_options` checks them."""
+    parser.add_argument(
+        "--stored",
+        type=_size,
+        default=stored,
+        help=f"stored JPEG size WxH (default {stored[0]}x{stored[1]}; ImageNet's typical size is 500x375)",
+    )
+    parser.add_argument(
+        "--quality",
+        type=int,
+        default=90,
+        help="JPEG quality of the stored images (default 90: ImageNet's files are mostly 75-90)",
+    )
+
+
+def check_jpeg_options(args) -> None:
+    if not all(1 <= side <= MAX_STORED for side in args.stored):
+        raise UserError(f"--stored {args.stored[0]}x{args.stored[1]}: give sides of 1 to {MAX_STORED} pixels")
+    if not 1 <= args.quality <= 100:
+        raise UserError(f"--quality {args.quality}: give a JPEG quality of 1 to 100")
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -150,10 +164,7 @@ def _bench(args) -> int:
     from ssl_vit.data.bench import format_results, run
 
     check_at_least(args, 1, "images", "samples", "memory_samples", "image_size", "batch_size", "repeats")
-    if not all(1 <= side <= MAX_STORED for side in args.stored):
-        raise UserError(f"--stored {args.stored[0]}x{args.stored[1]}: give sides of 1 to {MAX_STORED} pixels")
-    if not 1 <= args.quality <= 100:
-        raise UserError(f"--quality {args.quality}: give a JPEG quality of 1 to 100")
+    check_jpeg_options(args)
     low, high = args.crop_scale
     if not 0 < low <= high <= 1:
         raise UserError(f"--crop-scale {low} {high}: give MIN MAX with 0 < MIN <= MAX <= 1, e.g. 0.2 1.0")

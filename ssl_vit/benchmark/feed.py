@@ -1,0 +1,146 @@
+"""`ssl-vit bench feed`: images/s of a training job's whole input path, per number of DataLoader
+workers, against the training step's own rate (`ssl-vit bench step`) on the same device.
+
+The input path as `ssl-vit fit` runs it: JPEG shards in a temporary local directory (scikit-image's
+photos, randomly cropped and re-encoded at `--stored` size and `--quality`, `ssl_vit.data.bench`) ->
+`ShardDataModule`'s training stream (tar reading, shuffle, decode, random resized crop with the
+imagenet1k recipes' scale (0.2, 1), flip, uint8 batches) through its DataLoader workers -> each batch
+moved to the device as Lightning moves it and passed through the data module's
+`on_after_batch_transfer` (normalised, as training gets it). The step is not run meanwhile: this is
+what the workers can deliver, to be read against what the step consumes.
+
+Each worker's first `WARMUP_BATCHES` batches are not timed (process start-up, first shards opened,
+shuffle buffer primed); then `batches` per worker are, the device synchronised at both ends. The
+DataLoader takes batches from its workers in turn, so the timed window holds whole rounds of them.
+
+`feed / step` above 1: the workers deliver faster than the step consumes, the accelerator never waits
+for data. Each side is timed alone: on a CPU device, where a training run's step and workers share
+the cores, the ratio only says which of the two is far the slower.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from lightning_fabric.utilities.apply_func import move_data_to_device
+
+from ssl_vit.data import ShardDataModule
+from ssl_vit.data.bench import make_jpegs, write_shards
+
+CROP_SCALE = (0.2, 1.0)  # the imagenet1k recipes' (MAE's pretraining crop)
+IMAGES, SHARDS = 256, 8  # distinct JPEGs, and the tars holding them (the stream resamples them)
+WARMUP_BATCHES = 2  # per worker
+
+
+def default_workers() -> list[int]:
+    """1, 2, 4, ... up to the cores this process may run on, and that number itself."""
+    cores = len(os.sched_getaffinity(0))
+    counts = [2**k for k in range(cores.bit_length()) if 2**k <= cores]
+    return counts + ([cores] if counts[-1] != cores else [])
+
+
+def feed_rate(
+    urls: str, workers: int, batch_size: int, img_size: int, batches: int, device: torch.device, decode: str
+) -> float:
+    """Images/s from `workers` DataLoader workers (0: the main process decodes) to normalised batches
+    on `device`, over `batches` timed batches per worker."""
+    rounds = max(1, workers)  # batches per round of the DataLoader over its workers
+    data = ShardDataModule(
+        train_urls=urls,
+        batch_size=batch_size,
+        num_workers=workers,
+        image_size=img_size,
+        crop_scale=CROP_SCALE,
+        train_batches=(WARMUP_BATCHES + batches) * rounds,
+        # only when asked for: decoding on the CPU is what a ShardDataModule without `decode` does
+        **({"decode": decode} if decode != "cpu" else {}),
+    )
+    data.setup("fit")
+    for i, batch in enumerate(data.train_dataloader()):
+        batch = data.on_after_batch_transfer(move_data_to_device(batch, device), 0)
+        if i == WARMUP_BATCHES * rounds - 1:
+            _sync(device)
+            start = time.perf_counter()
+    _sync(device)
+    return batches * rounds * batch_size / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_feed(
+    workers: list[int],
+    *,
+    stored: tuple[int, int],
+    quality: int,
+    img_size: int,
+    batch_size: int,
+    batches: int,
+    device: str,
+    decode: str,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict:
+    """The feed rate for each number of `workers`, as a report (`step_rates` adds the step's side)."""
+    jpegs = make_jpegs(IMAGES, stored, quality=quality)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ssl-vit-bench-feed-") as tmp:
+        urls = write_shards(jpegs, tmp, SHARDS)
+        for n in workers:
+            rate = feed_rate(urls, n, batch_size, img_size, batches, torch.device(device), decode)
+            rows.append({"workers": n, "images_per_s": rate, "per_worker": rate / max(1, n)})
+            progress(f"{n} workers: {rate:.1f} img/s")
+    config = {
+        "stored": list(stored), "quality": quality, "images": IMAGES, "img_size": img_size,
+        "crop_scale": list(CROP_SCALE), "batch_size": batch_size, "decode": decode, "device": device,
+        "batches": batches, "warmup_batches": WARMUP_BATCHES, "cores": len(os.sched_getaffinity(0)),
+    }  # fmt: skip
+    return {"config": config, "rows": rows}
+
+
+def step_rates(report: dict, step_reports: list[dict]) -> dict:
+    """`report` with the step's side: the rate of every task of `step_reports` (`bench step`'s
+    reports, one per compile setting) and each row's `vs_step`, its feed rate over each."""
+    steps = {}
+    for step in step_reports:
+        compiled = ", compiled" if step["config"]["compile"] else ""
+        for row in step["rows"]:
+            if row["name"] != "plain":
+                steps[row["name"] + compiled] = row["images_per_s"]
+    rows = [
+        {**row, "vs_step": {name: row["images_per_s"] / rate for name, rate in steps.items()}}
+        for row in report["rows"]
+    ]
+    return {**report, "step": steps, "step_reports": step_reports, "rows": rows}
+
+
+def format_feed(report: dict) -> str:
+    """The report as a Markdown table (also what `ssl-vit bench feed` prints)."""
+    c = report["config"]
+    w, h = c["stored"]
+    steps = report["step"]
+    head = (
+        f"{c['images']} JPEGs {w}x{h} quality {c['quality']}, crop {c['img_size']} scale "
+        f"({c['crop_scale'][0]:g}, {c['crop_scale'][1]:g}), batch {c['batch_size']}, decode {c['decode']}, "
+        f"normalised on {c['device']}; {c['batches']} timed batches per worker after "
+        f"{c['warmup_batches']}; {c['cores']} cores\n"
+        f"step (bench step, img/s): " + ", ".join(f"{name} {rate:.1f}" for name, rate in steps.items())
+    )
+    lines = [
+        head,
+        "",
+        "| workers | img/s | per worker | " + " | ".join(f"feed / step ({name})" for name in steps) + " |",
+        "|---:|---:|---:|" + "---:|" * len(steps),
+    ]
+    for row in report["rows"]:
+        workers = "0 (in-process)" if row["workers"] == 0 else str(row["workers"])
+        cells = [workers, f"{row['images_per_s']:.1f}", f"{row['per_worker']:.1f}"]
+        cells += [f"{ratio:.2f}" for ratio in row["vs_step"].values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "feed / step above 1: the step never waits for data"]
+    return "\n".join(lines)
