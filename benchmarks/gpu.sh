@@ -9,7 +9,7 @@
 # typical 500x375 JPEGs streamed from shards by 4, 8 and 16 DataLoader workers to normalised batches on
 # the GPU, and decoded on the GPU (`--decode device`) with 2 and 4 workers, each against the supervised
 # and MAE step rates of the first table, eager and compiled ("feed / step" above 1: the GPU never waits
-# for data). `--decode device` needs a ShardDataModule that takes `decode` (DECODE_DEVICE=0 leaves it out).
+# for data; DECODE_DEVICE=0 leaves the device decoding out).
 #   bash benchmarks/gpu.sh   (about 5 min on an H200, compilation included, and about 1 more for the feed
 #                            rows; WHOLE_STEP=0: 2 min and that)
 # Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.

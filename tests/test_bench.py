@@ -1,7 +1,6 @@
 """`ssl-vit bench step|parts|loop|scaling|feed` and benchmarks/gpu.sh run end to end (tiny sizes, CPU)
 and count FLOPs as `ssl-vit info` does. Only correctness: no timing is asserted."""
 
-import inspect
 import json
 import os
 import statistics
@@ -19,7 +18,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from ssl_vit.benchmark.parts import PartsBench
 from ssl_vit.benchmark.scaling import traffic_table
 from ssl_vit.benchmark.step import NUM_CLASSES, StepBench, build_task, simmim_cell, task_flops
-from ssl_vit.data import ShardDataModule
 from ssl_vit.info import mae_cost, vit_cost
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import step_loss
@@ -254,13 +252,13 @@ def assert_step_report(report: dict) -> None:
 def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     """benchmarks/gpu.sh: `ssl-vit bench step` of supervised and MAE, compile off, per block, and the
     whole step under CUDA graphs' mode (inductor without CUDA graphs on the CPU), then `bench parts` of
-    MAE, then `bench feed` against the first steps (decoding on the CPU only: the device's needs a
-    CUDA decoder); tables printed and every report in its JSON."""
+    MAE, then `bench feed` against the first steps (decoding in the workers, then on the device: here
+    the CPU); tables printed and every report in its JSON."""
     env = {
         **os.environ, "SSLVIT": f"{sys.executable} -m ssl_vit", "VARIANT": "Ti/8", "IMG_SIZE": "32",
         "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "2", "STEPS": "1", "WARMUP": "1",
         "JSON": str(tmp_path / "gpu.json"), "WANDB_MODE": "offline",
-        "STORED": "64x48", "FEED_WORKERS": "1", "FEED_BATCHES": "1", "DECODE_DEVICE": "0",
+        "STORED": "64x48", "FEED_WORKERS": "1", "FEED_BATCHES": "1", "DEVICE_WORKERS": "1",
     }  # fmt: skip
     proc = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -284,6 +282,8 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     assert list(feed["step"]) == ["supervised", "mae", "supervised, compiled", "mae, compiled"]
     assert [row["workers"] for row in feed["rows"]] == [1] and feed["config"]["stored"] == [64, 48]
     assert "| feed / step (supervised) |" in parts_table
+    device = json.loads((tmp_path / "gpu-feed-device.json").read_text())
+    assert device["config"]["decode"] == "device" and [row["workers"] for row in device["rows"]] == [1]
 
 
 FEED = ["--stored", "64x48", "--img-size", "32", "--variant", "Ti/8", "--batch-size", "2", "--batches", "2"]
@@ -348,14 +348,11 @@ def test_bench_feed_takes_the_step_from_a_bench_step_report(tmp_path):
         (["--stored=-64x48"], "--stored -64x48: give sides of 1 to 8192 pixels"),
         (["--quality", "0"], "--quality 0: give a JPEG quality of 1 to 100"),
         (["--batches", "0"], "--batches must be at least 1, got 0"),
-        (["--decode", "device"], "--decode device: this version's ShardDataModule decodes JPEGs on the CPU"),
         (["--variant", "X/16"], "unknown ViT variant 'X/16'"),
         (["--step-json", "missing.json"], "--step-json missing.json: not a `bench step --json` report"),
     ],
 )
 def test_bench_feed_mistakes_are_one_line(args, message, tmp_path):
-    if args[:1] == ["--decode"] and "decode" in inspect.signature(ShardDataModule).parameters:
-        pytest.skip("ShardDataModule decodes on the device")
     before = feed_shards()
     proc = run_cli("bench", "feed", *FEED, *args, cwd=tmp_path, check=False)
     assert proc.returncode == 2

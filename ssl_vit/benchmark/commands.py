@@ -219,7 +219,6 @@ def _feed(args) -> int:
     workers = _worker_counts(args.workers) if args.workers is not None else default_workers()
     check_at_least(args, 1, "batches")
     check_jpeg_options(args)
-    _check_decode(args.decode)
     _check(args)
     if args.step_json is not None:
         steps = _read_step_reports(args)
@@ -246,15 +245,6 @@ def _worker_counts(text: str) -> list[int]:
     if not counts or min(counts) < 0:
         raise UserError(f"--workers {text}: give worker counts of 0 or more separated by commas, e.g. 1,2,4")
     return counts
-
-
-def _check_decode(decode: str) -> None:
-    import inspect
-
-    from ssl_vit.data import ShardDataModule
-
-    if decode != "cpu" and "decode" not in inspect.signature(ShardDataModule).parameters:
-        raise UserError(f"--decode {decode}: this version's ShardDataModule decodes JPEGs on the CPU only")
 
 
 def _read_step_reports(args) -> list[dict]:

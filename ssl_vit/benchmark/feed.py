@@ -57,7 +57,7 @@ def feed_rate(
         crop_scale=CROP_SCALE,
         train_batches=(WARMUP_BATCHES + batches) * rounds,
         # only when asked for: decoding on the CPU is what a ShardDataModule without `decode` does
-        **({"decode": decode} if decode != "cpu" else {}),
+        decode=decode,
     )
     data.setup("fit")
     for i, batch in enumerate(data.train_dataloader()):
