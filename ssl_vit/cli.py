@@ -139,7 +139,9 @@ def lightning_cli(argv: list[str]):
                 # Only the job's rank 0 (every rank of a torchrun/srun job runs this command). An object
                 # store (s3://...) has no locks.
                 held.enter_context(RunLock(root))
-            given = config.get("ckpt_path")
+            given = check_ckpt_choice(self.config.subcommand, config.get("ckpt_path"))
+            if given == "scratch":  # validate/test of the freshly initialised model, asked for by name
+                config.ckpt_path = given = None
             path = resumed_checkpoint(given, checkpoint_dir(config)) if given == "last" else given
             if path is None or local_ckpt_path(path) is None:
                 return  # nothing yet to resume, or a URL: the checkpoint IO checks it when loading
@@ -173,6 +175,7 @@ def lightning_cli(argv: list[str]):
                 strategy = config.trainer.strategy
                 strategy = str(getattr(strategy, "class_path", strategy))  # a name, or class_path + init_args
                 check_compile(config.compile.mode, config.trainer.accumulate_grad_batches, strategy)
+            check_optimizer(config)
             # The datamodule checks the shards again in its setup, after the trainer has printed its
             # banner and the logger has started its run; here first, the error is the command's only
             # output and the run directory is left as it was.
@@ -310,6 +313,53 @@ def _in_logging(frame) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def check_optimizer(config) -> None:
+    """The model's optimizer built once on a dummy parameter, before anything is written: torch checks
+    its values (a negative learning rate, betas outside [0, 1), ...) only when the task builds it, after
+    the run directory, config.yaml and the W&B run exist."""
+    spec = getattr(getattr(config.get("model"), "init_args", None), "optimizer", None)
+    class_path = getattr(spec, "class_path", None)
+    if class_path is None:
+        return
+    import importlib
+
+    import torch
+
+    module, _, name = class_path.rpartition(".")
+    init_args = spec.init_args.as_dict() if hasattr(spec.init_args, "as_dict") else dict(spec.init_args or {})
+    try:
+        optimizer = getattr(importlib.import_module(module), name)
+        optimizer([torch.nn.Parameter(torch.zeros(1))], **init_args)
+    except (ValueError, TypeError) as err:
+        raise UserError(
+            f"model.init_args.optimizer ({class_path.rsplit('.', 1)[-1]}): {err}: give a valid value in the "
+            "recipe or on the command line (--model.init_args.optimizer.init_args.NAME VALUE)"
+        ) from None
+
+
+def check_ckpt_choice(subcommand: str, given: str | None) -> str | None:
+    """`--ckpt_path` as given, refused in one line where Lightning would raise from deep inside: `best`
+    (ssl-vit saves by steps and monitors no metric, so there is no best checkpoint), an empty path, and
+    `validate`/`test` without one (which would score a randomly initialised model): `scratch` asks for
+    that on purpose."""
+    fix = "give last, or the path of a .ckpt"
+    if given == "best":
+        raise UserError(
+            f"--ckpt_path best: ssl-vit saves checkpoints by steps and monitors no metric, so none is the "
+            f"best: {fix}"
+        )
+    if given is not None and not str(given).strip():
+        raise UserError(f"--ckpt_path is empty: {fix}")
+    if subcommand in ("validate", "test") and given is None:
+        raise UserError(
+            f"{subcommand} needs --ckpt_path (without one it would score a randomly initialised model): "
+            f"{fix}, or scratch to score the initialisation on purpose"
+        )
+    if given == "scratch" and subcommand == "fit":
+        raise UserError("--ckpt_path scratch: a fit starts from scratch without --ckpt_path; drop it")
+    return given
 
 
 def checkpoint_dir(config) -> Path:

@@ -120,6 +120,12 @@ def user_error_message(err: BaseException) -> str | None:
             return worker
         if isinstance(exc, UserError):
             return text.strip().splitlines()[-1] if "Original Traceback" in text else text
+    for exc in chain:
+        # Lightning's own word for a value it refuses (`every_n_train_steps=-3`, ...), raised as the
+        # trainer or a callback is built: a user's value, before anything is written
+        if type(exc).__name__ == "MisconfigurationException":
+            first = str(exc).strip().splitlines()[0]
+            return f"{first}: give a valid value in the recipe or on the command line"
     texts = [str(exc) for exc in chain]
     for message in reversed(UserError.recent):
         if message and any(message in text for text in texts):

@@ -31,6 +31,9 @@ WARNINGS = (
     # A fit refuses a run directory that holds checkpoints unless it resumes from one (`--ckpt_path`),
     # so a non-empty checkpoint directory is always the run's own.
     r"Checkpoint directory .* exists and is not empty\.",
+    # `--ckpt_path last` in a run directory without checkpoints is a fresh start, as the README and the
+    # SLURM script (which always passes it) say: the first job of a run.
+    re.escape('.fit(ckpt_path="last") is set, but there is no last checkpoint available.'),
 )
 
 # Lightning's INFO lines, by their start: facts a user of ssl-vit either chose (the seed, the devices in
@@ -51,6 +54,12 @@ INFO_LOGGERS = (
 )
 
 
+# Hugging Face Hub's lines for each retry of a download (`timm:NAME` weights): the download either
+# succeeds or ends in ssl-vit's one line naming the failure.
+HUB_RETRY_LINES = re.compile(r"('.*'|HTTP Error \d+) thrown while requesting |Retrying in \d")
+HUB_LOGGERS = ("huggingface_hub.utils._http", "huggingface_hub.hf_api", "huggingface_hub.file_download")
+
+
 def verbose_requested(argv: list[str]) -> tuple[bool, list[str]]:
     """Whether `--verbose` (anywhere) or SSL_VIT_VERBOSE asks for everything, and argv without it."""
     verbose = "--verbose" in argv or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
@@ -65,22 +74,28 @@ def quiet(verbose: bool) -> None:
         return
     for message in WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    for name in INFO_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropLines) for f in logger.filters):
-            logger.addFilter(_DropLines())
+    for names, drop in ((INFO_LOGGERS, _DropLines()), (HUB_LOGGERS, _DropLines(pattern=HUB_RETRY_LINES))):
+        for name in names:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _DropLines) for f in logger.filters):
+                logger.addFilter(drop)
     # W&B prints its version, sync mode, local folder and a viewer hint at the start of every run and a
     # sync hint at its end; `tracking.WandbLogger` says where the run is in one line instead.
     os.environ.setdefault("WANDB_SILENT", "true")
 
 
 class _DropLines(logging.Filter):
-    def __init__(self, starts: tuple[str, ...] = INFO_LINES):
+    """Drops the records whose message starts with one of `starts`, or that `pattern` matches."""
+
+    def __init__(self, starts: tuple[str, ...] = INFO_LINES, pattern: re.Pattern | None = None):
         super().__init__()
-        self.starts = starts
+        self.starts, self.pattern = starts, pattern
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.starts)
+        message = str(record.msg)
+        if self.pattern is not None:
+            return self.pattern.match(message) is None
+        return not message.startswith(self.starts)
 
 
 @contextlib.contextmanager

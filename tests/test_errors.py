@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+import timm
 import torch
 from cli_helpers import run_cli
 from safetensors.torch import save_file
@@ -73,6 +74,15 @@ def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
         (("--data.init_args.mixup_alpha", "0.8"), ("mixup/cutmix belong to train_preset 'supervised'",)),
         (("--data.init_args.randaugment", "rand-m9"), ("randaugment is part of the 'supervised' preset",)),
         (("--model.init_args.mask_ratio", "1.5"), ("mask_ratio must be in (0, 1)", "got 1.5")),
+        (
+            ("--model.init_args.optimizer.init_args.lr", "-1"),
+            ("model.init_args.optimizer (AdamW): Invalid learning rate: -1.0", "give a valid value"),
+        ),
+        (("--checkpoint.every_n_train_steps", "-3"), ("every_n_train_steps=-3. Must be >= 0",)),
+        (("--data.init_args.crop_scale", "[1.5, 2.0]"), ("crop_scale [1.5, 2.0]", "0 < min <= max <= 1")),
+        (("--data.init_args.image_size", "31"), ("image size 31 is not divisible by the patch size 4",)),
+        (("--ckpt_path", "best"), ("--ckpt_path best", "monitors no metric", "give last")),
+        (("--ckpt_path", ""), ("--ckpt_path is empty",)),
     ],
 )
 def test_fit_with_an_out_of_range_value(digits_shards, tmp_path, option, words):
@@ -129,6 +139,42 @@ def test_fit_ckpt_path_that_is_not_a_checkpoint(digits_shards, tmp_path, make, w
         line = error_line(proc, f"--ckpt_path {ckpt}", words, "RUN/checkpoints/last.ckpt", "init_from")
         assert listing(tmp_path) == before  # no run directory, no wandb files
     assert line.startswith("ssl-vit: error: ") and "\n" not in line
+
+
+def test_fit_ckpt_path_with_no_weights(digits_shards, tmp_path):
+    ckpt = tmp_path / "empty.ckpt"
+    torch.save({"state_dict": {}, "global_step": 0}, ckpt)
+    proc = fit(digits_shards, tmp_path, "--ckpt_path", str(ckpt))
+    error_line(proc, f"--ckpt_path {ckpt} holds no weights (its state_dict is empty)")
+    assert listing(tmp_path) == ["empty.ckpt"]
+
+
+def test_resume_over_a_dangling_last_link_is_one_line(digits_shards, tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last.ckpt").symlink_to("step0000004.ckpt")  # the file it named was deleted
+    before = listing(tmp_path)
+    proc = fit(digits_shards, tmp_path, "--ckpt_path", "last")
+    error_line(proc, "last.ckpt is damaged (a link to step0000004.ckpt, which does not exist)")
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["validate", "test"])
+def test_validate_or_test_without_a_checkpoint_is_refused_unless_scratch_is_named(
+    digits_shards, tmp_path, command
+):
+    args = [
+        command, "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
+        "--data.init_args.val_urls", str(digits_shards / "val-000000.tar"),
+        "--data.init_args.test_urls", str(digits_shards / "val-000000.tar"),
+        "--data.init_args.num_workers", "0", "--trainer.logger", "false",
+        "--trainer.default_root_dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    proc = run_cli(*args, cwd=tmp_path, check=False)
+    error_line(proc, f"{command} needs --ckpt_path", "randomly initialised model", "scratch")
+    assert listing(tmp_path) == []
+    proc = run_cli(*args, "--ckpt_path", "scratch", cwd=tmp_path)  # on purpose: the initialisation
+    assert proc.returncode == 0 and ("val/" in proc.stdout or "test/" in proc.stdout), proc.stdout[-2000:]
 
 
 def test_check_ckpt_path_accepts_a_lightning_checkpoint(tmp_path):
@@ -274,8 +320,10 @@ def write_suite(path: Path, shards: Path, **changes) -> Path:
         ({"protocol": []}, ["unknown keys ['protocol']", "valid keys are backbone, data, datasets"]),
         ({"backbone__patch": 8}, ["backbone: unknown keys ['patch']", "valid keys are variant, img_size"]),
         ({"seed": "zero"}, ["seed is 'zero'", "integer"]),
+        ({"protocols": [{"name": "knn", "kind": "knn", "k": 5000}]},
+         ["protocol 'knn': k 5000 is more than the", "training images it votes among"]),
     ],
-    ids=["variant", "data-key", "top-level-key", "backbone-key", "seed"],
+    ids=["variant", "data-key", "top-level-key", "backbone-key", "seed", "k"],
 )
 def test_evaluate_with_a_bad_suite(digits_shards, tmp_path, changes, words):
     suite = write_suite(tmp_path / "suite.yaml", digits_shards, **changes)
@@ -317,16 +365,22 @@ GOOD_METADATA = json.loads(config_metadata(ViTConfig(**TINY))["ssl_vit.backbone"
         (lambda p: p.write_bytes(bytes(range(256)) * 4), ["not a checkpoint torch can load safely"]),
         (lambda p: p.write_text("epoch: 3\n"), ["not a checkpoint torch can load safely"]),
         (not_torch_zip, ["not a checkpoint torch can load safely"]),
+        (
+            lambda p: torch.save(timm.create_model("resnet18").state_dict(), p),
+            ["is not a ViT's weights", "it holds 122 others (conv1.weight, bn1.weight, bn1.bias, ...)"],
+        ),
     ],
-    ids=["meta-not-json", "meta-variant", "meta-unknown-key", "meta-type", "random", "text", "zip"],
+    ids=["meta-not-json", "meta-variant", "meta-unknown-key", "meta-type", "random", "text", "zip", "resnet"],
 )
 def test_evaluate_a_file_that_is_not_a_usable_checkpoint(digits_shards, tmp_path, make, words):
-    name = "weights.safetensors" if "meta" in words[0] else "weights.ckpt"
+    suffix = ".safetensors" if "meta" in words[0] else ".pth" if "ViT" in words[0] else ".ckpt"
+    name = f"weights{suffix}"
     ckpt = tmp_path / name
     make(ckpt)
     suite = write_suite(tmp_path / "suite.yaml", digits_shards)
     proc = run_cli("evaluate", str(ckpt), "--suite", str(suite), "--out", str(tmp_path / "out"), check=False)
-    error_line(proc, str(ckpt), *words)
+    line = error_line(proc, str(ckpt), *words)
+    assert len(line) - len(str(ckpt)) < 250  # what is wrong, not every key of it
     assert not (tmp_path / "out").exists()
 
 

@@ -95,3 +95,28 @@ def test_verbose_shows_everything(digits_shards, tmp_path):
     proc = run_cli(*fit_args(digits_shards, "--trainer.max_steps", "2", "--ckpt_path", "last"), cwd=tmp_path,
                    env={"SSL_VIT_VERBOSE": "1"})  # fmt: skip
     assert any("Seed set to" in line for line in printed(proc))
+
+
+def test_hub_retry_lines_are_dropped_and_other_hub_warnings_kept(monkeypatch):
+    """`evaluate timm:NAME` without a network: the Hub logs every retry of the download before the
+    command's one line; those go, any other Hub warning stays."""
+    import logging
+
+    from ssl_vit.quiet import quiet
+
+    monkeypatch.setenv("WANDB_SILENT", "false")  # quiet() only sets what is unset
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("huggingface_hub.utils._http")
+    logger.addHandler(handler)
+    try:
+        quiet(verbose=False)
+        logger.warning("'[Errno -2] Name or service not known' thrown while requesting HEAD https://hf.co/x")
+        logger.warning("Retrying in 8s [Retry 5/5].")
+        logger.warning("the token in HF_TOKEN is not valid")
+    finally:
+        logger.removeHandler(handler)
+        for f in list(logger.filters):
+            logger.removeFilter(f)
+    assert [r.getMessage() for r in records] == ["the token in HF_TOKEN is not valid"]

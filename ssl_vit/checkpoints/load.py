@@ -250,11 +250,25 @@ def _reconcile(source: str, saved: ViTConfig | None, wanted: ViTConfig | None) -
 def _load_state(vit: ViT, state: dict, source: str) -> None:
     # timm's filter resamples position embeddings in 2-D when the resolution differs.
     state = checkpoint_filter_fn(state, vit)
+    mine = vit.state_dict()
+    missing = [k for k in mine if k not in state]
+    unexpected = [k for k in state if k not in mine]
+    if missing and len(missing) > len(mine) // 2:
+        # Most of a ViT's names absent: another architecture (a ResNet, a ConvNeXt...). Its names, not the
+        # hundreds of missing ones, say what the file holds.
+        shown = ", ".join(unexpected[:3]) + (", ..." if len(unexpected) > 3 else "")
+        raise UserError(
+            f"{source} is not a ViT's weights: {len(missing)} of the backbone's {len(mine)} tensors are "
+            f"missing and it holds {len(unexpected)} others ({shown}); give a ViT checkpoint"
+        )
     try:
         vit.load_state_dict(state, strict=True)
     except RuntimeError as err:
         first = str(err).strip().splitlines()[1:2] or [str(err)]
-        raise UserError(f"{source}: weights do not fit the backbone: {first[0].strip()}") from None
+        problem = first[0].strip()
+        if len(problem) > 300:  # the key lists: their start says enough
+            problem = problem[:300].rsplit(",", 1)[0] + ", ..."
+        raise UserError(f"{source}: weights do not fit the backbone: {problem}") from None
 
 
 def _from_timm(name: str, wanted: ViTConfig | None) -> tuple[ViT, ViTConfig]:

@@ -441,6 +441,12 @@ class ShardDataModule(pl.LightningDataModule):
             }
         )  # fmt: skip
         check_seconds({"loader_timeout_s": loader_timeout_s})
+        low, high = crop_scale
+        if not 0 < low <= high <= 1:
+            raise BadValue(
+                f"crop_scale {list(crop_scale)}: give the random crop's area range as two fractions of the "
+                "image, 0 < min <= max <= 1 (e.g. [0.2, 1.0])"
+            )
         if decode not in ("cpu", "device"):
             raise BadValue(f"decode must be 'cpu' or 'device', got {decode!r}")
         if decode == "device" and (train_preset == "eval" or randaugment):
@@ -651,17 +657,19 @@ class ShardDataModule(pl.LightningDataModule):
         return self._views[split]
 
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
-        transform = device_transform(self.image_size, self.crop_scale, self.draft) if (
-            self.decode == "device" and preset != "eval"
-        ) else build_transform(
-            preset,
-            self.image_size,
-            mean=self.mean,
-            crop_scale=self.crop_scale,
-            # a crop fraction of 1 keeps the whole image: the resize and the crop are both identities
-            crop_pct=1.0 if preset == "eval" and self.eval_view(split) == "whole" else self.eval_crop_pct,
-            randaugment=self.randaugment if preset == "supervised" else None,
-            draft=self.draft,
+        transform = (
+            device_transform(self.image_size, self.crop_scale, self.draft)
+            if (self.decode == "device" and preset != "eval")
+            else build_transform(
+                preset,
+                self.image_size,
+                mean=self.mean,
+                crop_scale=self.crop_scale,
+                # a crop fraction of 1 keeps the whole image: the resize and the crop are both identities
+                crop_pct=1.0 if preset == "eval" and self.eval_view(split) == "whole" else self.eval_crop_pct,
+                randaugment=self.randaugment if preset == "supervised" else None,
+                draft=self.draft,
+            )
         )
         return ShardStream(
             self._urls[split],

@@ -322,12 +322,33 @@ def load_suite(path: str | Path) -> Suite:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
         p.settle(datasets[p.dataset], f"{path}: protocol {p.name!r}")
+        if isinstance(p, KNNProtocol):
+            _check_k(p, datasets[p.dataset], f"{path}: protocol {p.name!r}")
     seed, resamples = raw.get("seed", 0), raw.get("resamples", 1000)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise UserError(f"{path}: seed is {seed!r}: it should be an integer")
     if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
         raise UserError(f"{path}: resamples is {resamples!r}: it should be an integer of at least 100")
     return Suite(backbone, datasets, protocols, str(path), seed, resamples)
+
+
+def _check_k(protocol: KNNProtocol, data: dict, where: str) -> None:
+    """k at most the training images it votes among, as their manifest counts them (when there is one):
+    a larger k would quietly become all of them."""
+    datamodule = ShardDataModule(
+        train_urls=data["train_urls"], test_urls=data["test_urls"],
+        **{k: v for k, v in data.items() if k in DATA_KEYS},
+    )  # fmt: skip
+    images = datamodule.samples_in("train")
+    manifest = datamodule.manifest or {}
+    if protocol.classes is not None and images == manifest.get("num_samples"):  # the whole split
+        counts = manifest.get("class_counts", {})
+        images = sum(counts.get(str(c), 0) for c in protocol.classes) if counts else images
+    if images is not None and protocol.k > images:
+        raise UserError(
+            f"{where}: k {protocol.k} is more than the {images} training images it votes among: give k of "
+            f"at most {images} (DINO's is 20)"
+        )
 
 
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:

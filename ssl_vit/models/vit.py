@@ -240,6 +240,12 @@ def build_vit(
     mlp_dim = mlp_dim or (base_mlp * width // base_width)
     if width % heads:
         raise BadValue(f"width {width} is not divisible by heads {heads}: pick heads that divide it")
+    patch = parsed.patch_size
+    if img_size % patch:
+        raise BadValue(
+            f"image size {img_size} is not divisible by the patch size {patch} of {variant}: give a multiple "
+            f"of {patch} (data.init_args.image_size), e.g. {max(patch, img_size - img_size % patch)}"
+        )
     kwargs = dict(
         img_size=img_size,
         patch_size=parsed.patch_size,

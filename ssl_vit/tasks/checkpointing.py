@@ -446,6 +446,9 @@ def resumable(checkpoint_dir: Path) -> Path | None:
     candidates += [p for p in by_age(checkpoint_dir.glob("*.ckpt")) if p not in candidates]
     damaged: list[tuple[Path, str]] = []
     for path in candidates:
+        if path.is_symlink() and not path.exists():  # a link whose checkpoint was deleted or moved
+            damaged.append((path, f"a link to {os.readlink(path)}, which does not exist"))
+            continue
         try:
             why = integrity.damage(path)  # last.ckpt and the newest step file are one file: read once
         except FileNotFoundError:  # deleted since it was listed
@@ -472,7 +475,7 @@ def resumable(checkpoint_dir: Path) -> Path | None:
 
 def by_age(paths) -> list[Path]:
     """`paths`, the most recently written first (Lightning picks the newest `last*.ckpt` by mtime)."""
-    return sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)
+    return sorted(paths, key=lambda p: p.lstat().st_mtime, reverse=True)  # lstat: a dangling link too
 
 
 def newest(paths) -> Path | None:
@@ -555,6 +558,8 @@ def check_ckpt_path(path: str | Path) -> dict:
         ) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
+    if not checkpoint["state_dict"]:
+        raise UserError(f"--ckpt_path {path} holds no weights (its state_dict is empty): {fix}")
     if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
         raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
     return checkpoint.get("hyper_parameters", {})

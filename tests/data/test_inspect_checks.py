@@ -67,7 +67,7 @@ def test_a_label_beyond_the_class_count_is_a_problem_then_a_skipped_sample(cli, 
 
     # MPP ignores labels; validation still reads them: the sample is skipped and counted, never fatal.
     proc = cli(
-        "validate", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
+        "validate", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"), "--ckpt_path", "scratch",
         "--data.init_args.val_urls", str(shards / "val-000003.tar"),
         "--data.init_args.num_workers", "0", "--trainer.logger", "false",
         "--model.init_args.backbone.width", "32", "--model.init_args.backbone.depth", "1",
