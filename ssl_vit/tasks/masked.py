@@ -1,4 +1,4 @@
-"""Masked patch prediction: the ViT paper's MPP (sec 4.6), MAE and SimMIM as independent choices of
+"""Masked patch prediction: the ViT paper's MPP (sec 4.6), MAE, SimMIM and MaskFeat as independent choices of
 corruption, target and mask, so each can be swapped alone.
 
 Legend: B batch, N patches, M tokens the loss is on, D width, T the target's shape per patch.
@@ -25,7 +25,7 @@ from ssl_vit.tasks.pictures import masked_prediction_picture
 from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
-Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels"]
+Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels", "hog"]
 MaskShape = Literal["random", "block", "cells"]
 PixelLoss = Literal["mse", "l1"]
 
@@ -40,6 +40,11 @@ PRESETS: dict[str, dict] = {
     # SimMIM: mask token in the encoder, 60% of 32-pixel cells, raw pixels, L1, linear head.
     "simmim": dict(
         corruption="mask_token", target="pixels", mask_ratio=0.6, mask_shape="cells", pixel_loss="l1"
+    ),
+    # MaskFeat (Wei et al. 2022): mask token in the encoder, 40% BEiT block masks, HOG of the masked
+    # patches regressed with MSE by a linear head.
+    "maskfeat": dict(
+        corruption="mask_token", target="hog", mask_ratio=0.4, mask_shape="block", pixel_loss="mse"
     ),
 }
 COLOR_CLASSES = targets.LEVELS**3  # 512
@@ -57,15 +62,16 @@ class MaskedPatchPretraining(BackboneTask):
     """Self-supervised pretraining by masked patch prediction.
 
     Args:
-        preset: `vit_mpp`, `mae` or `simmim`; fills every choice below that is left unset.
+        preset: `vit_mpp`, `mae`, `simmim` or `maskfeat`; fills every choice below that is left unset.
         corruption: `bert` replaces patch embeddings (80% [mask], 10% another patch, 10% kept) and runs
             the full sequence; `drop` runs only kept tokens and an MAE decoder fills the rest;
             `mask_token` puts a learned token in the encoder (SimMIM).
-        target: 3-bit mean colour (512 classes), its 4x4-downsized variant (16 x 512), raw pixels or
-            per-patch normalised pixels.
+        target: 3-bit mean colour (512 classes), its 4x4-downsized variant (16 x 512), raw pixels,
+            per-patch normalised pixels, or `hog`: histograms of oriented gradients of the patch's cells
+            (MaskFeat; `ssl_vit.targets.hog`, 8-pixel cells, or the whole patch when 8 does not divide it).
         mask_ratio: fraction of patches corrupted/masked; the loss is on those only.
         mask_shape: `random`, `block` (BEiT) or `cells` (SimMIM: aligned squares of `cell_size` pixels).
-        pixel_loss: `mse` or `l1` for pixel targets.
+        pixel_loss: `mse` or `l1` for pixel and HOG targets.
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only).
         picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never).
         init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining;
@@ -75,7 +81,7 @@ class MaskedPatchPretraining(BackboneTask):
     def __init__(
         self,
         backbone: ViTConfig,
-        preset: Literal["vit_mpp", "mae", "simmim"] | None = None,
+        preset: Literal["vit_mpp", "mae", "simmim", "maskfeat"] | None = None,
         corruption: Corruption | None = None,
         target: Target | None = None,
         mask_ratio: float | None = None,
@@ -146,6 +152,9 @@ class MaskedPatchPretraining(BackboneTask):
             return torch.Size([COLOR_CLASSES])
         if self.target_kind == "color3bit_4x4":
             return torch.Size([16, COLOR_CLASSES])
+        if self.target_kind == "hog":
+            cells = (self.patch_size // targets.hog_cell_size(self.patch_size)) ** 2
+            return torch.Size([3 * targets.HOG_BINS * cells])
         return torch.Size([self.patch_size**2 * 3])
 
     def no_weight_decay(self) -> set[str]:
@@ -196,11 +205,14 @@ class MaskedPatchPretraining(BackboneTask):
         )
 
     def make_targets(self, pixels: Tensor) -> Tensor:
-        """pixels: (B, 3, H, W) in [0, 1] -> targets for every patch (B, N[, 16]) classes or (B, N, p*p*3)."""
+        """pixels: (B, 3, H, W) in [0, 1] -> targets for every patch (B, N[, 16]) classes, (B, N, p*p*3)
+        pixels or (B, N, 27 * cells) HOG."""
         if self.target_kind == "color3bit":
             return targets.mean_color_3bit(pixels, self.patch_size)
         if self.target_kind == "color3bit_4x4":
             return targets.mean_color_3bit_4x4(pixels, self.patch_size)
+        if self.target_kind == "hog":
+            return targets.hog(pixels, self.patch_size)
         return targets.pixel_targets(pixels, self.patch_size, normalize=self.target_kind == "norm_pixels")
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
