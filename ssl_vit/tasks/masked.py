@@ -56,6 +56,10 @@ class MaskedOutput(NamedTuple):
     target: Tensor  # (B, M, *T) or (B, M[, 16]) class ids
     idx: Tensor  # (B, M) positions of the loss tokens
     accuracy: Tensor | None  # colour targets only
+    # What `ssl_vit.tasks.health.HealthMonitor` watches: `student` (B, D), the mean of the encoder's patch
+    # tokens on the corrupted input (what the loss trains: the [class] token gets no gradient from it); a
+    # target computed by a teacher adds `teacher` (B, D), the same of the teacher, and `target` (B, M, *T).
+    monitor_features: dict[str, Tensor] | None = None
 
 
 class MaskedPatchPretraining(BackboneTask):
@@ -168,13 +172,14 @@ class MaskedPatchPretraining(BackboneTask):
 
     def forward_loss(self, images: Tensor, generator: torch.Generator | None = None) -> MaskedOutput:
         """images: (B, 3, H, W) normalised model inputs."""
-        pred, idx = self.predict(images, generator)  # (B, N, *T), (B, M)
+        pred, idx, features = self.predict(images, generator)  # (B, N, *T), (B, M), (B, D)
         target = self.make_targets(self.unnormalize(images))  # (B, N, ...)
         pred, target = masking.gather_tokens(pred, idx), masking.gather_tokens(target, idx)
-        return self.compare(pred, target, idx)
+        return self.compare(pred, target, idx)._replace(monitor_features={"student": features.detach()})
 
-    def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M))."""
+    def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M),
+        the mean of the encoded patch tokens (B, D))."""
         tokens = self.backbone.embed_patches(images)  # (B, N, D)
         batch, device = images.shape[0], images.device
         if self.corruption == "bert":
@@ -182,14 +187,15 @@ class MaskedPatchPretraining(BackboneTask):
                 batch, self.num_patches, self.mask_ratio, generator=generator, device=device
             )
             encoded = self.backbone.encode(masking.apply_bert_corruption(tokens, self.mask_embedding, c))
-            return self.head(encoded.patches), c.idx_corrupt
+            return self.head(encoded.patches), c.idx_corrupt, encoded.patches.mean(1)
         idx_keep, idx_mask = self.draw_mask(batch, generator, device)
         if self.corruption == "drop":
             encoded = self.backbone.encode(tokens, idx_keep=idx_keep)
-            return self.decoder(encoded, idx_keep).unflatten(-1, self.target_shape()), idx_mask
+            pred = self.decoder(encoded, idx_keep).unflatten(-1, self.target_shape())
+            return pred, idx_mask, encoded.patches.mean(1)
         mask = masking.indices_to_mask(idx_mask, self.num_patches)
         encoded = self.backbone.encode(tokens, mask=mask, mask_token=self.mask_embedding)
-        return self.head(encoded.patches), idx_mask
+        return self.head(encoded.patches), idx_mask, encoded.patches.mean(1)
 
     def draw_mask(self, batch: int, generator, device) -> tuple[Tensor, Tensor]:
         """(idx_keep (B, K), idx_mask (B, M)) of the configured shape."""
@@ -233,7 +239,7 @@ class MaskedPatchPretraining(BackboneTask):
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         out = self.train_loss(step_inputs(batch))
         self.log_metrics("train", out, on_step=True)
-        return {"loss": out.loss, "output": out}
+        return {"loss": out.loss, "output": out, "monitor_features": out.monitor_features}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.eval_step("val", batch, batch_idx)
