@@ -67,6 +67,7 @@ def lightning_cli(argv: list[str]):
         with_safe_io,
     )
     from ssl_vit.tasks.compile import CompileTask, check_compile
+    from ssl_vit.tasks.health import HealthMonitor
     from ssl_vit.tasks.nonfinite import NonFiniteGuard
     from ssl_vit.tasks.preemption import Preemption
     from ssl_vit.tasks.resume import RandomState
@@ -106,6 +107,8 @@ def lightning_cli(argv: list[str]):
             )
             # What a NaN or inf loss does: `nonfinite.policy` skip (up to `max_skips`) or stop.
             parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
+            # Collapse: feature std and effective rank logged as health/*, and a stop below `health.min_std`.
+            parser.add_lightning_class_args(HealthMonitor, "health")
             # torch.compile of the blocks or the step: `compile.enabled`, `compile.mode`, `compile.scope`.
             parser.add_lightning_class_args(CompileTask, "compile")
             # Values that must agree between data and model are given once, on the data side.

@@ -1,10 +1,18 @@
-"""Contracts of ssl_vit.targets: known colours give known classes, patch order is timm's, MAE's pixels."""
+"""Contracts of ssl_vit.targets: known colours give known classes, patch order is timm's, MAE's pixels,
+MaskFeat's HOG is the textbook HOG."""
 
+import itertools
+import math
+
+import numpy as np
 import pytest
+import skimage.data
+import skimage.feature
 import torch
 
 from ssl_vit.targets import (
     decode_mean_color_3bit,
+    hog,
     mean_color_3bit,
     mean_color_3bit_4x4,
     patchify,
@@ -94,3 +102,71 @@ def test_pixel_targets_raw_and_normalised():
 def test_indivisible_image_is_a_value_error(fn):
     with pytest.raises(ValueError, match="not divisible by the patch size 8"):
         fn(torch.rand(1, 3, 16, 20), 8)
+
+
+def loop_hog(channel: np.ndarray, cell: int) -> np.ndarray:
+    """MaskFeat's HOG of one channel [H, W] -> [H/cell, W/cell, 9], spelled out pixel by pixel: Sobel
+    gradients with reflected borders, each pixel's magnitude into the 20-degree bin of its unsigned
+    orientation, summed per cell, each cell L2-normalised."""
+    padded = np.pad(channel, 1, mode="reflect")  # edge not repeated, as torch's "reflect"
+    height, width = channel.shape
+    cells = np.zeros((height // cell, width // cell, 9))
+    for r, c in itertools.product(range(height), range(width)):
+        window = padded[r : r + 3, c : c + 3]
+        gx = (window[:, 2] - window[:, 0]) @ [1, 2, 1]
+        gy = (window[2, :] - window[0, :]) @ [1, 2, 1]
+        degrees = math.degrees(math.atan2(gy, gx)) % 180
+        cells[r // cell, c // cell, int(degrees // 20)] += math.hypot(gx, gy)
+    return cells / np.maximum(np.linalg.norm(cells, axis=-1, keepdims=True), 1e-12)
+
+
+@pytest.mark.parametrize("patch, cell", [(16, 8), (4, 4)])
+def test_hog_is_the_pixel_by_pixel_recipe_on_photos(patch, cell):
+    """Two photos, 48 x 64 crops, as 0-255 integers in float64: every gradient is then an exact integer
+    on both sides, so every pixel falls into the same bin (a gradient that is 0 exactly in one and 1e-17
+    in the other would flip from bin 0 to bin 8), and what is left is float64 rounding of the sums,
+    around 1e-13; 1e-9 is far above it and far below any misplaced vote (over 1e-3 on these photos)."""
+    crops = [skimage.data.astronaut()[200:248, 180:244], skimage.data.coffee()[150:198, 300:364]]
+    images = torch.tensor(np.stack(crops), dtype=torch.float64).permute(0, 3, 1, 2)  # (2, 3, 48, 64)
+    got = hog(images, patch)
+    per = patch // cell
+    assert got.shape == (2, (48 // patch) * (64 // patch), 3 * 9 * per * per)
+    for b, image in enumerate(images.numpy()):
+        channels = [loop_hog(channel, cell) for channel in image]  # each (H/cell, W/cell, 9)
+        patches = itertools.product(range(48 // patch), range(64 // patch))
+        expected = [  # (channel, bin, cell row, cell column) within each row-major patch
+            [channels[c][h * per + i, w * per + j, k] for c in range(3) for k in range(9)
+             for i in range(per) for j in range(per)]
+            for h, w in patches
+        ]  # fmt: skip
+        np.testing.assert_allclose(got[b].numpy(), np.array(expected), rtol=0, atol=1e-9)
+
+
+def test_hog_ignores_a_scale_and_offset_per_channel():
+    """Computed on [0, 1] pixels, the target is MaskFeat's, which is computed on mean/std-normalised
+    inputs. Random float64 images: no gradient cancels exactly, so none sits on a bin edge."""
+    images = torch.rand(2, 3, 32, 32, dtype=torch.float64)
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    normalised = (images - mean.view(1, 3, 1, 1).double()) / std.view(1, 3, 1, 1).double()
+    torch.testing.assert_close(hog(normalised, 16), hog(images, 16), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("degrees", [edge + offset for edge in range(0, 360, 20) for offset in (1, 10, 19)])
+def test_hog_bins_are_scikit_image_bins(degrees):
+    """On a ramp, Sobel and scikit-image's central differences give the same gradient direction at every
+    pixel (4 times the length inside, on the borders both keep only the component along the border),
+    so the per-cell L2-normalised histograms agree: orientation measured the same way, same bin edges."""
+    theta = math.radians(degrees)
+    rows, cols = np.mgrid[0:32, 0:32].astype(np.float64)
+    ramp = math.cos(theta) * cols + math.sin(theta) * rows
+    reference = skimage.feature.hog(
+        ramp, orientations=9, pixels_per_cell=(8, 8), cells_per_block=(1, 1), block_norm="L2",
+        feature_vector=False,
+    )[:, :, 0, 0]  # (4, 4, 9)  # fmt: skip
+    got = hog(torch.tensor(ramp).expand(1, 3, 32, 32), 8)  # (1, 16, 27): 3 equal channels x 9 bins
+    np.testing.assert_allclose(got[0, :, :9].numpy(), reference.reshape(16, 9), atol=1e-6)
+
+
+@pytest.mark.parametrize("patch, values", [(16, 108), (8, 27), (4, 27), (14, 27)])
+def test_hog_cells_are_8_pixels_where_they_tile_the_patch(patch, values):
+    assert hog(torch.rand(2, 3, 2 * patch, 3 * patch), patch).shape == (2, 6, values)

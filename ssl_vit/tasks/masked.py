@@ -1,4 +1,4 @@
-"""Masked patch prediction: the ViT paper's MPP (sec 4.6), MAE and SimMIM as independent choices of
+"""Masked patch prediction: the ViT paper's MPP (sec 4.6), MAE, SimMIM and MaskFeat as independent choices of
 corruption, target and mask, so each can be swapped alone.
 
 Legend: B batch, N patches, M tokens the loss is on, D width, T the target's shape per patch.
@@ -25,7 +25,7 @@ from ssl_vit.tasks.pictures import masked_prediction_picture
 from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
-Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels"]
+Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels", "hog"]
 MaskShape = Literal["random", "block", "cells"]
 PixelLoss = Literal["mse", "l1"]
 
@@ -41,6 +41,11 @@ PRESETS: dict[str, dict] = {
     "simmim": dict(
         corruption="mask_token", target="pixels", mask_ratio=0.6, mask_shape="cells", pixel_loss="l1"
     ),
+    # MaskFeat (Wei et al. 2022): mask token in the encoder, 40% BEiT block masks, HOG of the masked
+    # patches regressed with MSE by a linear head.
+    "maskfeat": dict(
+        corruption="mask_token", target="hog", mask_ratio=0.4, mask_shape="block", pixel_loss="mse"
+    ),
 }
 COLOR_CLASSES = targets.LEVELS**3  # 512
 
@@ -51,21 +56,26 @@ class MaskedOutput(NamedTuple):
     target: Tensor  # (B, M, *T) or (B, M[, 16]) class ids
     idx: Tensor  # (B, M) positions of the loss tokens
     accuracy: Tensor | None  # colour targets only
+    # What `ssl_vit.tasks.health.HealthMonitor` watches: `student` (B, D), the mean of the encoder's patch
+    # tokens on the corrupted input (what the loss trains: the [class] token gets no gradient from it); a
+    # target computed by a teacher adds `teacher` (B, D), the same of the teacher, and `target` (B, M, *T).
+    monitor_features: dict[str, Tensor] | None = None
 
 
 class MaskedPatchPretraining(BackboneTask):
     """Self-supervised pretraining by masked patch prediction.
 
     Args:
-        preset: `vit_mpp`, `mae` or `simmim`; fills every choice below that is left unset.
+        preset: `vit_mpp`, `mae`, `simmim` or `maskfeat`; fills every choice below that is left unset.
         corruption: `bert` replaces patch embeddings (80% [mask], 10% another patch, 10% kept) and runs
             the full sequence; `drop` runs only kept tokens and an MAE decoder fills the rest;
             `mask_token` puts a learned token in the encoder (SimMIM).
-        target: 3-bit mean colour (512 classes), its 4x4-downsized variant (16 x 512), raw pixels or
-            per-patch normalised pixels.
+        target: 3-bit mean colour (512 classes), its 4x4-downsized variant (16 x 512), raw pixels,
+            per-patch normalised pixels, or `hog`: histograms of oriented gradients of the patch's cells
+            (MaskFeat; `ssl_vit.targets.hog`, 8-pixel cells, or the whole patch when 8 does not divide it).
         mask_ratio: fraction of patches corrupted/masked; the loss is on those only.
         mask_shape: `random`, `block` (BEiT) or `cells` (SimMIM: aligned squares of `cell_size` pixels).
-        pixel_loss: `mse` or `l1` for pixel targets.
+        pixel_loss: `mse` or `l1` for pixel and HOG targets.
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only).
         picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never).
         init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining;
@@ -75,7 +85,7 @@ class MaskedPatchPretraining(BackboneTask):
     def __init__(
         self,
         backbone: ViTConfig,
-        preset: Literal["vit_mpp", "mae", "simmim"] | None = None,
+        preset: Literal["vit_mpp", "mae", "simmim", "maskfeat"] | None = None,
         corruption: Corruption | None = None,
         target: Target | None = None,
         mask_ratio: float | None = None,
@@ -146,6 +156,9 @@ class MaskedPatchPretraining(BackboneTask):
             return torch.Size([COLOR_CLASSES])
         if self.target_kind == "color3bit_4x4":
             return torch.Size([16, COLOR_CLASSES])
+        if self.target_kind == "hog":
+            cells = (self.patch_size // targets.hog_cell_size(self.patch_size)) ** 2
+            return torch.Size([3 * targets.HOG_BINS * cells])
         return torch.Size([self.patch_size**2 * 3])
 
     def no_weight_decay(self) -> set[str]:
@@ -159,13 +172,14 @@ class MaskedPatchPretraining(BackboneTask):
 
     def forward_loss(self, images: Tensor, generator: torch.Generator | None = None) -> MaskedOutput:
         """images: (B, 3, H, W) normalised model inputs."""
-        pred, idx = self.predict(images, generator)  # (B, N, *T), (B, M)
+        pred, idx, features = self.predict(images, generator)  # (B, N, *T), (B, M), (B, D)
         target = self.make_targets(self.unnormalize(images))  # (B, N, ...)
         pred, target = masking.gather_tokens(pred, idx), masking.gather_tokens(target, idx)
-        return self.compare(pred, target, idx)
+        return self.compare(pred, target, idx)._replace(monitor_features={"student": features.detach()})
 
-    def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M))."""
+    def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M),
+        the mean of the encoded patch tokens (B, D))."""
         tokens = self.backbone.embed_patches(images)  # (B, N, D)
         batch, device = images.shape[0], images.device
         if self.corruption == "bert":
@@ -173,14 +187,15 @@ class MaskedPatchPretraining(BackboneTask):
                 batch, self.num_patches, self.mask_ratio, generator=generator, device=device
             )
             encoded = self.backbone.encode(masking.apply_bert_corruption(tokens, self.mask_embedding, c))
-            return self.head(encoded.patches), c.idx_corrupt
+            return self.head(encoded.patches), c.idx_corrupt, encoded.patches.mean(1)
         idx_keep, idx_mask = self.draw_mask(batch, generator, device)
         if self.corruption == "drop":
             encoded = self.backbone.encode(tokens, idx_keep=idx_keep)
-            return self.decoder(encoded, idx_keep).unflatten(-1, self.target_shape()), idx_mask
+            pred = self.decoder(encoded, idx_keep).unflatten(-1, self.target_shape())
+            return pred, idx_mask, encoded.patches.mean(1)
         mask = masking.indices_to_mask(idx_mask, self.num_patches)
         encoded = self.backbone.encode(tokens, mask=mask, mask_token=self.mask_embedding)
-        return self.head(encoded.patches), idx_mask
+        return self.head(encoded.patches), idx_mask, encoded.patches.mean(1)
 
     def draw_mask(self, batch: int, generator, device) -> tuple[Tensor, Tensor]:
         """(idx_keep (B, K), idx_mask (B, M)) of the configured shape."""
@@ -196,11 +211,14 @@ class MaskedPatchPretraining(BackboneTask):
         )
 
     def make_targets(self, pixels: Tensor) -> Tensor:
-        """pixels: (B, 3, H, W) in [0, 1] -> targets for every patch (B, N[, 16]) classes or (B, N, p*p*3)."""
+        """pixels: (B, 3, H, W) in [0, 1] -> targets for every patch (B, N[, 16]) classes, (B, N, p*p*3)
+        pixels or (B, N, 27 * cells) HOG."""
         if self.target_kind == "color3bit":
             return targets.mean_color_3bit(pixels, self.patch_size)
         if self.target_kind == "color3bit_4x4":
             return targets.mean_color_3bit_4x4(pixels, self.patch_size)
+        if self.target_kind == "hog":
+            return targets.hog(pixels, self.patch_size)
         return targets.pixel_targets(pixels, self.patch_size, normalize=self.target_kind == "norm_pixels")
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
@@ -221,7 +239,7 @@ class MaskedPatchPretraining(BackboneTask):
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         out = self.train_loss(step_inputs(batch))
         self.log_metrics("train", out, on_step=True)
-        return {"loss": out.loss, "output": out}
+        return {"loss": out.loss, "output": out, "monitor_features": out.monitor_features}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.eval_step("val", batch, batch_idx)

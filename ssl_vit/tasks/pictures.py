@@ -1,9 +1,11 @@
 """The masked task's pictures: inputs beside what the model saw and what it predicted (mean colours
-for the ViT paper's MPP, reconstructed pixels for MAE and SimMIM)."""
+for the ViT paper's MPP, reconstructed pixels for MAE and SimMIM, how well each masked patch's HOG was
+predicted for MaskFeat)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torchvision.utils import make_grid
 
@@ -17,7 +19,9 @@ def masked_prediction_picture(task, images: Tensor, out, count: int = 8) -> Tens
 
     Colour targets (ViT-paper MPP): true mean colours per patch, then the predicted colours on the
     masked patches (true ones elsewhere). Pixel targets (MAE, SimMIM): the input with masked patches
-    grey, then the reconstruction pasted into the visible patches.
+    grey, then the reconstruction pasted into the visible patches. HOG targets (MaskFeat), which have no
+    pixels to paste back: the input with masked patches grey, then each masked patch filled with the
+    cosine similarity of its predicted and true histograms as a grey level (white: exact).
     """
     p, grid = task.patch_size, task.grid
     pixels = task.unnormalize(images[:count]).float()
@@ -33,6 +37,9 @@ def masked_prediction_picture(task, images: Tensor, out, count: int = 8) -> Tens
             true = torch.gather(patches, 1, token_index(idx, patches))
             pred = pred * (true.var(-1, keepdim=True) + 1e-6).sqrt() + true.mean(-1, keepdim=True)
         masked = patches.scatter(1, token_index(idx, patches), 0.5)
+        if task.target_kind == "hog":
+            agreement = F.cosine_similarity(pred, out.target[:count].float(), dim=-1).clamp(0, 1)  # (n, M)
+            pred = agreement[..., None].expand(-1, -1, patches.shape[-1])
         recon = patches.scatter(1, token_index(idx, patches), pred.clamp(0, 1))
         rows = [pixels, targets.unpatchify(masked, p, grid), targets.unpatchify(recon, p, grid)]
     return make_grid(torch.cat(rows), nrow=pixels.shape[0], padding=1, pad_value=1.0)

@@ -70,7 +70,7 @@ def test_compiled_blocks_give_the_eager_loss_and_gradients(digits_batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["supervised", "mae", "vit_mpp"])
+@pytest.mark.parametrize("preset", ["supervised", "mae", "vit_mpp", "maskfeat"])
 def test_a_compiled_step_gives_the_eager_loss_and_gradients(digits_batch, preset):
     """`--compile.scope step`: the whole `train_loss` (masks, gathers, encoder, decoder, targets, loss)
     as one graph. Inductor draws random numbers its own way; `fallback_random` makes it draw torch's,
@@ -168,7 +168,7 @@ class HostWork(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("preset", ["supervised", "mae", "simmim", "vit_mpp"])
+@pytest.mark.parametrize("preset", ["supervised", "mae", "simmim", "vit_mpp", "maskfeat"])
 def test_a_training_step_on_cuda_stays_on_the_device(preset):
     """What CUDA graphs and an unsynchronised GPU need: each task's `train_loss` on CUDA makes no CPU
     tensor and reads nothing back to the host (`.item()`, or an op whose output shape depends on the
