@@ -138,7 +138,7 @@ class MaskedPatchPretraining(BackboneTask):
     def __init__(
         self,
         backbone: ViTConfig,
-        preset: Literal["vit_mpp", "mae", "simmim"] | None = None,
+        preset: Literal["vit_mpp", "mae", "simmim", "ijepa", "data2vec2"] | None = None,
         corruption: Corruption | None = None,
         target: Target | None = None,
         mask_ratio: float | None = None,
