@@ -30,6 +30,8 @@ def test_there_are_recipes_for_every_method():
         "mae/b16_in1k.yaml",
         "mae/l16_in1k.yaml",
         "simmim/b16_in1k.yaml",
+        "ijepa/b16_in1k.yaml",
+        "data2vec2/b16_in1k.yaml",
     } <= names
 
 
