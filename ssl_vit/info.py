@@ -1,4 +1,7 @@
-"""`ssl-vit info`: parameters and forward FLOPs of every variant, and of MAE's encoder + decoder.
+"""`ssl-vit info`: parameters and forward FLOPs of every variant, and of MAE's encoder + decoder, alone
+and with an EMA teacher (data2vec 2.0 with one view: MAE's student plus the teacher's forward over the
+whole image). The teacher has no backward: a training step costs 3 x the student's forward + 1 x the
+teacher's, as the tasks count it (`MaskedPatchPretraining.measure_flops`).
 
 FLOPs are counted by torch's own `FlopCounterMode` on the meta device (shapes only, no memory, no
 time): matmuls, convolutions and attention, as 2 x multiply-adds, the convention of the MAE and ViT
@@ -128,16 +131,18 @@ def run(args: argparse.Namespace) -> int:
         f"MAE {args.mask_ratio:.0%} params (M)",
         "MAE GFLOPs",
         "supervised / MAE",
+        "MAE + EMA teacher GFLOPs",
     ):
         table.add_column(column, justify="right")
     for variant in args.variants:
         vit = vit_cost(variant, args.img_size)
         row = [variant, f"{vit.params / 1e6:.1f}", f"{vit.flops / 1e9:.1f}"]
         if variant.startswith("R50+"):  # MAE masks patches of pixels; a ResNet stem sees them all.
-            row += ["-", "-", "-"]
+            row += ["-", "-", "-", "-"]
         else:
             mae = mae_cost(variant, args.img_size, args.mask_ratio, args.decoder_dim, args.decoder_depth)
             row += [f"{mae.params / 1e6:.1f}", f"{mae.flops / 1e9:.1f}", f"{vit.flops / mae.flops:.2f}x"]
+            row += [f"{(mae.flops + vit.flops) / 1e9:.1f}"]  # the teacher: the plain forward
         table.add_row(*row)
     Console().print(table)
     return 0

@@ -249,3 +249,84 @@ def token_index(idx: Tensor, like: Tensor) -> Tensor:
 def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     """Tokens x [B, N, ...] at idx [B, M] -> [B, M, ...]."""
     return torch.gather(x, 1, token_index(idx, x))
+
+
+class JepaMask(NamedTuple):
+    """I-JEPA's masks for one batch (`jepa_blocks`)."""
+
+    idx_context: Tensor  # [B, K] sorted: the context block less every target token, K the same for all
+    idx_targets: Tensor  # [B, T, M] each block's h x w = M tokens, row-major (sorted)
+
+
+def _block_size(
+    scale: tuple[float, float], aspect: tuple[float, float], grid: tuple[int, int], u: Tensor
+) -> tuple[int, int]:
+    """(h, w) of a block covering about scale x N tokens with h / w = aspect, from two U[0, 1) draws `u`
+    on the host; as I-JEPA's `_sample_block_size`: area int(N * scale), h = round(sqrt(area * aspect)),
+    w = round(sqrt(area / aspect)), each kept below the grid's side."""
+    height, width = grid
+    area = int(height * width * (scale[0] + (scale[1] - scale[0]) * float(u[0])))
+    ratio = aspect[0] + (aspect[1] - aspect[0]) * float(u[1])
+    h, w = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+    return max(1, min(h, height - 1)), max(1, min(w, width - 1))
+
+
+def _blocks(batch_size: int, count: int, size: tuple[int, int], grid: tuple[int, int], generator, source):
+    """`count` blocks of `size` per sample at uniform positions -> token indices [B, count, h*w], sorted."""
+    (h, w), (height, width) = size, grid
+    top = torch.randint(height - h + 1, (batch_size, count, 1, 1), generator=generator, device=source)
+    left = torch.randint(width - w + 1, (batch_size, count, 1, 1), generator=generator, device=source)
+    rows = top + torch.arange(h, device=source)[:, None]  # [B, count, h, 1]
+    cols = left + torch.arange(w, device=source)[None, :]  # [B, count, 1, w]
+    return (rows * width + cols).flatten(2)
+
+
+def jepa_blocks(
+    batch_size: int,
+    grid: tuple[int, int],
+    num_targets: int = 4,
+    target_scale: tuple[float, float] = (0.15, 0.2),
+    target_aspect: tuple[float, float] = (0.75, 1.5),
+    context_scale: tuple[float, float] = (0.85, 1.0),
+    min_context: int = 10,
+    tries: int = 20,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> JepaMask:
+    """I-JEPA's multi-block masking (Assran et al. 2023, sec 3; `MaskCollator` in facebookresearch/ijepa,
+    `src/masks/multiblock.py`): `num_targets` target blocks of scale `target_scale` and aspect ratio
+    (h / w) `target_aspect`, and one context block of scale `context_scale` (aspect 1) from which every
+    target token is removed, so the context never sees what it predicts.
+
+    As in the paper's collator, one target size and one context size are drawn per call and shared by
+    the batch, positions per sample and block; a context left with fewer than `min_context` tokens is
+    drawn again (up to `tries` positions, else the one that kept most), and every context is cut to the
+    batch's smallest count, so that the encoder sees one shape. The cut drops tokens at random (the
+    paper's code keeps the first in raster order, which drops the bottom rows).
+
+    The block sizes and that count are shapes, read on the host: everything is drawn on the generator's
+    device, the CPU by default (the paper draws masks in its data loader too), and only the index
+    tensors go to `device`, so a step on an accelerator never waits for its queue to drain.
+    """
+    source = generator.device if generator is not None else torch.device("cpu")
+    device = torch.device(device) if device is not None else source
+    height, width = grid
+    sizes = torch.rand(4, generator=generator, device=source).cpu()
+    target_size = _block_size(target_scale, target_aspect, grid, sizes[:2])
+    context_size = _block_size(context_scale, (1.0, 1.0), grid, sizes[2:])
+    idx_targets = _blocks(batch_size, num_targets, target_size, grid, generator, source)  # [B, T, M]
+    candidates = _blocks(batch_size, tries, context_size, grid, generator, source)  # [B, tries, C]
+    inside = torch.zeros(batch_size, tries, height * width, dtype=torch.bool, device=source)
+    inside.scatter_(2, candidates, True)
+    targets = indices_to_mask(idx_targets.flatten(1), height * width)  # [B, N]
+    inside &= ~targets[:, None]
+    counts = inside.sum(2)  # [B, tries]
+    # The first position that keeps min_context tokens (the paper's retry loop), else the fullest.
+    enough = counts >= counts.max(dim=1, keepdim=True).values.clamp(max=min_context)
+    context = inside[torch.arange(batch_size, device=source), enough.int().argmax(1)]  # [B, N]
+    keep = int(context.sum(1).min())
+    if keep == 0:
+        raise ValueError(f"grid {height}x{width} is too small for I-JEPA's blocks: no context token left")
+    noise = torch.rand(batch_size, height * width, generator=generator, device=source)
+    idx_context = (noise + (~context).float()).argsort(dim=1)[:, :keep].sort(dim=1).values
+    return JepaMask(idx_context.to(device), idx_targets.to(device))

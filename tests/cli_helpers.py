@@ -153,7 +153,9 @@ def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
     """`ssl-vit fit ARGS` as 2 processes on this machine through torchrun (gloo), as a cluster job
     launches it; `strategy` None leaves the strategy to ARGS. Returns the CompletedProcess."""
     tests = Path(__file__).parent
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tests)}
+    # The caller's PYTHONPATH after the tests' (a checkout tested against another's installed package).
+    path = os.pathsep.join(p for p in (str(tests), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "ssl_vit", *args,

@@ -17,9 +17,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.benchmark.parts import PartsBench
 from ssl_vit.benchmark.scaling import traffic_table
-from ssl_vit.benchmark.step import NUM_CLASSES, StepBench, build_task, simmim_cell, task_flops
+from ssl_vit.benchmark.step import DECODERS, NUM_CLASSES, StepBench, build_task, simmim_cell, task_flops
 from ssl_vit.info import mae_cost, vit_cost
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.base import step_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,3 +359,24 @@ def test_bench_feed_mistakes_are_one_line(args, message, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert list(tmp_path.iterdir()) == [] and feed_shards() == before
+
+
+@pytest.mark.parametrize("preset", ["ijepa", "data2vec2"])
+def test_teacher_presets_count_the_teachers_forward_once(preset):
+    """B/16's pixel target (16 x 16 x 3) is as wide as its latent one (768): the students cost the same,
+    and the teacher adds one plain forward (`ssl-vit info`'s), with no backward."""
+    config = ViTConfig("B/16", 224)
+    with torch.device("meta"):
+        latents = build_task(preset, config)
+        pixels = MaskedPatchPretraining(config, preset=preset, target="norm_pixels", **DECODERS[preset])
+    assert task_flops(latents, 224) == task_flops(pixels, 224) + vit_cost("B/16").flops
+
+
+@pytest.mark.slow
+def test_bench_step_runs_the_latent_and_hog_presets(tmp_path):
+    out = tmp_path / "step.json"
+    run_cli("bench", "step", *TINY, "--tasks", "maskfeat", "ijepa", "data2vec2", "--rounds", "1", "--json", str(out))
+    (report,) = json.loads(out.read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    assert list(rows) == ["plain", "maskfeat", "ijepa", "data2vec2"]
+    assert all(row["images_per_s"] > 0 and row["gflops_per_image"] > 0 for row in rows.values())

@@ -31,6 +31,8 @@ def test_there_are_recipes_for_every_method():
         "mae/l16_in1k.yaml",
         "simmim/b16_in1k.yaml",
         "maskfeat/b16_in1k.yaml",
+        "ijepa/b16_in1k.yaml",
+        "data2vec2/b16_in1k.yaml",
     } <= names
 
 
@@ -294,3 +296,44 @@ def test_the_quickstart_pretrains_three_ways_and_compares_against_three_scratch_
         assert len(cells) == len(columns) and all(c.split()[-1] in ("win", "loss", "noise") for c in cells)
     assert len(list((out / "scratch").glob("*/results.json"))) == 3
     assert "4 | " in main_table.splitlines()[2]  # mpp's cost: the 4 steps it trained
+
+
+# The teacher presets on the quickstart's tiny backbone (4 blocks): data2vec 2.0's top 10 of 12 blocks
+# become the top 3, its 16 views 2.
+TEACHER_TINY = {
+    "ijepa": [],
+    "data2vec2": ["--model.init_args.teacher_top_k", "3", "--model.init_args.views", "2"],
+}
+
+
+def teacher_fit_args(shards: Path, run: Path, record: Path, preset: str, *extra: str) -> list[str]:
+    """`ssl-vit fit` of a teacher preset on the quickstart MAE recipe, a few steps, each recorded."""
+    return [
+        "fit", "--config", str(ROOT / "recipes/quickstart/mae.yaml"), *quickstart_overrides(shards),
+        "--model.init_args.preset", preset, *TEACHER_TINY[preset],
+        "--data.init_args.batch_size", "32", "--trainer.limit_val_batches", "0",
+        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(run),
+        "--trainer.callbacks+=resume_helpers.StepRecorder", "--trainer.callbacks.path", str(record), *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["ijepa", "data2vec2"])
+def test_teacher_presets_train_with_a_finite_falling_loss_and_checkpoint_the_teacher(
+    preset, digits_shards, tmp_path, cli
+):
+    from resume_helpers import read_steps
+
+    record, run = tmp_path / "steps.jsonl", tmp_path / "run"
+    args = teacher_fit_args(digits_shards, run, record, preset)
+    cli(*args, "--data.init_args.train_batches", "12", "--trainer.max_epochs", "1", cwd=ROOT)
+    losses = [r["loss"] for r in read_steps(record)]
+    assert len(losses) == 12 and all(map(math.isfinite, losses))
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    checkpoint = torch.load(run / "checkpoints/last.ckpt", weights_only=True, map_location="cpu")
+    state = checkpoint["state_dict"]
+    teacher = {k.removeprefix("teacher."): v for k, v in state.items() if k.startswith("teacher.")}
+    student = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+    assert teacher.keys() == student.keys()
+    assert not torch.equal(teacher["blocks.0.attn.qkv.weight"], student["blocks.0.attn.qkv.weight"])

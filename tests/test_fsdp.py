@@ -61,3 +61,33 @@ def test_fsdp_matches_ddp_and_resumes_from_its_checkpoint(digits_shards, tmp_pat
         torch.testing.assert_close(final["state_dict"][name], value, atol=1e-5, rtol=1e-4, msg=name)
     backbone, config = load_backbone(str(run_dir / "checkpoints/last.ckpt"))
     assert config.width == 64 and len(backbone.blocks) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fsdp_shards_the_ema_teacher_like_the_student_and_matches_ddp(digits_shards, tmp_path):
+    """I-JEPA: the teacher's blocks are FSDP units like the student's (`BackboneTask.configure_model`
+    shards every timm Block of the task), updated shard by shard from the student's; the losses and the
+    saved teacher are DDP's, whose ranks each update a full replica."""
+    ijepa = ["--model.init_args.preset", "ijepa", "--model.init_args.decoder_dim", "64",
+             "--model.init_args.decoder_depth", "2", "--model.init_args.decoder_heads", "4",
+             "--trainer.limit_val_batches", "0", "--trainer.max_steps", "4"]  # fmt: skip
+    ddp = tmp_path / "ddp.jsonl"
+    fit(fit_args(digits_shards, tmp_path / "ddp", ddp, *ijepa, epochs=1))
+    fsdp = tmp_path / "fsdp.jsonl"
+    strategy = strategy_file(tmp_path, data_parallel_size=1, tensor_parallel_size=2)
+    fit(
+        fit_args(digits_shards, tmp_path / "fsdp", fsdp, *ijepa, "--config", strategy, epochs=1),
+        strategy=None,
+    )
+    reference, sharded = losses(ddp), losses(fsdp)
+    assert sorted(sharded) == sorted(reference) == [(r, s) for r in (0, 1) for s in range(1, 5)]
+    for key, loss in reference.items():
+        assert sharded[key] == pytest.approx(loss, abs=1e-5), key
+    final = torch.load(tmp_path / "fsdp/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    ddp_final = torch.load(tmp_path / "ddp/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    teacher = {k: v for k, v in final["state_dict"].items() if k.startswith("teacher.")}
+    assert teacher and teacher.keys() == {k for k in ddp_final["state_dict"] if k.startswith("teacher.")}
+    for name, value in teacher.items():
+        assert type(value) is torch.Tensor
+        torch.testing.assert_close(value, ddp_final["state_dict"][name], atol=1e-5, rtol=1e-4)

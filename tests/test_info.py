@@ -21,6 +21,7 @@ def test_mae_costs_the_papers_fraction_of_supervised(variant, ratio):
 def test_info_command_prints_the_table(cli):
     out = cli("info", "--variants", "B/16", "R50+B/16", "--img-size", "224").stdout
     assert "B/16" in out and "85.8" in out and "1.80x" in out
+    assert f"{(vit_cost('B/16').flops + mae_cost('B/16').flops) / 1e9:.1f}" in out  # MAE + EMA teacher
     assert "R50+B/16" in out and "97.9" in out
 
 

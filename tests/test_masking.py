@@ -12,6 +12,7 @@ from ssl_vit.masking import (
     bert_corruption,
     block_mask,
     indices_to_mask,
+    jepa_blocks,
     random_keep,
     simmim_mask,
 )
@@ -189,3 +190,41 @@ def test_a_cpu_generator_draws_masks_for_another_device(name, monkeypatch):
     }[name]
     out = fn()
     assert all(t.device.type == "meta" for t in out)
+
+
+def test_jepa_blocks_have_the_papers_scales_and_aspects_and_the_context_never_sees_a_target():
+    """I-JEPA: 4 targets of scale 0.15-0.2 and aspect (h / w) 0.75-1.5, one context block of scale
+    0.85-1, less the targets; 300 seeded batches over a 14 x 14 grid (ViT-H/14 at 224 px)."""
+    scales, aspects = [], []
+    for seed in range(300):
+        mask = jepa_blocks(4, (14, 14), generator=torch.Generator().manual_seed(seed))
+        targets, context = mask.idx_targets, mask.idx_context
+        assert targets.shape[:2] == (4, 4) and context.shape[0] == 4
+        rows, cols = targets // 14, targets % 14
+        h, w = rows.amax(-1) - rows.amin(-1) + 1, cols.amax(-1) - cols.amin(-1) + 1
+        assert torch.equal(h * w, torch.full_like(h, targets.shape[-1]))  # whole rectangles, one size
+        scales.append(targets.shape[-1] / 196)
+        aspects += (h / w).flatten().tolist()
+        # The context: at least 10 tokens (the paper's min_keep), distinct, sorted, inside a square of
+        # at most 13 x 13 (a scale up to 1, kept below the grid's side), and no target token.
+        assert context.shape[1] >= 10
+        assert torch.equal(context, context.sort(1).values) and (context.diff(1) > 0).all()
+        for sample in range(4):
+            rows, cols = context[sample] // 14, context[sample] % 14
+            assert rows.max() - rows.min() < 13 + 1 and cols.max() - cols.min() < 13 + 1
+            assert not set(context[sample].tolist()) & set(targets[sample].flatten().tolist())
+    # Rounding to whole patches widens the ranges a little, as in the paper's collator.
+    assert 0.12 <= min(scales) and max(scales) <= 0.22 and 0.16 < sum(scales) / len(scales) < 0.185
+    assert 0.7 <= min(aspects) < 0.8 and 1.4 < max(aspects) <= 1.8
+    assert 1.05 < sum(aspects) / len(aspects) < 1.2  # U(0.75, 1.5) has mean 1.125
+
+
+def test_jepa_blocks_are_seeded_and_drawn_off_the_step_device():
+    def draw(seed):
+        return jepa_blocks(8, (8, 8), generator=torch.Generator().manual_seed(seed))
+
+    assert all(torch.equal(a, b) for a, b in zip(draw(3), draw(3)))
+    assert not torch.equal(draw(3).idx_targets, draw(4).idx_targets)
+    torch.manual_seed(0)
+    default = jepa_blocks(2, (8, 8), device="meta")  # only the indices go to the device
+    assert default.idx_context.device.type == "meta" and default.idx_targets.shape[:2] == (2, 4)

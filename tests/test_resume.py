@@ -98,3 +98,37 @@ def test_kill_9_and_sigterm_then_resume_equal_an_uninterrupted_run(digits_shards
             h["_step"] == h["trainer/global_step"] > run["branch_point"]["value"] for h in history
         )
     assert branch_points == [8, stopped]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_killed_teacher_preset_resumes_with_its_teacher_and_the_same_losses(digits_shards, tmp_path):
+    """I-JEPA on the quickstart's tiny ViT: the EMA teacher is in the checkpoint, so a run killed (SIGKILL)
+    after its step-4 checkpoint and resumed with `--ckpt_path last` gives the uninterrupted run's losses."""
+    ijepa = ["--model.init_args.preset", "ijepa", "--model.init_args.decoder_dim", "64",
+             "--model.init_args.decoder_depth", "2", "--model.init_args.decoder_heads", "4"]  # fmt: skip
+    reference = tmp_path / "reference.jsonl"
+    run_cli(*fit_args(digits_shards, tmp_path / "reference", reference, *ijepa, epochs=1), cwd=ROOT, env=ENV)
+    expected = {r["step"]: r["loss"] for r in read_steps(reference)}
+    assert sorted(expected) == list(range(1, 7))
+
+    run_dir, record, release = tmp_path / "run", tmp_path / "run.jsonl", tmp_path / "release"
+    args = fit_args(digits_shards, run_dir, record, *ijepa, epochs=1)
+    hold = ["--trainer.callbacks+=resume_helpers.HoldAt", "--trainer.callbacks.release", str(release),
+            "--trainer.callbacks.step", "5"]  # fmt: skip
+    proc = start_fit([*args, *hold])
+    wait_for_step(record, 5, proc)
+    deadline = time.monotonic() + 60
+    while not Path(f"{release}.reached").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    saved = torch.load(run_dir / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 4
+    assert any(k.startswith("teacher.blocks.") for k in saved["state_dict"])
+
+    run_cli(*args, "--ckpt_path", "last", cwd=ROOT, env=ENV)
+    steps = read_steps(record)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 5, 6]
+    for r in steps:
+        assert abs(r["loss"] - expected[r["step"]]) < 1e-6, (r["step"], r["loss"], expected[r["step"]])

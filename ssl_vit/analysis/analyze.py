@@ -153,6 +153,8 @@ def _masked_predictions(checkpoint: dict | None, hparams: dict, images: torch.Te
     entry["loss"] = round(out.loss.item(), 4)
     if out.accuracy is not None:
         entry["masked_accuracy"] = round(out.accuracy.item(), 4)
+    if task.teacher is not None:  # latent targets (I-JEPA, data2vec 2.0) have no picture
+        return entry, None
     return entry, masked_prediction_picture(task, images.to(device), out, count=len(images)).cpu()
 
 

@@ -2,6 +2,6 @@
 as ratios against a reference measured in the same process (`ssl-vit bench step|parts|loop|scaling`)."""
 
 # Here rather than in `step`, so that the parsers of `ssl-vit bench` need not import torch and Lightning.
-TASKS = ("supervised", "vit_mpp", "mae", "simmim")
+TASKS = ("supervised", "vit_mpp", "mae", "simmim", "maskfeat", "ijepa", "data2vec2")
 PRECISIONS = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}  # Lightning's: torch's
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -40,16 +40,26 @@ NUM_CLASSES = 1000
 DTYPES = {precision: getattr(torch, dtype) for precision, dtype in PRECISIONS.items()}
 
 
+# The decoders of the recipes where they are not MAE's 8 x 512: I-JEPA's predictor (recipes/ijepa), the
+# data2vec 2.0 recipe's (recipes/data2vec2).
+DECODERS = {
+    "ijepa": dict(decoder_dim=384, decoder_depth=6, decoder_heads=12),
+    "data2vec2": dict(decoder_dim=512, decoder_depth=4, decoder_heads=16),
+}
+
+
 def build_task(name: str, config: ViTConfig) -> BackboneTask:
-    """The task as a recipe builds it: MAE's 8 x 512 decoder, SimMIM's 32-pixel cells (or the nearest
-    that tile the grid, `simmim_cell`), fused AdamW."""
+    """The task as a recipe builds it: MAE's 8 x 512 decoder (`DECODERS` for the teacher presets, whose
+    EMA teacher runs too), SimMIM's 32-pixel cells (or the nearest that tile the grid, `simmim_cell`),
+    fused AdamW."""
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True)  # noqa: E731
     if name == "supervised":
         return SupervisedPretraining(config, num_classes=NUM_CLASSES, optimizer=optimizer)
     cell = simmim_cell(config) if name == "simmim" else 32
     return MaskedPatchPretraining(
-        config, preset=name, cell_size=cell, picture_every_n_steps=0, optimizer=optimizer
-    )
+        config, preset=name, cell_size=cell, picture_every_n_steps=0, optimizer=optimizer,
+        **DECODERS.get(name, {}),
+    )  # fmt: skip
 
 
 def simmim_cell(config: ViTConfig) -> int:

@@ -31,12 +31,19 @@ def add_parser(subparsers) -> None:
         help="also the classifier of a supervised or fine-tuned checkpoint (timm's head, num_classes=K); "
         "without it num_classes=0",
     )
+    export.add_argument(
+        "--weights",
+        choices=["student", "teacher"],
+        default="student",
+        help="student: the trained backbone (default); teacher: the EMA teacher of an I-JEPA or "
+        "data2vec 2.0 checkpoint (I-JEPA evaluates its teacher)",
+    )
     export.set_defaults(func=_export)
 
 
 def _export(args: argparse.Namespace) -> int:
     from ssl_vit.checkpoints.export import export
 
-    call = export(args.checkpoint, args.out, args.fmt, args.with_head)
+    call = export(args.checkpoint, args.out, args.fmt, args.with_head, args.weights)
     print(f"wrote {args.out}; load it with:\nimport timm\nmodel = {call}")
     return 0

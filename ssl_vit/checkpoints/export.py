@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from timm.models import get_pretrained_cfg, save_for_hf
 from torch import Tensor, nn
 
-from ssl_vit.checkpoints.load import Weights, architecture, config_metadata, read_weights
+from ssl_vit.checkpoints.load import Weights, WeightsKind, architecture, config_metadata, read_weights
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig, parse_variant
 
@@ -43,9 +43,10 @@ class TimmModel(NamedTuple):
     kwargs: dict
 
 
-def export(source: str, out: str, fmt: Format, with_head: bool) -> str:
+def export(source: str, out: str, fmt: Format, with_head: bool, weights: WeightsKind = "student") -> str:
     """Write `source`'s backbone (and classifier with `with_head`) to `out` in `fmt`; returns the
-    Python call that loads it. `out` must not exist; it appears whole or not at all."""
+    Python call that loads it. `out` must not exist; it appears whole or not at all. `weights`:
+    `teacher` writes the EMA teacher of a latent-target checkpoint (I-JEPA, data2vec 2.0) instead."""
     target = Path(out).absolute()
     if target.exists() or target.is_symlink():
         raise UserError(f"{out} already exists; give a new path, or remove it first")
@@ -57,7 +58,7 @@ def export(source: str, out: str, fmt: Format, with_head: bool) -> str:
             f"{out} does not end in .safetensors, which timm needs to load it: name OUT "
             f"{target.with_suffix('.safetensors').name}, or give --format hf for a folder"
         )
-    weights = read_weights(source)
+    weights = read_weights(source, weights)
     if weights.config is None:
         raise UserError(
             f"{source} carries no backbone config and its shapes match no paper variant; export it from "

@@ -1,6 +1,7 @@
 """One loader for every place that takes a checkpoint (`--model.init_args.init_from`, `evaluate`, `compare`):
 
-- a Lightning `.ckpt` of any ssl-vit task (backbone under `backbone.`, its `ViTConfig` in the hparams),
+- a Lightning `.ckpt` of any ssl-vit task (backbone under `backbone.`, its `ViTConfig` in the hparams;
+  with `weights="teacher"`, the EMA teacher of a latent-target task under `teacher.` instead),
 - a `.safetensors` file with timm's key names: exported by `ssl-vit export` (the config in its metadata)
   or any other (the config inferred from the shapes, or given),
 - a folder `ssl-vit export --format hf` wrote (timm's local Hub layout: `model.safetensors`),
@@ -25,7 +26,7 @@ import math
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from timm.models import clean_state_dict
@@ -42,6 +43,10 @@ METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safete
 ARCHITECTURE = ("width", "depth", "heads", "mlp_dim", "pooling", "hybrid", "patch_size")
 WEIGHTS_FILE = "model.safetensors"  # in an exported folder (timm's name for a local Hub model)
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
+# Which backbone of a Lightning checkpoint: the trained one, or the EMA teacher of I-JEPA / data2vec 2.0
+# (`MaskedPatchPretraining.teacher`), each under its prefix with timm's key names.
+WeightsKind = Literal["student", "teacher"]
+PREFIXES: dict[str, str] = {"student": "backbone.", "teacher": "teacher."}
 
 
 class Weights(NamedTuple):
@@ -53,28 +58,33 @@ class Weights(NamedTuple):
     hparams: dict  # a Lightning checkpoint's hyperparameters; {} for other files
 
 
-def load_backbone(source: str, config: ViTConfig | None = None) -> tuple[ViT, ViTConfig]:
+def load_backbone(
+    source: str, config: ViTConfig | None = None, weights: WeightsKind = "student"
+) -> tuple[ViT, ViTConfig]:
     """Build the backbone `source` describes and load its weights.
 
     config: what the caller needs (a recipe's backbone). Its img_size and drop_path_rate win; the
     architecture must match the checkpoint's, else a one-line error says which to change. Needed for
     `scratch` and for files whose architecture cannot be told from the shapes.
+    weights: `teacher` takes a latent-target checkpoint's EMA teacher instead of its student.
     """
+    if weights == "teacher" and (source == "scratch" or source.startswith("timm:")):
+        raise _no_teacher(source)
     if source == "scratch":
         if config is None:
             raise UserError("'scratch' needs a backbone config (variant, img_size) to initialise")
         return config.build(), config
     if source.startswith("timm:"):
         return _from_timm(source.removeprefix("timm:"), config)
-    weights = read_weights(source)
-    if weights.config is None and config is None:
+    found = read_weights(source, weights)
+    if found.config is None and config is None:
         raise UserError(
             f"{source} carries no backbone config and its shapes match no paper variant (heads unknown); "
             "give the variant it was trained with"
         )
-    target = _reconcile(source, weights.config, config)
+    target = _reconcile(source, found.config, config)
     vit = target.build()
-    _load_state(vit, weights.backbone, source)
+    _load_state(vit, found.backbone, source)
     return vit, target
 
 
@@ -107,8 +117,9 @@ def load_mae_decoder(decoder: nn.Module, source: str) -> None:
     decoder.load_state_dict(state)
 
 
-def read_weights(source: str) -> Weights:
-    """The tensors and config of a checkpoint file or exported folder (not `timm:` or `scratch`)."""
+def read_weights(source: str, weights: WeightsKind = "student") -> Weights:
+    """The tensors and config of a checkpoint file or exported folder (not `timm:` or `scratch`);
+    `weights="teacher"`: a Lightning checkpoint's EMA teacher as the backbone."""
     path = Path(source)
     if path.is_dir() and (path / WEIGHTS_FILE).is_file():
         path = path / WEIGHTS_FILE
@@ -116,11 +127,20 @@ def read_weights(source: str) -> Weights:
         what = f"is a folder without {WEIGHTS_FILE}" if path.is_dir() else "does not exist"
         raise UserError(f"checkpoint {source!r} {what}; give {SOURCES}")
     if path.suffix == ".safetensors":
+        if weights == "teacher":
+            raise _no_teacher(source)
         return _read_safetensors(path)
-    return _read_torch(path)
+    return _read_torch(path, weights)
 
 
-def _read_torch(path: Path) -> Weights:
+def _no_teacher(source) -> UserError:
+    return UserError(
+        f"{source} has no EMA teacher (teacher.* weights): only Lightning checkpoints of a teacher target "
+        "(presets ijepa, data2vec2) have one; take its student (the default)"
+    )
+
+
+def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
     # torch.load checks no checksum: a damaged file would load whatever its bytes now say. Files without
     # checksums (torch's legacy format, other tools' files) load unchecked.
     integrity.check(path, "restore it from a copy, or give another checkpoint")
@@ -136,7 +156,9 @@ def _read_torch(path: Path) -> Weights:
         raise UserError(f"{path} holds a {type(checkpoint).__name__}, not a dict of weights; give {SOURCES}")
     lightning = checkpoint.get("state_dict")
     if isinstance(lightning, dict) and any(str(k).startswith("backbone.") for k in lightning):
-        return _lightning_weights(path, checkpoint)
+        return _lightning_weights(path, checkpoint, weights)
+    if weights == "teacher":
+        raise _no_teacher(path)
     state = checkpoint.get("model", checkpoint)  # facebookresearch/mae (and DeiT) nest it under `model`
     if not isinstance(state, dict) or not state or not all(isinstance(v, Tensor) for v in state.values()):
         raise UserError(
@@ -146,12 +168,14 @@ def _read_torch(path: Path) -> Weights:
     return _timm_weights(clean_state_dict(state), None)
 
 
-def _lightning_weights(path: Path, checkpoint: dict) -> Weights:
-    state = checkpoint["state_dict"]
-    backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-    rest = {k: v for k, v in state.items() if not k.startswith("backbone.")}
+def _lightning_weights(path: Path, checkpoint: dict, weights: WeightsKind = "student") -> Weights:
+    state, prefix = checkpoint["state_dict"], PREFIXES[weights]
+    backbone = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    rest = {k: v for k, v in state.items() if not k.startswith(prefix)}
     hparams = checkpoint.get("hyper_parameters") or {}
     hparams = hparams if isinstance(hparams, dict) else {}
+    if not backbone:
+        raise _no_teacher(path)
     saved = hparams.get("backbone")
     config = ViTConfig.from_dict(saved, f"{path}: hyper_parameters.backbone") if saved else None
     return Weights(backbone, config, rest, hparams)

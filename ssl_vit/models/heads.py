@@ -13,6 +13,7 @@ from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
+from ssl_vit import masking
 from ssl_vit.errors import BadValue
 from ssl_vit.models.vit import Tokens
 
@@ -102,3 +103,16 @@ class MAEDecoder(nn.Module):
             x = torch.cat([self.embed(encoded.cls).unsqueeze(1), x], dim=1)  # (B, 1+N, E), cls position 0
         x = self.norm(self.blocks(x))
         return self.pred(x[:, -num_patches:])
+
+    def predict_at(self, encoded: Tokens, idx_keep: Tensor, idx_predict: Tensor) -> Tensor:
+        """Predictions at the positions `idx_predict` (B, M) only -> (B, M, out_dim), in that order: mask
+        tokens there, after the visible tokens at `idx_keep` (B, K); the other masked positions take no
+        part. I-JEPA's predictor, conditioned on where its targets are (sec 3 "Prediction")."""
+        visible = self.embed(encoded.patches)  # (B, K, E)
+        pos = self.pos_embed.expand(visible.shape[0], -1, -1)  # (B, N, E)
+        queries = self.mask_token.to(visible.dtype) + masking.gather_tokens(pos, idx_predict)  # (B, M, E)
+        x = torch.cat([visible + masking.gather_tokens(pos, idx_keep), queries], dim=1)  # (B, K+M, E)
+        if encoded.cls is not None:
+            x = torch.cat([self.embed(encoded.cls).unsqueeze(1), x], dim=1)
+        x = self.norm(self.blocks(x))
+        return self.pred(x[:, -idx_predict.shape[1] :])

@@ -1,5 +1,6 @@
-"""Masked patch prediction: the ViT paper's MPP (sec 4.6), MAE, SimMIM and MaskFeat as independent choices of
-corruption, target and mask, so each can be swapped alone.
+"""Masked patch prediction: the ViT paper's MPP (sec 4.6), MAE, SimMIM and MaskFeat as independent choices
+of corruption, target and mask, so each can be swapped alone; I-JEPA and data2vec 2.0 are the same matrix
+with an EMA teacher's features as the target (`ssl_vit.tasks.teacher`).
 
 Legend: B batch, N patches, M tokens the loss is on, D width, T the target's shape per patch.
 """
@@ -13,21 +14,30 @@ import torch.nn.functional as F
 from pytorch_lightning.cli import OptimizerCallable
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit import masking, targets
 from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import MAEDecoder, PatchHead
-from ssl_vit.models.vit import ViTConfig
+from ssl_vit.models.vit import Tokens, ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 from ssl_vit.tasks.pictures import masked_prediction_picture
+from ssl_vit.tasks.teacher import (
+    MomentumSchedule,
+    TeacherFeatures,
+    ema_update,
+    make_teacher,
+    momentum_at,
+    teacher_targets,
+)
 from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
-Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels", "hog"]
-MaskShape = Literal["random", "block", "cells"]
-PixelLoss = Literal["mse", "l1"]
+Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels", "hog", "teacher"]
+MaskShape = Literal["random", "block", "cells", "jepa"]
+PixelLoss = Literal["mse", "l1", "smooth_l1"]
 
 # One word for the common cases; any explicit argument overrides its preset's value.
 PRESETS: dict[str, dict] = {
@@ -46,8 +56,51 @@ PRESETS: dict[str, dict] = {
     "maskfeat": dict(
         corruption="mask_token", target="hog", mask_ratio=0.4, mask_shape="block", pixel_loss="mse"
     ),
+    # I-JEPA: the context encoder sees one large block less four target blocks; a narrow predictor,
+    # given mask tokens at each target block, regresses the EMA teacher's layer-normed last-layer
+    # features there with smooth L1; momentum 0.996 -> 1.0, linear (`src/train.py`).
+    "ijepa": dict(
+        corruption="drop",
+        target="teacher",
+        mask_shape="jepa",
+        pixel_loss="smooth_l1",
+        teacher_features="final_norm",
+        ema_momentum=0.996,
+        ema_momentum_end=1.0,
+        ema_schedule="linear",
+    ),
+    # data2vec 2.0 (base image config): 80% masked in blocks (theirs inverse blocks of 3, BEiT's here),
+    # encoder on visible tokens, 16 masked views of each image share one teacher pass; targets the
+    # teacher's top 10 blocks, instance-normalised, averaged, layer-normed; MSE; EMA 0.9998 -> 0.99999,
+    # linear.
+    "data2vec2": dict(
+        corruption="drop",
+        target="teacher",
+        mask_ratio=0.8,
+        mask_shape="block",
+        pixel_loss="mse",
+        teacher_features="top_k_mean",
+        teacher_top_k=10,
+        views=16,
+        ema_momentum=0.9998,
+        ema_momentum_end=0.99999,
+        ema_schedule="linear",
+    ),
 }
+# Choices left unset by the arguments and the preset.
+DEFAULTS: dict = dict(
+    mask_shape="random",
+    pixel_loss="mse",
+    teacher_features="final_norm",
+    teacher_top_k=1,
+    views=1,
+    ema_momentum=0.996,
+    ema_momentum_end=1.0,
+    ema_schedule="cosine",
+)
 COLOR_CLASSES = targets.LEVELS**3  # 512
+# I-JEPA regresses with smooth L1 (`src/train.py`), data2vec 2.0 with MSE.
+PIXEL_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
 
 
 class MaskedOutput(NamedTuple):
@@ -60,24 +113,36 @@ class MaskedOutput(NamedTuple):
     # tokens on the corrupted input (what the loss trains: the [class] token gets no gradient from it); a
     # target computed by a teacher adds `teacher` (B, D), the same of the teacher, and `target` (B, M, *T).
     monitor_features: dict[str, Tensor] | None = None
+    teacher: Tensor | None = None  # (B, D) the teacher's targets pooled over every patch; teacher only
 
 
 class MaskedPatchPretraining(BackboneTask):
     """Self-supervised pretraining by masked patch prediction.
 
     Args:
-        preset: `vit_mpp`, `mae`, `simmim` or `maskfeat`; fills every choice below that is left unset.
+        preset: `vit_mpp`, `mae`, `simmim`, `maskfeat`, `ijepa` or `data2vec2`; fills every choice below
+            left unset.
         corruption: `bert` replaces patch embeddings (80% [mask], 10% another patch, 10% kept) and runs
             the full sequence; `drop` runs only kept tokens and an MAE decoder fills the rest;
             `mask_token` puts a learned token in the encoder (SimMIM).
         target: 3-bit mean colour (512 classes), its 4x4-downsized variant (16 x 512), raw pixels,
-            per-patch normalised pixels, or `hog`: histograms of oriented gradients of the patch's cells
-            (MaskFeat; `ssl_vit.targets.hog`, 8-pixel cells, or the whole patch when 8 does not divide it).
+            per-patch normalised pixels, `hog`: histograms of oriented gradients of the patch's cells
+            (MaskFeat; `ssl_vit.targets.hog`, 8-pixel cells, or the whole patch when 8 does not divide it),
+            or `teacher`: the features of the uncorrupted image from an EMA copy of the backbone (I-JEPA,
+            data2vec 2.0), kept in checkpoints under `teacher.`.
         mask_ratio: fraction of patches corrupted/masked; the loss is on those only.
-        mask_shape: `random`, `block` (BEiT) or `cells` (SimMIM: aligned squares of `cell_size` pixels).
-        pixel_loss: `mse` or `l1` for pixel and HOG targets.
-        decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only).
-        picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never).
+        mask_shape: `random`, `block` (BEiT), `cells` (SimMIM: aligned squares of `cell_size` pixels) or
+            `jepa` (I-JEPA: four target blocks, the encoder sees a context block less them; `drop` only).
+        pixel_loss: `mse`, `l1` or `smooth_l1` for pixel, HOG and teacher targets.
+        decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only), I-JEPA's predictor.
+        teacher_features: what the teacher gives (`ssl_vit.tasks.teacher.teacher_targets`): `final_norm`
+            (I-JEPA) or `top_k_mean` of its top `teacher_top_k` blocks (data2vec).
+        views: masked views of each image per step (data2vec 2.0's `clone_batch`); the targets are
+            computed once per image, the student runs on every view.
+        ema_momentum, ema_momentum_end, ema_schedule: the teacher's EMA momentum, from the first to the
+            second over `ema_anneal_steps` optimizer steps (unset: the whole run), cosine or linear.
+        picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never;
+            teacher targets have no picture).
         init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining;
             a facebookresearch/mae checkpoint starts the decoder (`drop`) from its own as well.
     """
@@ -85,7 +150,7 @@ class MaskedPatchPretraining(BackboneTask):
     def __init__(
         self,
         backbone: ViTConfig,
-        preset: Literal["vit_mpp", "mae", "simmim", "maskfeat"] | None = None,
+        preset: Literal["vit_mpp", "mae", "simmim", "maskfeat", "ijepa", "data2vec2"] | None = None,
         corruption: Corruption | None = None,
         target: Target | None = None,
         mask_ratio: float | None = None,
@@ -95,6 +160,13 @@ class MaskedPatchPretraining(BackboneTask):
         decoder_dim: int = 512,
         decoder_depth: int = 8,
         decoder_heads: int = 16,
+        teacher_features: TeacherFeatures | None = None,
+        teacher_top_k: int | None = None,
+        views: int | None = None,
+        ema_momentum: float | None = None,
+        ema_momentum_end: float | None = None,
+        ema_schedule: MomentumSchedule | None = None,
+        ema_anneal_steps: int | None = None,
         picture_every_n_steps: int = 500,
         init_from: str = "scratch",
         optimizer: OptimizerCallable = torch.optim.AdamW,
@@ -103,7 +175,11 @@ class MaskedPatchPretraining(BackboneTask):
         mean: RGB = IMAGENET_DEFAULT_MEAN,
         std: RGB = IMAGENET_DEFAULT_STD,
     ) -> None:
-        choices = resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss)
+        choices = resolve_choices(
+            preset, corruption, target, mask_ratio, mask_shape, pixel_loss,
+            teacher_features=teacher_features, teacher_top_k=teacher_top_k, views=views,
+            ema_momentum=ema_momentum, ema_momentum_end=ema_momentum_end, ema_schedule=ema_schedule,
+        )  # fmt: skip
         super().__init__(
             backbone,
             init_from,
@@ -119,6 +195,7 @@ class MaskedPatchPretraining(BackboneTask):
                 decoder_dim=decoder_dim,
                 decoder_depth=decoder_depth,
                 decoder_heads=decoder_heads,
+                ema_anneal_steps=ema_anneal_steps,
             ),
         )
         self.corruption, self.target_kind = choices["corruption"], choices["target"]
@@ -147,8 +224,30 @@ class MaskedPatchPretraining(BackboneTask):
             # The learned [mask] embedding lives here, not in the backbone: its keys stay timm's.
             self.mask_embedding = nn.Parameter(torch.zeros(width))
             nn.init.normal_(self.mask_embedding, std=0.02)
-        kept = self.num_patches - round(self.mask_ratio * self.num_patches)
-        self.tokens_per_image = 1 + (kept if self.corruption == "drop" else self.num_patches)
+        self.views = choices["views"]
+        self.teacher = self.build_teacher(choices, ema_anneal_steps)
+        if self.mask_shape == "jepa":
+            self.tokens_per_image = None  # the context's size is drawn with each batch
+        else:
+            kept = self.num_patches - round(self.mask_ratio * self.num_patches)
+            encoded = kept if self.corruption == "drop" else self.num_patches
+            self.tokens_per_image = (1 + encoded) * self.views
+
+    def build_teacher(self, choices: dict, anneal_steps: int | None) -> nn.Module | None:
+        """The EMA teacher of a `teacher` target (None otherwise), starting as a copy of the backbone."""
+        if self.target_kind != "teacher":
+            return None
+        depth = len(self.backbone.blocks)
+        if choices["teacher_features"] == "top_k_mean" and choices["teacher_top_k"] > depth:
+            raise BadValue(
+                f"teacher_top_k {choices['teacher_top_k']} is more blocks than the backbone's {depth}: "
+                f"give at most {depth}"
+            )
+        self.teacher_features, self.teacher_top_k = choices["teacher_features"], choices["teacher_top_k"]
+        self.ema = (choices["ema_momentum"], choices["ema_momentum_end"], choices["ema_schedule"])
+        self.ema_anneal_steps = anneal_steps
+        self.picture_every_n_steps = 0  # latents have no picture
+        return make_teacher(self.backbone, ViTConfig(**self.hparams.backbone))
 
     def target_shape(self) -> torch.Size:
         """T: the prediction per patch."""
@@ -159,6 +258,8 @@ class MaskedPatchPretraining(BackboneTask):
         if self.target_kind == "hog":
             cells = (self.patch_size // targets.hog_cell_size(self.patch_size)) ** 2
             return torch.Size([3 * targets.HOG_BINS * cells])
+        if self.target_kind == "teacher":
+            return torch.Size([self.backbone.embed_dim])
         return torch.Size([self.patch_size**2 * 3])
 
     def no_weight_decay(self) -> set[str]:
@@ -167,15 +268,56 @@ class MaskedPatchPretraining(BackboneTask):
     # --- the objective, as named stages -------------------------------------------------------------
 
     def forward(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> predictions for every patch (B, N, *T) under a fresh random mask."""
-        return self.predict(images, None)[0]
+        """images: (B, 3, H, W) -> predictions at the masked tokens (V*B, M, *T) under fresh random masks,
+        `views` per image: the student's compute of a step."""
+        return self.predict_masked(images, None)[0]
 
     def forward_loss(self, images: Tensor, generator: torch.Generator | None = None) -> MaskedOutput:
-        """images: (B, 3, H, W) normalised model inputs."""
-        pred, idx, features = self.predict(images, generator)  # (B, N, *T), (B, M), (B, D)
-        target = self.make_targets(self.unnormalize(images))  # (B, N, ...)
-        pred, target = masking.gather_tokens(pred, idx), masking.gather_tokens(target, idx)
-        return self.compare(pred, target, idx)._replace(monitor_features={"student": features.detach()})
+        """images: (B, 3, H, W) normalised model inputs, each seen under `views` masks; the targets of the
+        uncorrupted images are computed once."""
+        pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
+        monitor = {"student": features.detach()}
+        if self.teacher is None:
+            target = self.make_targets(self.unnormalize(images))  # (B, N, ...)
+            out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
+            return out._replace(monitor_features=monitor)
+        target = teacher_targets(self.teacher, images, self.teacher_features, self.teacher_top_k)  # (B, N, D)
+        out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
+        monitor.update(teacher=target.mean(1).detach(), target=out.target.detach())
+        return out._replace(teacher=target.mean(1), monitor_features=monitor)
+
+    def repeat_views(self, x: Tensor) -> Tensor:
+        """(B, ...) -> (V*B, ...), view-major, as `predict_masked` repeats the images."""
+        return x.repeat(self.views, *[1] * (x.dim() - 1)) if self.views > 1 else x
+
+    def predict_masked(
+        self, images: Tensor, generator: torch.Generator | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Each image under `views` masks -> (predictions at the loss tokens (V*B, M, *T), idx (V*B, M),
+        the mean of the encoded patch tokens (V*B, D))."""
+        images = self.repeat_views(images)
+        if self.mask_shape == "jepa":
+            return self.predict_blocks(images, generator)
+        pred, idx, features = self.predict(images, generator)
+        return masking.gather_tokens(pred, idx), idx, features
+
+    def predict_blocks(
+        self, images: Tensor, generator: torch.Generator | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """I-JEPA (sec 3): the encoder sees the context block only; the predictor runs once per target
+        block, given mask tokens at that block's positions. Returns (pred (B, T*M, *T), idx (B, T*M),
+        the mean of the encoded context tokens (B, D)), block after block: a token two blocks share is
+        predicted, and counted, twice, as in the paper."""
+        batch = images.shape[0]
+        mask = masking.jepa_blocks(batch, self.grid, generator=generator, device=images.device)
+        encoded = self.backbone.encode(self.backbone.embed_patches(images), idx_keep=mask.idx_context)
+        blocks = mask.idx_targets.shape[1]
+        # Context tokens copied for each target block: (B*T, ...), sample-major.
+        per_block = Tokens(*(None if t is None else t.repeat_interleave(blocks, 0) for t in encoded))
+        idx_keep = mask.idx_context.repeat_interleave(blocks, 0)
+        pred = self.decoder.predict_at(per_block, idx_keep, mask.idx_targets.flatten(0, 1))  # (B*T, M, D)
+        pred = pred.unflatten(0, (batch, blocks)).flatten(1, 2)  # (B, T*M, D)
+        return pred.unflatten(-1, self.target_shape()), mask.idx_targets.flatten(1), encoded.patches.mean(1)
 
     def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
         """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M),
@@ -223,12 +365,12 @@ class MaskedPatchPretraining(BackboneTask):
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
         """Loss over the masked tokens only: softmax cross-entropy for colour classes (ViT paper), MSE
-        (MAE) or L1 (SimMIM) for pixels."""
+        (MAE, data2vec 2.0), L1 (SimMIM) or smooth L1 (I-JEPA) for pixels and latents."""
         if target.dtype == torch.long:
             loss = F.cross_entropy(pred.flatten(0, -2), target.flatten())
             accuracy = (pred.argmax(-1) == target).float().mean()
             return MaskedOutput(loss, pred, target, idx, accuracy)
-        loss = F.mse_loss(pred, target) if self.pixel_loss == "mse" else F.l1_loss(pred, target)
+        loss = PIXEL_LOSSES[self.pixel_loss](pred, target)
         return MaskedOutput(loss, pred, target, idx, None)
 
     # --- Lightning ------------------------------------------------------------------------------------
@@ -240,6 +382,31 @@ class MaskedPatchPretraining(BackboneTask):
         out = self.train_loss(step_inputs(batch))
         self.log_metrics("train", out, on_step=True)
         return {"loss": out.loss, "output": out, "monitor_features": out.monitor_features}
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """The optimizer's step, then the teacher's EMA step towards the updated student: once per
+        optimizer step, whatever the gradient accumulation (I-JEPA updates it after `optimizer.step()`).
+        Every DDP rank applies it to the same synchronised weights: no collective of its own."""
+        step = self.trainer.global_step
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.teacher is not None:
+            ema_update(self.teacher, self.backbone, self.ema_momentum(step))
+
+    def ema_momentum(self, step: int) -> float:
+        """The teacher's EMA momentum after optimizer step `step` (0-based)."""
+        total = self.ema_anneal_steps or int(self.trainer.estimated_stepping_batches)
+        return momentum_at(step, total, *self.ema)
+
+    def measure_flops(self, images: Tensor) -> None:
+        """`BackboneTask.measure_flops` of the student (3 x its forward, every view), plus the teacher's
+        forward once: it has no backward."""
+        super().measure_flops(images)
+        if self.teacher is None:
+            return
+        # Eager, as the student's count is (compiled blocks under a dispatch mode stop running compiled).
+        with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
+            teacher_targets(self.teacher, images[:1], self.teacher_features, self.teacher_top_k)
+        self.flops_per_image += counter.get_total_flops()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.eval_step("val", batch, batch_idx)
@@ -275,8 +442,9 @@ class MaskedPatchPretraining(BackboneTask):
             )
 
 
-def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss) -> dict:
-    """Fill unset choices from the preset and check they form a method."""
+def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss, **teacher) -> dict:
+    """Fill unset choices from the preset (then `DEFAULTS`) and check they form a method; `teacher`: the
+    EMA teacher's choices (`teacher_features`, `teacher_top_k`, `views`, `ema_*`)."""
     if preset is not None and preset not in PRESETS:
         raise BadValue(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     given = dict(
@@ -285,17 +453,28 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
         mask_ratio=mask_ratio,
         mask_shape=mask_shape,
         pixel_loss=pixel_loss,
+        **teacher,
     )
-    base = {"mask_shape": "random", "pixel_loss": "mse", **PRESETS.get(preset, {})}
+    base = {**DEFAULTS, **PRESETS.get(preset, {})}
     choices = {key: base.get(key) if value is None else value for key, value in given.items()}
     valid = {"corruption": Corruption, "target": Target, "mask_shape": MaskShape, "pixel_loss": PixelLoss}
+    valid.update(teacher_features=TeacherFeatures, ema_schedule=MomentumSchedule)
     for key, kind in valid.items():
         if choices[key] not in kind.__args__:
             raise BadValue(
                 f"{key} must be one of {', '.join(kind.__args__)} (or set a preset), got {choices[key]!r}"
             )
-    if choices["mask_ratio"] is None or not 0 < choices["mask_ratio"] < 1:
+    jepa = choices["mask_shape"] == "jepa"  # its blocks set how much is masked
+    if not jepa and (choices["mask_ratio"] is None or not 0 < choices["mask_ratio"] < 1):
         raise BadValue(f"mask_ratio must be in (0, 1) (or set a preset), got {choices['mask_ratio']}")
+    if jepa and choices["corruption"] != "drop":
+        raise BadValue("mask_shape 'jepa' feeds the encoder the context block only: use corruption 'drop'")
+    for key in ("teacher_top_k", "views"):
+        if choices[key] < 1:
+            raise BadValue(f"{key} must be at least 1, got {choices[key]}")
+    for key in ("ema_momentum", "ema_momentum_end"):
+        if not 0 <= choices[key] <= 1:
+            raise BadValue(f"{key} must be in [0, 1], got {choices[key]}")
     if choices["corruption"] == "bert" and choices["mask_shape"] != "random":
         raise BadValue("corruption 'bert' draws its own random positions: use mask_shape 'random'")
     return choices

@@ -41,6 +41,8 @@ def trained(tmp_path_factory, digits_batch):
         # MAE's fine-tuning: mean of the final-norm patch tokens, then its own fc_norm.
         "custom_mae_finetune": (FineTune(CUSTOM, 10, preset="mae"), 32),
         "custom_mpp": (MaskedPatchPretraining(CUSTOM, preset="vit_mpp"), 32),
+        # An EMA teacher beside the student (one step: the teacher is 0.4% of the way to it).
+        "custom_ijepa": (MaskedPatchPretraining(CUSTOM, preset="ijepa", decoder_dim=64, decoder_depth=1), 32),
     }
     eight = {key: value[:8] for key, value in digits_batch.items()}
     return {

@@ -123,6 +123,7 @@ def test_mistakes_are_one_line_and_write_nothing(trained, tmp_path):
         ((supervised, "no_such_dir/out.safetensors"), "is not a directory"),
         ((supervised, "a_file/out.safetensors"), "is not a directory"),
         ((mpp, "out.safetensors", "--with-head"), "has no classifier"),
+        ((mpp, "out.safetensors", "--weights", "teacher"), "has no EMA teacher"),
         ((mae_finetuned, "out", "--format", "hf", "--with-head"), "normalises before pooling or after"),
         # timm picks its loader by the suffix: safetensors bytes under another name do not load.
         ((supervised, "out.pth"), "does not end in .safetensors"),
@@ -137,3 +138,19 @@ def test_mistakes_are_one_line_and_write_nothing(trained, tmp_path):
     assert (tmp_path / "taken.safetensors").read_bytes() == b"keep me"
     pickle.loads(pickle.dumps(TouchesMarker(marker)))  # the payload does run code when unpickled unsafely
     assert marker.exists()
+
+
+def test_weights_teacher_exports_the_ema_teacher_and_the_loader_takes_it_too(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    path, task, _ = trained["custom_ijepa"]
+    for which, module in (("teacher", task.teacher), ("student", task.backbone)):
+        out = tmp_path / f"{which}.safetensors"
+        run_cli("export", str(path), str(out), "--weights", which)
+        saved, expected = load_file(out), module.state_dict()
+        assert saved.keys() == expected.keys()
+        assert all(torch.equal(saved[key], expected[key]) for key in expected), which
+        loaded, _ = load_backbone(str(path), weights=which)
+        assert all(torch.equal(value, expected[key]) for key, value in loaded.state_dict().items())
+    qkv = "blocks.0.attn.qkv.weight"
+    assert not torch.equal(task.teacher.state_dict()[qkv], task.backbone.state_dict()[qkv])

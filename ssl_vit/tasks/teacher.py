@@ -1,0 +1,77 @@
+"""The EMA teacher of the latent-target objectives (I-JEPA, data2vec 2.0): a copy of the student backbone
+whose weights follow the student's as an exponential moving average, never trained, and the features
+of the uncorrupted image it gives as targets.
+
+The teacher is a plain `ViT` the task holds as `teacher` beside `backbone`, so a checkpoint carries it
+under `teacher.` with timm's key names (`ssl_vit.checkpoints` loads and exports either). Its parameters
+do not require gradients: no optimizer group takes them (timm's weight-decay groups skip them), DDP
+neither reduces nor broadcasts them after the start (every rank applies the same update to the same,
+already synchronised, student weights), and FSDP2 shards its blocks like the student's.
+
+timm's `ModelEmaV3` performs the same update, but it keeps the copy as `module` (its keys would not be
+timm's under `teacher.`), cannot be built on the meta device where FLOPs are counted (its private
+rounding generator), and its decay warmup is not the papers' momentum ramp; the update itself is one
+fused torch call here.
+
+Legend: B batch, N patches, D width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ssl_vit.models.vit import ViT, ViTConfig
+
+TeacherFeatures = Literal["final_norm", "top_k_mean"]
+MomentumSchedule = Literal["cosine", "linear"]
+
+
+def make_teacher(student: ViT, config: ViTConfig) -> ViT:
+    """A frozen copy of `student`, built without drop path or activation checkpointing: the targets come
+    from the whole network in every mode Lightning puts the task in, and nothing is kept for a backward."""
+    teacher = replace(config, drop_path_rate=0.0, grad_checkpointing=False).build()
+    teacher.load_state_dict(student.state_dict())
+    return teacher.requires_grad_(False)
+
+
+def momentum_at(step: int, total: int, start: float, end: float, schedule: MomentumSchedule) -> float:
+    """The EMA momentum after optimizer step `step` of `total`: from `start` to `end`, cosine (BYOL, Grill
+    et al. 2020: 1 - (1 - start)(cos(pi k / K) + 1) / 2 for end 1) or linear (I-JEPA's momentum
+    scheduler; data2vec's annealed EMA decay), then held at `end`."""
+    progress = min(1.0, step / max(1, total))
+    shape = (1 - math.cos(math.pi * progress)) / 2 if schedule == "cosine" else progress
+    return start + (end - start) * shape
+
+
+@torch.no_grad()
+def ema_update(teacher: ViT, student: ViT, momentum: float) -> None:
+    """teacher = momentum * teacher + (1 - momentum) * student, every parameter in one fused kernel."""
+    torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 1.0 - momentum)
+
+
+@torch.no_grad()
+def teacher_targets(teacher: ViT, images: Tensor, features: TeacherFeatures, top_k: int) -> Tensor:
+    """images: (B, 3, H, W) uncorrupted model inputs -> regression targets for every patch (B, N, D).
+
+    - `final_norm` (I-JEPA, sec 3 "Targets"): the last block's output after the encoder's final norm,
+      then a LayerNorm without affine parameters, as the paper's `forward_target` applies.
+    - `top_k_mean` (data2vec, Baevski et al. 2022 sec 3.3; data2vec 2.0's image config): the outputs
+      of the top `top_k` blocks, each instance-normalised (per channel over the patches), averaged and
+      layer-normalised (`instance_norm_target_layer`, `layer_norm_targets`). The block outputs are
+      timm's `forward_intermediates`; data2vec reads the FFN output before the last residual instead.
+    """
+    if features == "final_norm":
+        patches = teacher.forward_tokens(images).patches.float()
+        return F.layer_norm(patches, patches.shape[-1:])
+    blocks = teacher.forward_intermediates(
+        images, indices=top_k, output_fmt="NLC", intermediates_only=True
+    )  # top_k x (B, N, D), patch tokens only
+    normed = [F.instance_norm(x.float().transpose(1, 2)).transpose(1, 2) for x in blocks]
+    average = torch.stack(normed).mean(0)
+    return F.layer_norm(average, average.shape[-1:])
