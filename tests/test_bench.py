@@ -375,7 +375,8 @@ def test_teacher_presets_count_the_teachers_forward_once(preset):
 @pytest.mark.slow
 def test_bench_step_runs_the_latent_and_hog_presets(tmp_path):
     out = tmp_path / "step.json"
-    run_cli("bench", "step", *TINY, "--tasks", "maskfeat", "ijepa", "data2vec2", "--rounds", "1", "--json", str(out))
+    tasks = ("maskfeat", "ijepa", "data2vec2")
+    run_cli("bench", "step", *TINY, "--tasks", *tasks, "--rounds", "1", "--json", str(out))
     (report,) = json.loads(out.read_text())
     rows = {row["name"]: row for row in report["rows"]}
     assert list(rows) == ["plain", "maskfeat", "ijepa", "data2vec2"]
