@@ -61,11 +61,17 @@ quickstart: $(STAMP)
 # checkpoints of the comparison (torchrun, two processes: the same table as one process); each run logs
 # to $(STUDY)/NAME.log, and a rerun resumes or skips the runs already done. `make study DEVICE=gpu`: the same
 # study with a larger ViT and more steps on one GPU (recipes/study/gpu.yaml, eval_gpu.yaml), in runs/study_gpu.
+# The latent-target methods at the same budget: `make study STUDY_METHODS="mae maskfeat ijepa data2vec2"
+# STUDY_CLAIMS= STUDY=runs/study_latent` (the paper's claims name the default methods; without them the
+# verdicts are each method against scratch).
 DEVICE ?= cpu
 STUDY_GPU := $(filter gpu,$(DEVICE))
 STUDY := runs/study$(if $(STUDY_GPU),_gpu)
 STUDY_SHARDS := data/shards/fashion_mnist
-STUDY_RUNS := mpp_0 mae_0 simmim_0 supervised_0 mpp_1 mae_1 simmim_1 supervised_1
+STUDY_METHODS ?= mpp mae simmim supervised
+STUDY_SEEDS ?= 0 1
+STUDY_CLAIMS ?= recipes/study/claims.yaml
+STUDY_RUNS := $(foreach seed,$(STUDY_SEEDS),$(STUDY_METHODS:%=%_$(seed)))
 STUDY_JOBS := $(if $(STUDY_GPU),1,2)
 STUDY_ENV := $(if $(STUDY_GPU),,OMP_NUM_THREADS=1)
 STUDY_FIT_ARGS := $(if $(STUDY_GPU),--config recipes/study/gpu.yaml)
@@ -94,9 +100,9 @@ $(STUDY)/%/pretrained:
 	@echo "pretrained $*"
 
 study-compare: $(STAMP)
-	$(STUDY_ENV) $(VENV)/bin/torchrun --nproc-per-node $(STUDY_JOBS) -m ssl_vit compare $(call study_group,mpp) $(call study_group,mae) $(call study_group,simmim) \
-		$(call study_group,supervised) --scratch 3 --baseline scratch --suite $(STUDY_SUITE) \
-		--claims recipes/study/claims.yaml --out $(STUDY)/compare --overwrite
+	$(STUDY_ENV) $(VENV)/bin/torchrun --nproc-per-node $(STUDY_JOBS) -m ssl_vit compare \
+		$(foreach method,$(STUDY_METHODS),$(call study_group,$(method))) --scratch 3 --baseline scratch \
+		--suite $(STUDY_SUITE) $(if $(STUDY_CLAIMS),--claims $(STUDY_CLAIMS)) --out $(STUDY)/compare --overwrite
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ssl_vit tests
