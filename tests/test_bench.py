@@ -3,15 +3,17 @@ and count FLOPs as `ssl-vit info` does. Only correctness: no timing is asserted.
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import run_cli, start_cli
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -66,6 +68,31 @@ def test_bench_loop_mistakes_are_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "ssl-vit: error: --steps, --batch-size and --threads must be at least 1"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("signum", "line", "stage"),
+    [
+        (signal.SIGINT, "interrupted", "shards"),
+        (signal.SIGTERM, "terminated", "shards"),
+        pytest.param(signal.SIGTERM, "terminated", "run", marks=pytest.mark.slow),
+    ],
+)
+def test_a_stopped_bench_loop_leaves_no_temporary_directory(signum, line, stage):
+    """Ctrl-C or SIGTERM (to the whole process group, as a scheduler sends it) while it writes its
+    shards or while its fit runs: 128 + the signal, one line, and its temporary directory gone."""
+    temp = Path(tempfile.gettempdir())  # where the CLI's fork server makes temporary directories
+    before = set(temp.glob("ssl-vit-bench-loop-*"))
+    running = start_cli("bench", "loop", "--steps", "100000", "--threads", "1", session=True)
+    deadline, ours = time.monotonic() + 240, []
+    while not ours and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        ours = [d for d in set(temp.glob("ssl-vit-bench-loop-*")) - before if (d / stage).exists()]
+    assert ours and running.poll() is None, running.wait().stderr
+    os.killpg(running.pid, signum)
+    proc = running.wait(120)
+    assert proc.returncode == 128 + signum and proc.stderr == f"ssl-vit: {line}\n", proc.stderr
+    assert not ours[0].exists()
 
 
 @pytest.mark.slow
