@@ -51,6 +51,7 @@ def test_step_flops_of_b16_are_those_of_ssl_vit_info():
         (["--img-size", "30"], "--img-size 30: give a multiple of Ti/8's 8-pixel patches"),
         (["--device", "mps"], "--device mps: use cpu or cuda"),
         (["--device", "gpu0"], "--device gpu0: use cpu or cuda"),
+        (["--batch-size", "100000000"], "--batch-size 100000000: a Ti/8 step at 32 px needs at least"),
     ],
 )
 @pytest.mark.parametrize("command", ["step", "parts"])
@@ -61,6 +62,21 @@ def test_bench_step_and_parts_mistakes_are_one_line(command, args, message, tmp_
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["step", "parts", "scaling", "feed", "loop"])
+def test_bench_keeps_an_existing_json_report_unless_told_to_overwrite_it(command, tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    args = ["--steps", "1"] if command == "loop" else TINY
+    proc = run_cli("bench", command, *args, "--json", str(report), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"ssl-vit: error: --json {report} exists: pass --overwrite to replace it, or give another file\n"
+    )
+    assert report.read_text() == "{}" and list(tmp_path.iterdir()) == [report]
+    if command == "step":
+        run_cli("bench", command, *TINY, "--tasks", "supervised", "--json", str(report), "--overwrite")
+        assert json.loads(report.read_text())[0]["rows"][1]["name"] == "supervised"
 
 
 def test_bench_loop_mistakes_are_one_line(tmp_path):
