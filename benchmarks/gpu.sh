@@ -25,23 +25,23 @@ common=(
 )
 options=("${common[@]}" --tasks supervised mae)
 written=("$JSON")
-$SSLVIT bench step "${options[@]}" --compile both --json "$JSON"
+$SSLVIT bench step "${options[@]}" --compile both --json "$JSON" --overwrite
 if [ "${WHOLE_STEP:-1}" = 1 ]; then
     $SSLVIT bench step "${options[@]}" --compile on --compile-scope step --compile-mode reduce-overhead \
-        --json "${JSON%.json}-step.json"
+        --json "${JSON%.json}-step.json" --overwrite
     written+=("${JSON%.json}-step.json")
 fi
-$SSLVIT bench parts "${common[@]}" --task mae --json "${JSON%.json}-parts.json"
+$SSLVIT bench parts "${common[@]}" --task mae --json "${JSON%.json}-parts.json" --overwrite
 written+=("${JSON%.json}-parts.json")
 feed=(
     --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
     --device "${DEVICE:-cuda}" --stored "${STORED:-500x375}" --batches "${FEED_BATCHES:-4}" --step-json "$JSON"
 )
-$SSLVIT bench feed "${feed[@]}" --workers "${FEED_WORKERS:-4,8,16}" --json "${JSON%.json}-feed.json"
+$SSLVIT bench feed "${feed[@]}" --workers "${FEED_WORKERS:-4,8,16}" --json "${JSON%.json}-feed.json" --overwrite
 written+=("${JSON%.json}-feed.json")
 if [ "${DECODE_DEVICE:-1}" = 1 ]; then
     $SSLVIT bench feed "${feed[@]}" --decode device --workers "${DEVICE_WORKERS:-2,4}" \
-        --json "${JSON%.json}-feed-device.json"
+        --json "${JSON%.json}-feed-device.json" --overwrite
     written+=("${JSON%.json}-feed-device.json")
 fi
 echo "tables above; numbers in ${written[*]}"

@@ -3,15 +3,17 @@ and count FLOPs as `ssl-vit info` does. Only correctness: no timing is asserted.
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import run_cli, start_cli
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -50,6 +52,7 @@ def test_step_flops_of_b16_are_those_of_ssl_vit_info():
         (["--img-size", "30"], "--img-size 30: give a multiple of Ti/8's 8-pixel patches"),
         (["--device", "mps"], "--device mps: use cpu or cuda"),
         (["--device", "gpu0"], "--device gpu0: use cpu or cuda"),
+        (["--batch-size", "100000000"], "--batch-size 100000000: a Ti/8 step at 32 px needs at least"),
     ],
 )
 @pytest.mark.parametrize("command", ["step", "parts"])
@@ -62,11 +65,51 @@ def test_bench_step_and_parts_mistakes_are_one_line(command, args, message, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["step", "parts", "scaling", "feed", "loop"])
+def test_bench_keeps_an_existing_json_report_unless_told_to_overwrite_it(command, tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    args = ["--steps", "1"] if command == "loop" else TINY
+    proc = run_cli("bench", command, *args, "--json", str(report), cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"ssl-vit: error: --json {report} exists: pass --overwrite to replace it, or give another file\n"
+    )
+    assert report.read_text() == "{}" and list(tmp_path.iterdir()) == [report]
+    if command == "step":
+        run_cli("bench", command, *TINY, "--tasks", "supervised", "--json", str(report), "--overwrite")
+        assert json.loads(report.read_text())[0]["rows"][1]["name"] == "supervised"
+
+
 def test_bench_loop_mistakes_are_one_line(tmp_path):
     proc = run_cli("bench", "loop", "--threads", "0", cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "ssl-vit: error: --steps, --batch-size and --threads must be at least 1"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("signum", "line", "stage"),
+    [
+        (signal.SIGINT, "interrupted", "shards"),
+        (signal.SIGTERM, "terminated", "shards"),
+        pytest.param(signal.SIGTERM, "terminated", "run", marks=pytest.mark.slow),
+    ],
+)
+def test_a_stopped_bench_loop_leaves_no_temporary_directory(signum, line, stage):
+    """Ctrl-C or SIGTERM (to the whole process group, as a scheduler sends it) while it writes its
+    shards or while its fit runs: 128 + the signal, one line, and its temporary directory gone."""
+    temp = Path(tempfile.gettempdir())  # where the CLI's fork server makes temporary directories
+    before = set(temp.glob("ssl-vit-bench-loop-*"))
+    running = start_cli("bench", "loop", "--steps", "100000", "--threads", "1", session=True)
+    deadline, ours = time.monotonic() + 240, []
+    while not ours and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        ours = [d for d in set(temp.glob("ssl-vit-bench-loop-*")) - before if (d / stage).exists()]
+    assert ours and running.poll() is None, running.wait().stderr
+    os.killpg(running.pid, signum)
+    proc = running.wait(120)
+    assert proc.returncode == 128 + signum and proc.stderr == f"ssl-vit: {line}\n", proc.stderr
+    assert not ours[0].exists()
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
 from ssl_vit.data.commands import add_jpeg_options, check_jpeg_options
 from ssl_vit.errors import UserError, check_at_least
+from ssl_vit.signals import stops_on_sigterm
 
 
 def add_bench_parsers(bench_subparsers) -> None:
@@ -27,7 +28,7 @@ def add_bench_parsers(bench_subparsers) -> None:
     loop.add_argument(
         "--threads", type=int, help="torch threads of both sides (default: every core but the loader's)"
     )
-    loop.add_argument("--json", type=Path, help="also write the report here")
+    _json_options(loop)
     loop.set_defaults(func=_loop)
 
     scaling = bench_subparsers.add_parser(
@@ -101,12 +102,29 @@ def _run_options(parser, steps: int) -> None:
     parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per round (default {steps})")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them, per round")
     parser.add_argument("--threads", type=int, help="torch threads per process (default: torch's)")
+    _json_options(parser)
+
+
+def _json_options(parser) -> None:
     parser.add_argument("--json", type=Path, help="also write the report(s) here")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
+
+
+def _check_json(args) -> None:
+    """Refused before anything is measured: a --json file that cannot be written, or that exists."""
+    if args.json is None:
+        return
+    if args.json.is_dir() or not args.json.parent.is_dir():
+        where = "is a directory" if args.json.is_dir() else f"directory {args.json.parent} does not exist"
+        raise UserError(f"--json {args.json}: {where}; give a file in an existing directory")
+    if args.json.exists() and not args.overwrite:
+        raise UserError(f"--json {args.json} exists: pass --overwrite to replace it, or give another file")
 
 
 def _check(args) -> None:
     import torch
 
+    from ssl_vit.benchmark.step import available_memory, batch_memory
     from ssl_vit.models.vit import parse_variant
 
     try:
@@ -127,9 +145,14 @@ def _check(args) -> None:
         raise UserError(f"--device {args.device}: use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible here; use --device cpu")
-    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
-        where = "is a directory" if args.json.is_dir() else f"directory {args.json.parent} does not exist"
-        raise UserError(f"--json {args.json}: {where}; give a file in an existing directory")
+    needed, free = batch_memory(args.variant, args.img_size, args.batch_size), available_memory(device)
+    if needed > free:
+        raise UserError(
+            f"--batch-size {args.batch_size}: a {args.variant} step at {args.img_size} px needs at least "
+            f"{needed / 2**30:,.1f} GiB for its images and activations, and {device.type} has "
+            f"{free / 2**30:,.1f} GiB free: give a smaller --batch-size"
+        )
+    _check_json(args)
 
 
 def _step_reports(args, progress=print) -> list[dict]:
@@ -169,11 +192,13 @@ def _step(args) -> int:
     return 0
 
 
+@stops_on_sigterm
 def _loop(args) -> int:
     from ssl_vit.benchmark.loop import format_loop, run_loop_bench
 
     if args.steps < 1 or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
         raise UserError("--steps, --batch-size and --threads must be at least 1")
+    _check_json(args)
     report = run_loop_bench(args.steps, args.batch_size, args.threads)
     print(format_loop(report))
     if args.json is not None:

@@ -12,12 +12,16 @@ Both sides compute on `threads` torch threads, by default every core but the one
 worker decodes on: as on a GPU node, where the loader has cores of its own. With the model's threads
 on every core, the worker's decoding would take turns with them, and the ratio would measure the
 machine's shortage of cores rather than the loop.
+
+Everything is written in a temporary directory, deleted at the end, also when the command is stopped
+(SIGTERM, Ctrl-C).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,15 +99,25 @@ def default_threads() -> int:
 
 
 def _ssl_vit(*args: str, cwd: Path, threads: int | None = None) -> float:
-    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+    # TMPDIR: what the command leaves in temporary directories (W&B's) goes when `cwd` does
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "TMPDIR": str(cwd)}
     if threads is not None:  # torch's intra-op threads in the child, read when torch starts
         env["OMP_NUM_THREADS"] = str(threads)
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "ssl_vit", *args], cwd=cwd, env=env, capture_output=True, text=True
-    )
+    # A session of its own, so that stopping this command stops it, its DataLoader worker and all,
+    # before the temporary directory it works in is deleted.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ssl_vit", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:  # SIGTERM, Ctrl-C
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     if proc.returncode != 0:
-        raise RuntimeError(f"ssl-vit {args[0]} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"ssl-vit {args[0]} failed:\n{stderr[-3000:]}")
     return time.perf_counter() - start
 
 

@@ -19,6 +19,8 @@ measured here.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -291,6 +293,29 @@ class StepBench:
             "peak_flops": {"lightning_table": peak_table, "measured_matmul": peak_measured, "used": peak},
             "rows": rows,
         }
+
+
+def batch_memory(variant: str, img_size: int, batch_size: int) -> int:
+    """About the fewest bytes a training step of `batch_size` images needs besides the model: the
+    float32 images, and per image and block what backward keeps of its activations, about 8 tensors of
+    (N, D) and 2 of (N, mlp_dim) floats (the norms' and attention's inputs and outputs, q, k and v, the
+    MLP's hidden layer before and after GELU)."""
+    parsed = parse_variant(variant)
+    width, depth, _, mlp_dim = parsed.dims
+    tokens = (img_size // parsed.patch_size) ** 2 + 1
+    return batch_size * 4 * (3 * img_size**2 + depth * tokens * (8 * width + 2 * mlp_dim))
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with contextlib.suppress(OSError):  # Linux
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _cudagraph_skips_note(config: dict) -> str:

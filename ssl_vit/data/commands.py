@@ -6,6 +6,7 @@ import argparse
 
 from ssl_vit.data.sources import SOURCES_HELP
 from ssl_vit.errors import UserError, check_at_least
+from ssl_vit.signals import stops_on_sigterm
 
 # `bench data` and `bench feed` hold their generated JPEGs in memory; larger sides only exhaust it
 MAX_STORED = 8192
@@ -18,8 +19,8 @@ def add_parser(subparsers) -> None:
     convert = sub.add_parser(
         "convert",
         help="write OUTDIR/{split}-NNNNNN.tar shards and OUTDIR/{split}.json",
-        description="An interrupted conversion (kill, Ctrl-C, crash) keeps its finished shards: the same "
-        "command again continues from the next one; with other options it starts over.",
+        description="An interrupted conversion (SIGTERM, Ctrl-C, a kill, a crash) keeps its finished shards: "
+        "the same command again continues from the next one; with other options it starts over.",
     )
     convert.add_argument("source", metavar="SOURCE", help=SOURCES_HELP)
     convert.add_argument("outdir", metavar="OUTDIR")
@@ -126,6 +127,7 @@ def _size(text: str) -> tuple[int, int]:
     return w, h
 
 
+@stops_on_sigterm
 def _convert(args) -> int:
     from ssl_vit.data.writer import convert, manifest_path
 

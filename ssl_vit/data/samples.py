@@ -13,9 +13,9 @@ import numpy as np
 from PIL import Image
 
 from ssl_vit.data.device_decode import JpegCrop
+from ssl_vit.data.tar_reader import IMAGE_MEMBERS
 
 log = logging.getLogger("ssl_vit.data")
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy")
 MAX_SKIPS_IN_A_ROW = 1000
 T = TypeVar("T")
 

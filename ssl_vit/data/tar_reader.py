@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import tarfile
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
@@ -22,6 +24,17 @@ _REGULAR = (b"0", b"\0", b"7")  # 7: contiguous file, a regular file for tarfile
 _NO_DATA = b"123456"  # links, devices, directories, fifos: tarfile ignores their size field
 _PAX = (b"x", b"X", b"g")  # X: Solaris' name for x
 _META = (*_PAX, b"L", b"K")  # headers that describe the member after them
+_RECENT = 256  # member names kept to judge the sample in progress at a break: far more than a sample has
+
+# The members a sample's image may be, in the order `samples.decode_image` looks for them, and those
+# `samples.parse_label` reads its label from.
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy")
+LABEL_MEMBERS = ("cls", "json")
+
+
+class GzipTarError(tarfile.ReadError):
+    """A gzip-compressed shard that breaks off. Its data is vouched for only by the CRC at the end of
+    the stream, so the member read last may hold what a damaged stream decompressed to."""
 
 
 def tar_samples(handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT) -> list:
@@ -41,16 +54,20 @@ def tar_file_members(sources: Iterable[dict], handler: Callable[[Exception], boo
     """webdataset's `tar_file_expander`: opened shards -> `{"fname", "data", "__url__"}` per member,
     `{}` at the end of each shard (so that `group_by_keys` never joins samples across shards).
 
-    A shard that breaks off is one error for `handler`; the sample of the last member read before the
-    break is dropped, since its other members may be what was lost (a sample whose `.cls` is lost would
-    otherwise pass as unlabelled). Closing the stream is part of reading it: a `pipe:` command or any
-    opener that reports a failure only when closed (webdataset's `Pipe` raises the command's exit
-    status there) fails the shard the same way, once."""
+    A shard that breaks off is one error for `handler`. Every member read before the break is whole
+    (`tar_files` yields one only when its header passed the checksum and all its data came), so
+    every sample before the last is too; the last, cut off where its next member would have come, is
+    kept only when it holds all a sample needs (`_whole_at_break`), and otherwise dropped (a sample
+    whose `.cls` is lost would pass as unlabelled). In a gzip-compressed shard it is always dropped
+    (`GzipTarError`). Closing the stream is part of reading it: a `pipe:` command or any opener that
+    reports a failure only when closed (webdataset's `Pipe` raises the command's exit status there)
+    fails the shard the same way, once."""
     for source in sources:
         stream, url = source["stream"], source["url"]
-        fname = None
+        recent: deque[str] = deque(maxlen=_RECENT)
         try:
             for fname, data in tar_files(stream):
+                recent.append(fname)
                 yield {"fname": fname, "data": data, "__url__": url}
             stream.close()
             yield {}
@@ -58,14 +75,29 @@ def tar_file_members(sources: Iterable[dict], handler: Callable[[Exception], boo
             exn.args = (*exn.args, url)
             if not handler(exn):
                 break
-            key = base_plus_ext(fname)[0] if fname else None
-            if key is not None:  # group_by_keys drops a sample that has a true `__bad__`
-                yield {"fname": f"{key}.__bad__", "data": True, "__url__": url}
+            key = base_plus_ext(recent[-1])[0] if recent else None
+            if key is not None and (isinstance(exn, GzipTarError) or not _whole_at_break(recent)):
+                yield {"fname": f"{key}.__bad__", "data": True, "__url__": url}  # group_by_keys drops it
             yield {}
         finally:
             # after a failure (counted above) or when the reader stops early (nothing was lost)
             with contextlib.suppress(Exception):
                 stream.close()
+
+
+def _whole_at_break(names: deque[str]) -> bool:
+    """Whether the sample of the last of `names` (the names of the last members read, a shard's
+    first ones included unless the deque is full) is whole although its shard broke off after it: it
+    holds an image and a label, all that is read of a sample, or at least the members of the sample
+    before it (an unlabelled shard's image alone)."""
+    pairs = [pair for pair in map(base_plus_ext, names) if pair[0] is not None]
+    runs = [{ext.lower() for _, ext in run} for _, run in itertools.groupby(pairs, key=lambda pair: pair[0])]
+    last = runs[-1]
+    if not last.isdisjoint(IMAGE_MEMBERS) and not last.isdisjoint(LABEL_MEMBERS):
+        return True
+    # the sample before is known whole when a third key precedes it, or nothing was pushed out
+    before_known = len(runs) >= 3 or (len(runs) == 2 and len(names) < _RECENT)
+    return before_known and last >= runs[-2]
 
 
 def tar_files(stream) -> Iterator[tuple[str, bytes]]:
@@ -92,7 +124,9 @@ def tar_files(stream) -> Iterator[tuple[str, bytes]]:
             gunzipped = gzip.GzipFile(fileobj=_Rewound(head, stream), mode="rb")
             yield from _members(gunzipped, gunzipped.read(_BLOCK))
         except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-            raise tarfile.ReadError(f"gzip data does not decompress ({err})") from None
+            raise GzipTarError(f"gzip data does not decompress ({err})") from None
+        except tarfile.ReadError as err:
+            raise GzipTarError(*err.args) from None
     elif (head[:3] == b"BZh" and head[4:10] == b"1AY&SY") or head.startswith((b"\xfd7zXZ", b"\x5d\0\0\x80")):
         raise tarfile.ReadError("bz2/xz-compressed tar stream: store shards as .tar or .tar.gz")
     else:

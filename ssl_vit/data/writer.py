@@ -9,9 +9,10 @@ manifest `OUTDIR/{split}.json` is described in data/README.md.
 Everything is written into `OUTDIR/.{split}.partial/` first and moved into place at the end, so a
 failed or interrupted run never leaves a half-written set next to (or instead of) a good one. Each
 finished shard is recorded there in `progress.json` (with the conversion's options): a rerun of the
-same conversion after a kill, Ctrl-C or a crash keeps the finished shards and continues with the
-next one, skipping the source records they hold without encoding them again; a rerun with other
-options (or a source with another record count) starts over, saying so. With
+same conversion after a kill, SIGTERM, Ctrl-C or a crash keeps the finished shards and continues with
+the next one, skipping the source records they hold without encoding them again; a rerun with other
+options (or a source with another record count) starts over, saying so. SIGTERM and Ctrl-C delete
+the shard being written, and `.partial` itself when no shard was finished. With
 --overwrite the old split's files are set aside in `OUTDIR/.{split}.old/` while the new ones move in
 (the manifest last), and deleted only then: a failure at any point leaves the old split or the new
 one complete, with the manifest that describes it.
@@ -19,6 +20,7 @@ one complete, with the manifest that describes it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -26,6 +28,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -109,7 +112,8 @@ def convert(
     except UserError:
         shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
         raise
-    except BaseException:  # killed, Ctrl-C, out of disk: keep what is finished for the next run
+    except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
+        (partial / f"{PROGRESS}.tmp").unlink(missing_ok=True)
         kept = len(_read_progress(partial).get("shards", []))
         if kept:
             log.warning(
@@ -298,6 +302,12 @@ class _Shard:
         self.class_counts[label] += 1
         self.sizes[size] += 1
 
+    def discard(self) -> None:
+        """Close and delete the tar of a shard that will not be finished."""
+        with contextlib.suppress(Exception):
+            self.tar.close()
+        self.path.unlink(missing_ok=True)
+
     def close(self, records: int, skipped: int) -> dict:
         """Close the tar; its progress entry. `records`: source records consumed up to its end;
         `skipped`: unreadable ones among them since the previous shard."""
@@ -326,7 +336,7 @@ def _write_shards(
         (record, image_format, options["quality"], options["max_side"])
         for record in itertools.islice(source.records, consumed, None)
     )
-    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    pool = multiprocessing.get_context("fork").Pool(workers, _worker_start) if workers > 1 else None
     encoded = pool.imap(encode_star, jobs, chunksize=16) if pool else map(encode_star, jobs)
     shard, skipped = None, 0  # skipped: unreadable records since the last shard closed
     try:
@@ -352,10 +362,24 @@ def _write_shards(
                 _save_progress(partial, options, shards)
                 progress.shard_done(shards[-1]["url"])
                 skipped = 0
+    except BaseException:
+        if shard is not None:
+            shard.discard()
+        raise
     finally:
         if pool:
             pool.terminate()
     return _manifest(source, options, shards, trailing_skipped=skipped)
+
+
+def _worker_start() -> None:
+    """An encoding worker's first step: a process group of its own, so that a signal sent to the
+    command's group (Ctrl-C at a terminal, a scheduler's SIGTERM) reaches only the main process, which
+    then stops the workers with `Pool.terminate`. A worker stopped by the signal itself could die
+    half way through writing a result to the pool's pipe, and the shutdown would wait for the rest of
+    it for ever."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # how `Pool.terminate` stops it
 
 
 def _manifest(source: Source, options: dict, shards: list[dict], trailing_skipped: int) -> dict:

@@ -185,19 +185,42 @@ def test_an_interrupted_conversion_continues_and_equals_an_uninterrupted_one(cli
     ]  # fmt: skip
 
 
-def test_ctrl_c_keeps_the_finished_shards_for_the_next_run(cli, tmp_path):
+@pytest.mark.parametrize(("signum", "line"), [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
+def test_a_stopped_conversion_keeps_the_finished_shards_for_the_next_run(cli, tmp_path, signum, line):
+    """Ctrl-C or SIGTERM (to the whole process group, as a scheduler sends it) while shards are being
+    written: 128 + the signal, a line saying how to continue, then the command's; the finished shards
+    and their record kept, the shard being written deleted."""
     out = tmp_path / "out"
-    args = ("data", "convert", "synthetic:3000", str(out), "--shard-size", "50", "--no-progress")
+    args = (
+        "data",
+        "convert",
+        "synthetic:3000",
+        str(out),
+        "--shard-size",
+        "50",
+        "--workers",
+        "2",
+        "--no-progress",
+    )
     running = start_cli(*args, session=True)
-    progress = out / ".train.partial" / "progress.json"
+    partial = out / ".train.partial"
     deadline = time.monotonic() + 120
-    while not progress.exists() and running.poll() is None and time.monotonic() < deadline:
+    while (
+        not (partial / "train-000001.tar").exists() and running.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
-    os.killpg(running.pid, signal.SIGINT)
+    os.killpg(running.pid, signum)
     proc = running.wait(120)
-    assert proc.returncode == 130 and proc.stderr.endswith("ssl-vit: interrupted\n"), proc.stderr
-    assert "finished shards in" in proc.stderr and "run the same command again to continue" in proc.stderr
+    assert proc.returncode == 128 + signum, proc.stderr
+    kept = json.loads((partial / "progress.json").read_text())["shards"]
+    assert proc.stderr.splitlines() == [
+        f"kept the {len(kept)} finished shards in {partial}: run the same command again to continue",
+        f"ssl-vit: {line}",
+    ]
+    assert sorted(p.name for p in out.iterdir()) == [".train.partial"]
+    assert sorted(p.name for p in partial.iterdir()) == ["progress.json", *(entry["url"] for entry in kept)]
+    assert all(len(list(wds.WebDataset(str(partial / e["url"]), shardshuffle=False))) == 50 for e in kept)
     proc = cli(*args)
     assert "continuing the interrupted conversion after its" in proc.stderr
     assert json.loads((out / "train.json").read_text())["num_samples"] == 3000
-    assert not (out / ".train.partial").exists()
+    assert not partial.exists()

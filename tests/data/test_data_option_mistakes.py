@@ -46,16 +46,19 @@ def test_convert_and_inspect_need_a_worker(cli, tmp_path, workers):
     error_line(proc, f"--workers must be at least 1, got {workers}")
 
 
-def test_ctrl_c_is_one_line_and_leaves_no_partial_split(tmp_path):
-    """Ctrl-C reaches the command's whole process group: exit 130, one line, no traceback, and the
-    split being written is neither left half-written nor published."""
+@pytest.mark.parametrize(("signum", "line"), [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
+def test_a_stop_before_the_first_shard_is_one_line_and_leaves_nothing(tmp_path, signum, line):
+    """Ctrl-C or SIGTERM reaches the command's whole process group while its first shard is being
+    written: exit 128 + the signal, one line, no traceback, and nothing left in OUTDIR."""
     out = tmp_path / "shards"
-    running = start_cli("data", "convert", "synthetic:200000", str(out), "--no-progress", session=True)
+    args = ("data", "convert", "synthetic:20000", str(out), "--shard-size", "20000", "--no-progress")
+    running = start_cli(*args, session=True)
+    first = out / ".train.partial" / "train-000000.tar"
     deadline = time.monotonic() + 120
-    while not (out / ".train.partial").exists() and running.poll() is None and time.monotonic() < deadline:
+    while not first.exists() and running.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert running.poll() is None, running.wait().stderr
-    os.killpg(running.pid, signal.SIGINT)
+    os.killpg(running.pid, signum)
     proc = running.wait(120)
-    assert proc.returncode == 130 and proc.stderr == "ssl-vit: interrupted\n", proc.stderr
+    assert proc.returncode == 128 + signum and proc.stderr == f"ssl-vit: {line}\n", proc.stderr
     assert sorted(p.name for p in out.iterdir()) == []
