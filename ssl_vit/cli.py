@@ -10,15 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import logging
-import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from ssl_vit.errors import Interrupted, UserError, resource_error_message, user_error_message
 from ssl_vit.quiet import quiet, verbose_requested
+from ssl_vit.signals import Terminated, raises
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
@@ -252,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
             lightning_cli(argv)
             return 0
         args = build_parser().parse_args(argv)
-        with _interrupts_raise(Interrupted):
+        # Ctrl-C and a scheduler's SIGTERM end a command by exceptions, so that what it cleans up on the way
+        # out (a staged --out, a half-written shard, a temporary directory) is cleaned up; `fit` has its
+        # own meaning for SIGTERM (a checkpoint, `ssl_vit.tasks.preemption`).
+        with (
+            raises(signal.SIGINT, Interrupted, in_children=KeyboardInterrupt),
+            raises(signal.SIGTERM, Terminated),
+        ):
             return args.func(args) or 0
     except Exception as err:
         message = user_error_message(err)
@@ -271,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.
         print("ssl-vit: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Terminated:
+        print("ssl-vit: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except SystemExit as stop:
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, raised on every rank at one step
             raise
@@ -279,43 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         if str(stop):
             print(f"ssl-vit: {stop}", file=sys.stderr)
         return 0 if getattr(stop, "requeued", False) else 128 + signal.SIGTERM
-
-
-@contextlib.contextmanager
-def _interrupts_raise(error: type[BaseException]):
-    """SIGINT raises `error` in this process while the block runs (KeyboardInterrupt in processes forked
-    from it, such as DataLoader workers, whose loop expects that one); the handler before is put back."""
-    main_pid = os.getpid()
-
-    def interrupt(signum, frame):
-        if os.getpid() != main_pid:
-            raise KeyboardInterrupt()
-        if _in_logging(frame):
-            # Raised there, it could leave logging's module lock held, and the next log line (Lightning
-            # logs as it tears down) would wait for it for ever: the signal comes again in 50 ms.
-            threading.Timer(0.05, os.kill, (main_pid, signal.SIGINT)).start()
-            return
-        raise error()
-
-    try:
-        previous = signal.signal(signal.SIGINT, interrupt)
-    except ValueError:  # not the main thread (an embedding program): Python's own handling stays
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _in_logging(frame) -> bool:
-    """Whether `frame` or a caller of it runs code of the `logging` package (which holds locks)."""
-    logging_dir = os.path.dirname(logging.__file__)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(logging_dir):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def check_optimizer(config) -> None:

@@ -281,7 +281,14 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_trained_protocol_of_evaluate_is_one_line_and_130(digits_shards, tmp_path):
+@pytest.mark.parametrize(
+    "signum, status, line",
+    [(signal.SIGINT, 130, "ssl-vit: interrupted"), (signal.SIGTERM, 143, "ssl-vit: terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_signal_during_a_trained_protocol_of_evaluate_is_one_line_and_nothing_left(
+    digits_shards, tmp_path, signum, status, line
+):
     suite = tmp_path / "suite.yaml"
     suite.write_text(yaml.safe_dump({
         "backbone": {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2},
@@ -302,10 +309,10 @@ def test_ctrl_c_during_a_trained_protocol_of_evaluate_is_one_line_and_130(digits
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     time.sleep(1)  # into the Lightning fit: its trainer and DataLoader are up
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+    os.killpg(proc.pid, signum)  # Ctrl-C reaches the whole foreground group, as a scheduler's SIGTERM
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-3000:]
-    assert lines(err)[-1] == "ssl-vit: interrupted" and "Traceback" not in err
+    assert proc.returncode == status, err[-3000:]
+    assert lines(err)[-1] == line and "Traceback" not in err
     assert "Detected KeyboardInterrupt" not in err
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
 

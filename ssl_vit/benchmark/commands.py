@@ -10,7 +10,6 @@ from pathlib import Path
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
 from ssl_vit.data.commands import add_jpeg_options, check_jpeg_options
 from ssl_vit.errors import UserError, check_at_least
-from ssl_vit.signals import stops_on_sigterm
 
 
 def add_bench_parsers(bench_subparsers) -> None:
@@ -192,7 +191,6 @@ def _step(args) -> int:
     return 0
 
 
-@stops_on_sigterm
 def _loop(args) -> int:
     from ssl_vit.benchmark.loop import format_loop, run_loop_bench
 

@@ -6,7 +6,6 @@ import argparse
 
 from ssl_vit.data.sources import SOURCES_HELP
 from ssl_vit.errors import UserError, check_at_least
-from ssl_vit.signals import stops_on_sigterm
 
 # `bench data` and `bench feed` hold their generated JPEGs in memory; larger sides only exhaust it
 MAX_STORED = 8192
@@ -127,7 +126,6 @@ def _size(text: str) -> tuple[int, int]:
     return w, h
 
 
-@stops_on_sigterm
 def _convert(args) -> int:
     from ssl_vit.data.writer import convert, manifest_path
 
