@@ -814,28 +814,15 @@ class LogSkippedSamples(pl.Callback):
         self.unreadable: dict[str, set[str]] = {"train": set(), "val": set(), "test": set()}
 
     def _log(self, pl_module: pl.LightningModule, batch: Any, stage: str) -> None:
-        if isinstance(batch, dict) and "skipped" in batch:
-            pl_module.log(
-                f"data/skipped_{stage}",
-                batch["skipped"].float(),
-                reduce_fx="sum",
-                on_step=False,
-                on_epoch=True,
-                sync_dist=True,
-                batch_size=1,
-            )
-        if isinstance(batch, dict) and "decoded_on_cpu" in batch:
-            pl_module.log(
-                f"data/decoded_on_cpu_{stage}",
-                batch["decoded_on_cpu"].float(),
-                reduce_fx="sum",
-                on_step=False,
-                on_epoch=True,
-                sync_dist=True,
-                batch_size=1,
-            )
-        if isinstance(batch, dict):
-            self.unreadable[stage].update(batch.get("unreadable") or ())
+        if not isinstance(batch, dict):
+            return
+        for count in ("skipped", "decoded_on_cpu"):  # per batch, summed over the epoch and the ranks
+            if count in batch:
+                pl_module.log(
+                    f"data/{count}_{stage}", batch[count].float(), reduce_fx="sum", on_step=False,
+                    on_epoch=True, sync_dist=True, batch_size=1,
+                )  # fmt: skip
+        self.unreadable[stage].update(batch.get("unreadable") or ())
 
     def _report(self, trainer, pl_module: pl.LightningModule, stage: str) -> None:
         found, self.unreadable[stage] = sorted(self.unreadable[stage]), set()
