@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ssl_vit.benchmark import PRECISIONS, TASKS
 from ssl_vit.models.vit import ViTConfig, build_vit, parse_variant
+from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.base import BackboneTask
 from ssl_vit.tasks.compile import CUDA_GRAPH_MODES, compile_blocks, compiled_step
@@ -201,7 +202,8 @@ class StepBench:
                 limit_val_batches=0,
             )
             loader = torch.utils.data.DataLoader([batch] * (self.warmup + self.steps), batch_size=None)
-            trainer.fit(task, train_dataloaders=loader)
+            with lightning_info_dropped("`Trainer.fit` stopped"):  # a timed round, not the command's end
+                trainer.fit(task, train_dataloaders=loader)
             return window.end - window.start
 
         return task, run
