@@ -14,6 +14,7 @@ import re
 import warnings
 
 VERBOSE_ENV = "SSL_VIT_VERBOSE"
+_WANDB_SILENCED = "SSL_VIT_SILENCED_WANDB"  # WANDB_SILENT is ours, not the user's
 
 # Python warnings, as regular expressions matching the start of their message.
 WARNINGS = (
@@ -71,6 +72,8 @@ def quiet(verbose: bool) -> None:
     ranks started by Lightning or torchrun inherit the environment), unless `verbose`."""
     if verbose:
         os.environ[VERBOSE_ENV] = "1"  # ranks Lightning starts run `ssl-vit` again
+        if os.environ.pop(_WANDB_SILENCED, None):  # set by an earlier quiet command of this environment
+            os.environ.pop("WANDB_SILENT", None)
         return
     for message in WARNINGS:
         warnings.filterwarnings("ignore", message=message)
@@ -81,7 +84,8 @@ def quiet(verbose: bool) -> None:
                 logger.addFilter(drop)
     # W&B prints its version, sync mode, local folder and a viewer hint at the start of every run and a
     # sync hint at its end; `tracking.WandbLogger` says where the run is in one line instead.
-    os.environ.setdefault("WANDB_SILENT", "true")
+    if "WANDB_SILENT" not in os.environ:
+        os.environ["WANDB_SILENT"] = os.environ[_WANDB_SILENCED] = "true"
 
 
 class _DropLines(logging.Filter):
