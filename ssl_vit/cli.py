@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from ssl_vit.errors import Interrupted, UserError, resource_error_message, user_error_message
@@ -273,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (KeyboardInterrupt, Interrupted):
         # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.
+        _after_a_signal()
         print("ssl-vit: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     except Terminated:
+        _after_a_signal()
         print("ssl-vit: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     except SystemExit as stop:
@@ -286,6 +290,27 @@ def main(argv: list[str] | None = None) -> int:
         if str(stop):
             print(f"ssl-vit: {stop}", file=sys.stderr)
         return 0 if getattr(stop, "requeued", False) else 128 + signal.SIGTERM
+
+
+def _after_a_signal() -> None:
+    """A command stopped by a signal: its DataLoaders are torn down now (not after its last line), and
+    what that raises where nothing can catch it (a worker's connection reset while it was handing over
+    a batch, in `__del__` or in the pin-memory thread) is a consequence of the stop, not news."""
+    consequences = (ConnectionError, EOFError, BrokenPipeError)
+
+    def unraisable(info) -> None:
+        if not isinstance(info.exc_value, consequences):
+            sys.__unraisablehook__(info)
+
+    def in_thread(info) -> None:
+        if not isinstance(info.exc_value, consequences):
+            threading.__excepthook__(info)
+
+    sys.unraisablehook, threading.excepthook = unraisable, in_thread
+    datamodule = sys.modules.get("ssl_vit.data.datamodule")
+    if datamodule is not None:  # workers end now, not after their grace (nor after this process)
+        datamodule.stop_all_workers()
+    gc.collect()
 
 
 def check_optimizer(config) -> None:

@@ -107,8 +107,11 @@ class WandbLogger(LightningWandbLogger):
 
 def where(run) -> str:
     """Where a W&B run is, in a few words: its page, or its offline folder and how to upload it."""
+    settings = getattr(run, "settings", None)
+    if settings is None:  # not a wandb Run (a stand-in)
+        return str(run)
     if getattr(run, "offline", False) or not getattr(run, "url", None):
-        folder = run.settings.sync_dir
+        folder = settings.sync_dir
         if not os.path.relpath(folder).startswith(".."):  # under the working directory: shorter
             folder = os.path.relpath(folder)
         return f"offline run in {folder} (upload: wandb sync {folder})"

@@ -25,11 +25,13 @@ view all come from one reading.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Collection
@@ -246,11 +248,21 @@ class _Workers:
         self.pids[worker_id] = os.getpid()
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        sys.excepthook = functools.partial(self._excepthook, sys.excepthook)
 
     def _on_sigterm(self, signum, frame) -> None:
+        self.terminated = True
         if self.stopping.value:
             os._exit(0)
         signal.alarm(WORKER_SIGTERM_GRACE_S)
+
+    def _excepthook(self, previous, kind, value, traceback) -> None:
+        """In a worker: once the job is stopping (a SIGTERM came, or the main process gave up on it),
+        a connection its main process has closed (multiprocessing's file-descriptor sharing thread
+        reports it through `sys.excepthook`) is a consequence of the stop, not news."""
+        stopping = self.stopping.value or getattr(self, "terminated", False)
+        if not (stopping and issubclass(kind, (ConnectionError, EOFError))):
+            previous(kind, value, traceback)
 
     def stop(self) -> None:
         """In the main process: end the current iterator's workers now (only processes that are still

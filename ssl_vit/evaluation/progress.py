@@ -1,8 +1,9 @@
 """One progress display for a whole `evaluate` or `compare`: which checkpoint of how many, which split or
 protocol, images (or steps) per second, and an ETA for the step and for the job.
 
-On a terminal it is a rich display of two bars (the job, the current step), as `data convert` shows;
-elsewhere (a log file, a batch job's output, each rank under torchrun) one line per finished step. The
+On a terminal it is a rich display of two bars on stderr (the job, the current step), as `data convert`
+shows; elsewhere (a log file, a batch job's output, each rank under torchrun) one line per finished
+step on stdout. The
 evaluation code reports through the module functions (`step`), which do nothing outside a `job`, so
 library callers of `evaluate` see nothing.
 """
@@ -22,9 +23,10 @@ _current: _Job | None = None
 @contextlib.contextmanager
 def job(command: str, runs: int, lines: bool | None = None) -> Iterator[_Job]:
     """The display of `command` over `runs` checkpoints (this process's share under torchrun). `lines`:
-    one line per step instead of bars; by default when stderr is not a terminal."""
+    one line per step on stdout instead of bars on stderr; by default when stdout is not a terminal
+    (a log file, CI), so that stderr keeps only warnings and errors."""
     global _current
-    current = _Job(command, runs, (not sys.stderr.isatty()) if lines is None else lines)
+    current = _Job(command, runs, (not sys.stdout.isatty()) if lines is None else lines)
     _current = current
     try:
         yield current
@@ -122,9 +124,7 @@ class _Job:
                 rate = f" ({done / seconds:,.0f} {unit}/s)" if done and seconds > 0 else ""
                 count = f", {done:,} {unit}" if done else ""
                 print(
-                    f"{self._prefix()}: {what}{count} in {seconds:.1f} s{rate}; ETA {self._eta()}",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{self._prefix()}: {what}{count} in {seconds:.1f} s{rate}; ETA {self._eta()}", flush=True
                 )
 
     def close(self) -> None:

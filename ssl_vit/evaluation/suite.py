@@ -333,8 +333,11 @@ def load_suite(path: str | Path) -> Suite:
 
 
 def _check_k(protocol: KNNProtocol, data: dict, where: str) -> None:
-    """k at most the training images it votes among, as their manifest counts them (when there is one):
-    a larger k would quietly become all of them."""
+    """k at most the training images it votes among, as their manifest counts them (local shards with a
+    manifest): a larger k would quietly become all of them."""
+    urls = data["train_urls"] if isinstance(data["train_urls"], list) else [data["train_urls"]]
+    if any("://" in str(url) or str(url).startswith("pipe:") for url in urls):
+        return  # remote: its manifest is read once, by the evaluation (a second fetch here is not free)
     datamodule = ShardDataModule(
         train_urls=data["train_urls"], test_urls=data["test_urls"],
         **{k: v for k, v in data.items() if k in DATA_KEYS},

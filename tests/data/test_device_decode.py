@@ -176,6 +176,7 @@ def test_device_decoding_with_randaugment_is_one_line(jpeg_digits, tmp_path, cli
     proc = cli(
         "fit", "--config", str(ROOT / "recipes/quickstart/supervised.yaml"),
         "--data.init_args.train_urls", f"{jpeg_digits}/train-{{000000..000004}}.tar",
+        "--data.init_args.val_urls", f"{jpeg_digits}/val-{{000000..000003}}.tar",
         "--data.init_args.randaugment", "rand-m9-mstd0.5", "--data.init_args.decode", "device",
         "--trainer.default_root_dir", str(run), check=False,
     )  # fmt: skip
