@@ -113,8 +113,13 @@ def convert(
         shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
         raise
     except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
-        (partial / f"{PROGRESS}.tmp").unlink(missing_ok=True)
-        kept = len(_read_progress(partial).get("shards", []))
+        recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}
+        # Whatever the record does not name goes: the progress record's temporary file, and a shard the
+        # signal caught between its file's creation and the record (even before `_write_shards` knew it)
+        for path in partial.iterdir() if partial.is_dir() else ():
+            if path.name not in recorded and path.name != PROGRESS:
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        kept = len(recorded)
         if kept:
             log.warning(
                 "kept the %d finished shards in %s: run the same command again to continue", kept, partial
