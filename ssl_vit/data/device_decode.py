@@ -111,12 +111,12 @@ def place_jpegs(batch: dict, size: int) -> dict:
     image = torch.empty(n, 3, size, size, dtype=torch.uint8, device=device)
     if len(cpu_index):
         image[cpu_index.to(device)] = batch["image"]
+    read = [j for j, crop in enumerate(crops) if crop is not None]
+    if read:  # one stack and one conversion for the batch, written in place at once
+        pixels = torch.stack([crops[j] for j in read]).round_().clamp_(0, 255).to(torch.uint8)
+        image[jpeg_index[read].to(device)] = pixels
     keep = torch.ones(n, dtype=torch.bool)
-    for j, crop in enumerate(crops):
-        if crop is None:
-            keep[jpeg_index[j]] = False
-        else:
-            image[jpeg_index[j]] = crop
+    keep[jpeg_index[[j for j, crop in enumerate(crops) if crop is None]]] = False
     batch["image"] = image
     batch["decoded_on_cpu"] = torch.tensor(len(cpu_index) + on_host)
     if not keep.all():
@@ -139,8 +139,8 @@ def _keep(batch: dict, keep: torch.Tensor) -> dict:
 def decode_crops(
     jpegs: list[bytes], boxes: list, flips: list, size: int, device: torch.device
 ) -> tuple[list[torch.Tensor | None], int]:
-    """JPEG bytes -> uint8 [3,size,size] crops on `device` (None for one no decoder reads), and how many
-    were decoded on the host because the device decoder refused them."""
+    """JPEG bytes -> float [3,size,size] crops (0-255) on `device` (None for one no decoder reads), and
+    how many were decoded on the host because the device decoder refused them."""
     # bytearray: torch.frombuffer wants a writable buffer (bytes would warn); a copy of compressed bytes
     data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in jpegs]
     images = _decode(data, device)
@@ -193,14 +193,12 @@ def _decode_on_host(data: torch.Tensor, raw: bytes, device: torch.device) -> tor
 
 
 def _crop(image: torch.Tensor, box: list[int], flip: bool, size: int) -> torch.Tensor:
-    """uint8 [3,H,W] -> the box resized to uint8 [3,size,size] (bilinear, antialiased as PIL's resize is),
-    flipped when asked."""
+    """uint8 [3,H,W] -> the box resized to float [3,size,size] in 0-255 (bilinear, antialiased as PIL's
+    resize is), flipped when asked; `place_jpegs` rounds the whole batch to uint8 at once."""
     left, top, w, h = box
     crop = image[:, top : top + h, left : left + w].unsqueeze(0).float()
     out = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
-    if flip:
-        out = out.flip(-1)
-    return out.round_().clamp_(0, 255).to(torch.uint8)
+    return out.flip(-1) if flip else out
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
