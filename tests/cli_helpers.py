@@ -1,6 +1,7 @@
 """Helpers tests import by name (a module called `conftest` is ambiguous: pytest loads several)."""
 
 import atexit
+import contextlib
 import json
 import multiprocessing
 import os
@@ -147,6 +148,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_lightning_ddp(script: Path, *args: str, timeout: float) -> str:
+    """`python SCRIPT ARGS` for a script whose Trainer launches its own second rank (Lightning's DDP
+    launcher re-runs the script), on a free port, one thread per process (as torchrun sets). Returns
+    both ranks' output once both have ended; fails the test with that output if the script fails or
+    the ranks outlive `timeout`.
+
+    The script runs in its own process group, killed whole at the timeout: a rank left waiting for a
+    peer that died would otherwise hold the output pipe open, and the reason with it."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)  # to the pipe's end: every rank has ended
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{script.name}: still running after {timeout:.0f} s; its output:\n{output[-6000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} exited {proc.returncode}; its output:\n{output[-6000:]}")
+    return output
 
 
 def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):

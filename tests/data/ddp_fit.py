@@ -7,12 +7,14 @@ training batches it ran per epoch, the validation keys it saw and the synced met
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from pytorch_lightning.strategies import DDPStrategy
 
 from ssl_vit.data import LogSkippedSamples, ShardDataModule
 
@@ -67,7 +69,8 @@ def main(urls: str, val_urls: str, out: str, decode: str = "cpu") -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        # A rank whose peer died fails in a minute, with its reason, instead of waiting half an hour.
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)),
         max_epochs=2,
         logger=False,
         enable_checkpointing=False,

@@ -1,15 +1,15 @@
 """A 2-process DDP `fit` on unequal shards completes; every rank steps the configured batches."""
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import free_port, write_broken_shard, write_shards
+from cli_helpers import run_lightning_ddp
+from data_helpers import write_broken_shard, write_shards
+
+SCRIPT = Path(__file__).parent / "ddp_fit.py"
 
 
 @pytest.mark.slow
@@ -19,15 +19,7 @@ def test_two_process_ddp_fit_on_unequal_shards(tmp_path):
     val_urls, val_keys = write_shards(tmp_path / "val", [4, 1, 6], prefix="val", seed=1)
     good, bad = write_broken_shard(tmp_path / "val" / "val-000003.tar", np.random.default_rng(2))
     val_urls = val_urls.replace("000002}", "000003}")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "ddp_fit.py"), train_urls, val_urls, str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_lightning_ddp(SCRIPT, train_urls, val_urls, str(tmp_path), timeout=280)
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
@@ -49,15 +41,7 @@ def test_device_decoding_keeps_ddp_in_lockstep_on_the_samples_of_cpu_decoding(tm
     for decode in ("cpu", "device"):
         (tmp_path / decode).mkdir()
         out = str(tmp_path / decode)
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "ddp_fit.py"), train_urls, val_urls, out, decode],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        run_lightning_ddp(SCRIPT, train_urls, val_urls, out, decode, timeout=180)
         runs[decode] = [json.loads((tmp_path / decode / f"rank{r}.json").read_text()) for r in range(2)]
     for cpu, device in zip(runs["cpu"], runs["device"], strict=True):
         assert device["train_batches"] == [4, 4]  # both epochs, both ranks: lockstep
