@@ -268,18 +268,19 @@ def main(argv: list[str] | None = None) -> int:
         message = resource_error_message(err)
         if message is None:
             raise
-        saved = getattr(err, "saved", None)  # `SaveOnWorkerDeath` saved the run's state
+        _end_early()
+        saved = getattr(err, "saved", None)  # `ssl_vit.tasks.preemption` saved the run's state
         if saved:
             message += f"; saved {saved}: resume with the same command and --ckpt_path last"
         print(f"ssl-vit: error: {message}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted):
         # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.
-        _after_a_signal()
+        _end_early()
         print("ssl-vit: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     except Terminated:
-        _after_a_signal()
+        _end_early()
         print("ssl-vit: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     except SystemExit as stop:
@@ -292,10 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if getattr(stop, "requeued", False) else 128 + signal.SIGTERM
 
 
-def _after_a_signal() -> None:
-    """A command stopped by a signal: its DataLoaders are torn down now (not after its last line), and
-    what that raises where nothing can catch it (a worker's connection reset while it was handing over
-    a batch, in `__del__` or in the pin-memory thread) is a consequence of the stop, not news."""
+def _end_early() -> None:
+    """A command stopped by a signal or by the machine (a dead DataLoader worker, memory, disk): its
+    DataLoaders are torn down now, not after its last line (a surviving worker, left to the exit,
+    would sit out its SIGTERM grace, `WORKER_SIGTERM_GRACE_S`, before the process could end), and what
+    that raises where nothing can catch it (a worker's connection reset while it was handing over a
+    batch, in `__del__` or in the pin-memory thread) is a consequence of the stop, not news."""
     consequences = (ConnectionError, EOFError, BrokenPipeError)
 
     def unraisable(info) -> None:

@@ -315,13 +315,17 @@ def write_suite(path: Path, shards: Path, **changes) -> Path:
     "changes, words",
     [
         ({"backbone__variant": "X/16"}, ["backbone: unknown ViT variant 'X/16'", "SIZE one of Ti, S"]),
-        ({"data__shuffle": True},
-         ["data: unknown keys ['shuffle']", "valid keys are train_urls, val_urls, test_urls"]),
+        (
+            {"data__shuffle": True},
+            ["data: unknown keys ['shuffle']", "valid keys are train_urls, val_urls, test_urls"],
+        ),
         ({"protocol": []}, ["unknown keys ['protocol']", "valid keys are backbone, data, datasets"]),
         ({"backbone__patch": 8}, ["backbone: unknown keys ['patch']", "valid keys are variant, img_size"]),
         ({"seed": "zero"}, ["seed is 'zero'", "integer"]),
-        ({"protocols": [{"name": "knn", "kind": "knn", "k": 5000}]},
-         ["protocol 'knn': k 5000 is more than the", "training images it votes among"]),
+        (
+            {"protocols": [{"name": "knn", "kind": "knn", "k": 5000}]},
+            ["protocol 'knn': k 5000 is more than the", "training images it votes among"],
+        ),
     ],
     ids=["variant", "data-key", "top-level-key", "backbone-key", "seed", "k"],
 )

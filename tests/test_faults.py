@@ -186,14 +186,14 @@ def test_a_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_surviv
 @pytest.mark.slow
 def test_running_out_of_memory_is_one_line_naming_the_batch_size(digits_shards, tmp_path):
     """A batch far too large for the memory the process may use (RLIMIT_AS): one line, exit 1."""
-    limit = 6 << 30
+    limit = 5 << 30
 
     def limited():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     args = [
         *fit_args(digits_shards, tmp_path / "run", tmp_path / "steps.jsonl", epochs=1, batches=1),
-        "--data.init_args.batch_size", "60000", "--data.init_args.num_workers", "0",
+        "--data.init_args.batch_size", "12000", "--data.init_args.num_workers", "0",
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "ssl_vit", *args], cwd=ROOT, preexec_fn=limited,
                           env={**os.environ, **ENV, "WANDB_MODE": "offline"}, capture_output=True, text=True,
@@ -221,7 +221,9 @@ def test_a_killed_dataloader_worker_saves_and_the_run_resumes_exactly(digits_sha
 
     run, record, release = tmp_path / "run", tmp_path / "steps.jsonl", tmp_path / "release"
     args = fit_args(digits_shards, run, record, epochs=2)
-    proc = start_cli(*args, *hold(release, step=5), cwd=ROOT, env=ENV)
+    # The surviving worker's SIGTERM grace is 900 s: the run ends by the timeout only if it stops its
+    # workers itself once it has saved.
+    proc = start_cli(*args, *hold(release, step=5), cwd=ROOT, env={**ENV, "SSL_VIT_WORKER_GRACE_S": "900"})
     wait_for(Path(f"{release}.reached"), proc)
     me = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     workers = [c for c in children(proc.pid) if Path(f"/proc/{c}/cmdline").read_bytes() == me]

@@ -62,10 +62,15 @@ def test_results_json_records_the_eval_view(stored, digits_shards, tmp_path):
     suite = {
         "backbone": {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2},
         "datasets": {
-            "digits": {"train_urls": str(digits_shards / "val-000000.tar"),
-                       "test_urls": str(digits_shards / "val-000001.tar")},
-            "px48": {"train_urls": str(stored[48][0] / "val-000000.tar"),
-                     "test_urls": str(stored[48][0] / "val-000001.tar"), "batch_size": 2},
+            "digits": {
+                "train_urls": str(digits_shards / "val-000000.tar"),
+                "test_urls": str(digits_shards / "val-000001.tar"),
+            },
+            "px48": {
+                "train_urls": str(stored[48][0] / "val-000000.tar"),
+                "test_urls": str(stored[48][0] / "val-000001.tar"),
+                "batch_size": 2,
+            },
         },  # fmt: skip
         "protocols": [
             {"name": "knn", "kind": "knn", "k": 3, "dataset": "digits"},
