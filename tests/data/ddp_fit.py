@@ -5,6 +5,7 @@ Lightning's DDP launcher re-runs this script for rank 1. Each rank writes OUT/ra
 training batches it ran per epoch, the validation keys it saw and the synced metrics.
 """
 
+import faulthandler
 import json
 import sys
 from datetime import timedelta
@@ -53,6 +54,8 @@ class PooledLinear(pl.LightningModule):
 
 
 def main(urls: str, val_urls: str, out: str, decode: str = "cpu") -> None:
+    # A run that hangs shows where: each rank's threads after 150 s (the tests wait 180 s at most).
+    faulthandler.dump_traceback_later(150, exit=False)
     pl.seed_everything(0, verbose=False)
     dm = ShardDataModule(
         train_urls=urls,
@@ -64,6 +67,7 @@ def main(urls: str, val_urls: str, out: str, decode: str = "cpu") -> None:
         train_batches=TRAIN_BATCHES,
         shuffle_buffer=8,
         decode=decode,
+        loader_timeout_s=60,  # a worker that delivers nothing fails the run with its reason
     )
     model = PooledLinear(num_classes=10)
     trainer = pl.Trainer(
