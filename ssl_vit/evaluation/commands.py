@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from ssl_vit.checkpoints import SOURCES
@@ -54,12 +55,15 @@ def add_parsers(subparsers) -> None:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation import progress
+    from ssl_vit.evaluation.protocols import grid_edge_notes
     from ssl_vit.evaluation.suite import evaluate, load_suite
 
     with progress.job("evaluate", 1):
         progress.run(0, args.checkpoint)
         record = evaluate(args.checkpoint, load_suite(args.suite), args.out, overwrite=args.overwrite).record
     print(json.dumps(record["results"], indent=2))
+    for note in grid_edge_notes([record]):
+        print(f"ssl-vit: note: {note}", file=sys.stderr)
     print(f"wrote {args.out}/results.json")
     return 0
 

@@ -179,7 +179,41 @@ def select_head(model, selection: Features) -> tuple[int, dict]:
     hits = _head_logits(model, selection.x).argmax(2) == selection.y  # (heads, n)
     accuracy = hits.double().mean(1)
     head = int(accuracy.argmax())
-    return head, {"selection_accuracy": {f"{lr:g}": a for lr, a in zip(model.lrs, accuracy.tolist())}}
+    chosen = {"selection_accuracy": {f"{lr:g}": a for lr, a in zip(model.lrs, accuracy.tolist())}}
+    edge = grid_edge(model.lrs, accuracy.tolist(), head)
+    return head, {**chosen, **({"lr_at_grid_edge": edge} if edge else {})}
+
+
+def grid_edge(lrs: list[float], accuracy: list[float], head: int) -> str | None:
+    """The grid's end, "largest" or "smallest", when the chosen lr `lrs[head]` ends a grid of several
+    and beats its neighbour in the grid on the held-out images (`accuracy`, one per lr): the best lr may
+    lie beyond the grid (`grid_edge_notes`)."""
+    order = sorted(range(len(lrs)), key=lambda i: lrs[i])
+    if len(lrs) < 2 or head not in (order[0], order[-1]):
+        return None
+    neighbour = order[1] if head == order[0] else order[-2]
+    if accuracy[head] <= accuracy[neighbour]:
+        return None
+    return "largest" if head == order[-1] else "smallest"
+
+
+def grid_edge_notes(records: list[dict]) -> list[str]:
+    """One line per trained column whose chosen lr ended its grid in any of `records` (results.json
+    records of one suite): how often, and what to do."""
+    edges: dict[tuple[str, str], list[float]] = {}
+    runs: dict[str, int] = {}
+    for record in records:
+        for column, found in record.get("details", {}).items():
+            if isinstance(found, dict) and "best_lr" in found and "selection_accuracy" in found:
+                runs[column] = runs.get(column, 0) + 1
+                if found.get("lr_at_grid_edge"):
+                    edges.setdefault((column, found["lr_at_grid_edge"]), []).append(found["best_lr"])
+    direction = {"largest": "above", "smallest": "below"}
+    return [
+        f"{column}: the lr chosen on the held-out images is the grid's {edge} ({lrs[0]:g}) in {len(lrs)} "
+        f"of {runs[column]} run(s); a better one may lie {direction[edge]} it: extend the protocol's lrs"
+        for (column, edge), lrs in edges.items()
+    ]
 
 
 def _head_logits(model, x: torch.Tensor) -> torch.Tensor:

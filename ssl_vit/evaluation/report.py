@@ -34,7 +34,7 @@ from ssl_vit.analysis.images import read_images
 from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
-from ssl_vit.evaluation.protocols import DATA_KEYS
+from ssl_vit.evaluation.protocols import DATA_KEYS, grid_edge_notes
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, interval, paired_difference
 from ssl_vit.evaluation.suite import Suite, TrainedProtocol, write_record
@@ -122,7 +122,10 @@ def write_comparison(
     columns = suite.columns()
     differences = paired(rows, columns, baseline, suite) if baseline else None
     write_csv(rows, columns, out / "results.csv")
-    (out / "results.md").write_text(markdown_table(rows, columns, suite, baseline, differences))
+    records = [run.record for runs in outcomes.values() for run in runs if not isinstance(run, Failed)]
+    notes = "".join(f"- {note}\n" for note in grid_edge_notes(records))
+    table = markdown_table(rows, columns, suite, baseline, differences)
+    (out / "results.md").write_text(table + (f"\nNotes:\n\n{notes}" if notes else ""))
     if claims:
         (out / "verdicts.md").write_text(claims_text(claims, rows, suite))
     elif differences:

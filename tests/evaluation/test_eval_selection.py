@@ -206,3 +206,47 @@ def test_a_fraction_too_small_to_hold_images_out_is_one_line(digits_shards, tmp_
     assert "0.001 of the labels leaves one image per class" in proc.stderr and "val_urls" in proc.stderr
     assert not out.exists()
     assert json.loads((digits_shards / "train.json").read_text())["num_samples"] == 1438
+
+
+# --- a chosen lr at the end of its grid ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "accuracy,head,edge",
+    [
+        ([0.2, 0.5, 0.9], 2, "largest"),
+        ([0.9, 0.5, 0.2], 0, "smallest"),
+        ([0.2, 0.9, 0.5], 1, None),  # inside the grid
+        ([0.2, 0.9, 0.9], 1, None),  # the first of equals, inside
+        ([0.9, 0.9, 0.2], 0, None),  # the end ties with its neighbour: nothing says the best lies beyond
+        ([0.9], 0, None),  # a grid of one lr chooses nothing
+    ],
+)
+def test_a_chosen_lr_that_ends_its_grid_and_beats_its_neighbour_is_an_edge(accuracy, head, edge):
+    lrs = [0.01, 0.1, 1.0][: len(accuracy)]
+    assert protocols.grid_edge(lrs, accuracy, head) == edge
+    shuffled = [1.0, 0.01, 0.1][: len(accuracy)]  # the grid's order is not the lrs' order
+    moved = {0.01: 1, 0.1: 2, 1.0: 0} if len(accuracy) == 3 else {0.01: 0}
+    reordered = [0.0] * len(accuracy)
+    for lr, a in zip(lrs, accuracy, strict=True):
+        reordered[moved[lr]] = a
+    assert protocols.grid_edge(shuffled, reordered, moved[lrs[head]]) == edge
+
+
+def test_evaluate_notes_a_chosen_lr_at_the_top_of_its_grid(digits_shards, tmp_path, cli):
+    """A grid whose largest lr is the best on the held-out images: results.json says so and `evaluate`
+    prints one note on stderr saying what to do; the scores are written as usual."""
+    suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000001}.tar",
+                        digits_shards / "val-000000.tar", [probe(lrs=[1e-3, 1.0], epochs=5)])  # fmt: skip
+    out = tmp_path / "out"
+    proc = cli("evaluate", "scratch", "--suite", str(suite), "--out", str(out))
+    detail = json.loads((out / "results.json").read_text())["details"]["linear"]
+    assert detail["best_lr"] == 1.0 and detail["lr_at_grid_edge"] == "largest", detail
+    (note,) = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: note:")]
+    assert note == (
+        "ssl-vit: note: linear: the lr chosen on the held-out images is the grid's largest (1) in 1 of 1 "
+        "run(s); a better one may lie above it: extend the protocol's lrs"
+    )
+    notes = protocols.grid_edge_notes([{"details": {"linear": detail}}, {"details": {"linear": {
+        **detail, "lr_at_grid_edge": None}}}])  # fmt: skip
+    assert notes == [note.removeprefix("ssl-vit: note: ").replace("in 1 of 1", "in 1 of 2")]
