@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ssl_vit.errors import Interrupted, UserError, resource_error_message, user_error_message
 from ssl_vit.quiet import quiet, verbose_requested
-from ssl_vit.signals import Terminated, raises
+from ssl_vit.signals import Terminated, raises, recorded
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
@@ -148,7 +148,8 @@ def lightning_cli(argv: list[str]):
             path = resumed_checkpoint(given, checkpoint_dir(config)) if given == "last" else given
             if path is None or local_ckpt_path(path) is None:
                 return  # nothing yet to resume, or a URL: the checkpoint IO checks it when loading
-            hparams = check_ckpt_path(path)
+            self.resumed = check_ckpt_path(path)
+            hparams = self.resumed.get("hyper_parameters", {})
             class_path = hparams.get("_class_path")
             if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
                 raise UserError(
@@ -208,6 +209,14 @@ def lightning_cli(argv: list[str]):
                 ):
                     init_args.save_dir = str(root)
 
+        def before_fit(self) -> None:
+            # `on_data_change: refuse` before config.yaml, the W&B run or a checkpoint is written; Lightning
+            # restores the data module's state (and checks it again) only inside the fit.
+            refuse = getattr(self.datamodule, "refuse_changed_data", None)
+            resumed, self.resumed = getattr(self, "resumed", None), None  # the file's map is let go
+            if resumed is not None and refuse is not None:
+                refuse(resumed.get(type(self.datamodule).__qualname__, {}))
+
         def instantiate_trainer(self, **kwargs):
             # A recipe's `trainer.plugins` replaces the default list (LightningCLI merges only callbacks
             # with trainer_defaults), so the checkpoint IO is (re)added here.
@@ -249,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet(verbose)
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
-            lightning_cli(argv)
+            # Until the trainer's own handlers take over (a fit's from its setup on: a checkpoint at the
+            # step's end, `ssl_vit.tasks.preemption`), SIGTERM ends the command with its one line, the run
+            # directory's lock released, and SLURM's requeue signal (SIGUSR1, whose default action would
+            # end the job unsaved and never requeued) is kept for the training to act on when it starts.
+            with raises(signal.SIGTERM, Terminated), recorded(signal.SIGUSR1):
+                lightning_cli(argv)
             return 0
         args = build_parser().parse_args(argv)
         # Ctrl-C and a scheduler's SIGTERM end a command by exceptions, so that what it cleans up on the way

@@ -14,7 +14,11 @@ import re
 import warnings
 
 VERBOSE_ENV = "SSL_VIT_VERBOSE"
-_WANDB_SILENCED = "SSL_VIT_SILENCED_WANDB"  # WANDB_SILENT is ours, not the user's
+_WANDB_QUIETED = "SSL_VIT_QUIETED_WANDB"  # the W&B settings quiet() set: ours, not the user's
+# W&B's informational lines: `quiet` drops the header and footer of a run (version, sync mode, local
+# folder, viewer and sync hints), `show_info` its other `termlog` lines; warnings and errors still show
+# (WANDB_SILENT would hide them too). `tracking.WandbLogger` says where the run is in one line instead.
+_WANDB_QUIET = {"WANDB_QUIET": "true", "WANDB_SHOW_INFO": "false"}
 
 # Python warnings, as regular expressions matching the start of their message.
 WARNINGS = (
@@ -72,8 +76,8 @@ def quiet(verbose: bool) -> None:
     ranks started by Lightning or torchrun inherit the environment), unless `verbose`."""
     if verbose:
         os.environ[VERBOSE_ENV] = "1"  # ranks Lightning starts run `ssl-vit` again
-        if os.environ.pop(_WANDB_SILENCED, None):  # set by an earlier quiet command of this environment
-            os.environ.pop("WANDB_SILENT", None)
+        for name in os.environ.pop(_WANDB_QUIETED, "").split():  # an earlier quiet command's
+            os.environ.pop(name, None)
         return
     for message in WARNINGS:
         warnings.filterwarnings("ignore", message=message)
@@ -82,10 +86,9 @@ def quiet(verbose: bool) -> None:
             logger = logging.getLogger(name)
             if not any(isinstance(f, _DropLines) for f in logger.filters):
                 logger.addFilter(drop)
-    # W&B prints its version, sync mode, local folder and a viewer hint at the start of every run and a
-    # sync hint at its end; `tracking.WandbLogger` says where the run is in one line instead.
-    if "WANDB_SILENT" not in os.environ:
-        os.environ["WANDB_SILENT"] = os.environ[_WANDB_SILENCED] = "true"
+    if not any(name in os.environ for name in (*_WANDB_QUIET, "WANDB_SILENT")):  # unless the user chose
+        os.environ.update(_WANDB_QUIET)
+        os.environ[_WANDB_QUIETED] = " ".join(_WANDB_QUIET)
 
 
 class _DropLines(logging.Filter):

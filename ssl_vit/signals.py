@@ -54,6 +54,34 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
         signal.signal(signum, previous)
 
 
+_RECEIVED: set[int] = set()
+
+
+@contextlib.contextmanager
+def recorded(signum: int):
+    """Signal `signum` is only noted while the block runs, for a later stage of the command to act on
+    (`received`), instead of taking its default action (SIGUSR1's ends the process). The handler before
+    is put back."""
+
+    def handler(received, frame):
+        _RECEIVED.add(received)
+
+    try:
+        previous = signal.signal(signum, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def received(signum: int) -> bool:
+    """Whether `signum` came while `recorded(signum)` was noting it."""
+    return signum in _RECEIVED
+
+
 def in_logging(frame) -> bool:
     """Whether `frame` or a caller of it runs code of the `logging` package (which holds locks)."""
     logging_dir = os.path.dirname(logging.__file__)

@@ -32,10 +32,10 @@ class WandbLogger(LightningWandbLogger):
       uploads an offline run later).
     - One W&B run per job: its id is kept in `save_dir/wandb-run-id`, and a job that resumes a
       checkpoint (SLURM requeue, `--ckpt_path last`) continues that run. `ssl-vit fit` passes the
-      checkpoint's step as `resume_step`: the run is rewound to it (W&B's `resume_from`), so the steps a
-      killed job logged after its last checkpoint are not kept twice; the resumed job logs them again
-      (the same values, with exact resume). A job that starts afresh (`continue_run` false) starts a
-      new run.
+      checkpoint's step as `resume_step`: the run is rewound to the last step the checkpoint holds
+      (W&B's `resume_from`), so the steps a killed job logged after its last checkpoint are not kept
+      twice; the resumed job logs them again (the same values, with exact resume). A job that starts
+      afresh (`continue_run` false) starts a new run.
     - W&B's own step is the step Lightning logs at (`logging_step`; Lightning shows it only as
       `trainer/global_step`), so that the rewind point and every chart's x axis are the same number.
     """
@@ -66,7 +66,11 @@ class WandbLogger(LightningWandbLogger):
         chosen = {k: kwargs.pop(k) for k in ("resume", "resume_from", "fork_from") if k in kwargs}
         resume = {k: v for k, v in chosen.items() if v is not None} or {"resume": "allow"}
         if continue_run and resume_step is not None and not any(v is not None for v in chosen.values()):
-            resume = {"resume": None, "resume_from": f"{id}?_step={resume_step}"}  # Lightning sets resume
+            # A checkpoint of step k holds k optimizer steps, whose metrics went to W&B steps 0 ... k-1
+            # (`logging_step`); W&B keeps the step it rewinds to and takes only later ones, so the rewind
+            # is to k-1: the resumed job's first batch logs at k.
+            rewind = max(resume_step - 1, 0)
+            resume = {"resume": None, "resume_from": f"{id}?_step={rewind}"}  # Lightning sets resume
         super().__init__(
             save_dir=save_dir,
             project=project,
@@ -95,6 +99,15 @@ class WandbLogger(LightningWandbLogger):
             self._id_to_save = None
             print(f"W&B: {where(run)}", file=sys.stderr)
         return run
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        # The run ends with its trainer. Lightning leaves it open to the interpreter's exit, where W&B's
+        # service prints the run's footer (the sync hint, the log folder) even when W&B is set to be
+        # quiet; finished here, the footer follows the setting.
+        if self._experiment is not None and getattr(self._experiment, "finish", None) is not None:
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
 
     @rank_zero_only
     def log_metrics(self, metrics, step: int | None = None) -> None:

@@ -5,6 +5,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
 import select
 import shutil
 import signal
@@ -144,10 +145,21 @@ def start_ranks(fn, *args, nprocs: int = 2) -> None:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for gloo rendezvous, test servers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 (for gloo rendezvous, test servers), below the kernel's ephemeral
+    range: a port the kernel hands out for port 0 is one it may give any outgoing connection next (a
+    gloo pair, a worker's HTTP request) between this check and the server's bind, which then fails
+    while its peers wait for it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    low = max(1024, ephemeral - 12000)
+    for port in random.Random().sample(range(low, ephemeral), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{ephemeral - 1}")
 
 
 def run_lightning_ddp(script: Path, *args: str, timeout: float) -> str:

@@ -53,16 +53,19 @@ class HoldBeforeTraining(pl.Callback):
 
 
 class HoldAt(pl.Callback):
-    """Holds the fit at a moment a test chooses (`where`: `sanity`, the first validation batch of the
-    sanity check; `step`, the end of training step `step`), after creating `release + ".reached"`, until
-    the file `release` exists or a SIGTERM came: the test acts (a signal, a kill) while the fit is there."""
+    """Holds the fit at a moment a test chooses (`where`: `build`, as the CLI builds the trainer's
+    callbacks, before any hook runs; `sanity`, the first validation batch of the sanity check; `step`,
+    the end of training step `step`), after creating `release + ".reached"`, until the file `release`
+    exists or a SIGTERM came: the test acts (a signal, a kill) while the fit is there."""
 
     def __init__(self, release: str, where: str = "step", step: int = 1) -> None:
         self.release, self.where, self.step = release, where, step
+        if where == "build":
+            self._hold(None)
 
     def _hold(self, trainer) -> None:
         open(self.release + ".reached", "w").close()
-        while not os.path.exists(self.release) and not trainer.received_sigterm:
+        while not os.path.exists(self.release) and not (trainer and trainer.received_sigterm):
             time.sleep(0.02)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:

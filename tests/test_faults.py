@@ -80,14 +80,17 @@ def test_a_resume_on_changed_shards_says_it_is_not_exact_or_refuses(shards, tmp_
     new_size = (shards / "train-000002.tar").stat().st_size
 
     # --data.init_args.on_data_change refuse: one line, nothing trained or written.
-    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+    def written():
+        return {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+
+    before = written()
     args = fit_args(shards, run, record, "--ckpt_path", "last", epochs=2)
     proc = run_cli(*args, "--data.init_args.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in lines(proc.stderr) if line.startswith("ssl-vit: error:")]
     assert f"1 shard(s) changed (train-000002.tar {size} -> {new_size} bytes)" in line
     assert "--data.init_args.on_data_change warn" in line
-    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before
+    assert written() == before  # checkpoints, config.yaml and the W&B run as they were
 
     # The default warns in one line and resumes.
     proc = run_cli(*args, cwd=ROOT, env=ENV)
@@ -267,6 +270,36 @@ def test_sigterm_during_the_sanity_check_saves_and_exits_without_waiting_for_the
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
     assert f"ssl-vit: stopped by SIGTERM after step 0; saved {run}/checkpoints/last.ckpt" in result.stderr
     assert steps_of(run / "checkpoints/last.ckpt") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_signals_before_the_trainer_starts_end_or_defer_the_run_cleanly(digits_shards, tmp_path):
+    """Before the trainer's handlers exist: SIGTERM ends the fit with its one line, nothing written and
+    the lock released; SLURM's requeue signal (SIGUSR1, whose default action would kill the job unsaved
+    and unrequeued) is kept, and the run saves at its first step's end."""
+    run, release = tmp_path / "run", tmp_path / "release"
+    proc = start_cli(*fit_args(digits_shards, run, tmp_path / "steps.jsonl", *hold(release, where="build")),
+                     cwd=ROOT, env=ENV, session=True)  # fmt: skip
+    wait_for(Path(f"{release}.reached"), proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    result = proc.wait(timeout=120)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
+    assert lines(result.stderr)[-1] == "ssl-vit: terminated" and "Traceback" not in result.stderr
+    assert not run.exists()  # the lock and the run directory it made are gone; nothing else was written
+
+    release.unlink(missing_ok=True)
+    Path(f"{release}.reached").unlink()
+    proc = start_cli(*fit_args(digits_shards, run, tmp_path / "steps.jsonl", *hold(release, where="build")),
+                     cwd=ROOT, env=ENV, session=True)  # fmt: skip
+    wait_for(Path(f"{release}.reached"), proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    release.touch()
+    result = proc.wait(timeout=300)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-3000:]
+    saved = f"stopped by the requeue signal (SIGUSR1) after step 1; saved {run}/checkpoints/last.ckpt"
+    assert saved in result.stderr, result.stderr[-1500:]
+    assert steps_of(run / "checkpoints/last.ckpt") == 1 and not (run / "fit.lock").exists()
 
 
 INTERRUPT_AT_TRAINING = """

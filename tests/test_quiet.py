@@ -104,7 +104,7 @@ def test_hub_retry_lines_are_dropped_and_other_hub_warnings_kept(monkeypatch):
 
     from ssl_vit.quiet import quiet
 
-    monkeypatch.setenv("WANDB_SILENT", "false")  # quiet() only sets what is unset
+    monkeypatch.setenv("WANDB_SHOW_INFO", "true")  # quiet() only sets what is unset
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -120,3 +120,24 @@ def test_hub_retry_lines_are_dropped_and_other_hub_warnings_kept(monkeypatch):
         for f in list(logger.filters):
             logger.removeFilter(f)
     assert [r.getMessage() for r in records] == ["the token in HF_TOKEN is not valid"]
+
+
+def test_a_quiet_command_drops_wandbs_info_lines_and_keeps_its_warnings(tmp_path):
+    """W&B's informational lines go (where the run is, `tracking.WandbLogger` says in one line); a W&B
+    warning reports something the user may need to act on, and still shows."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from ssl_vit.quiet import quiet; quiet(False)\n"
+        "import wandb; from wandb.errors import term\n"
+        "wandb.setup(); term.termlog('an info line'); term.termwarn('a real problem')\n"
+    )
+    ours = ("WANDB_SHOW", "WANDB_SILENT", "SSL_VIT_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
+    proc = subprocess.run([sys.executable, "-c", script], env={**env, "WANDB_MODE": "offline"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "wandb: WARNING a real problem" in proc.stderr
+    assert "an info line" not in proc.stderr + proc.stdout

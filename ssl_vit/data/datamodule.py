@@ -790,16 +790,23 @@ class ShardDataModule(pl.LightningDataModule):
         self.seed, self.epoch = state_dict["seed"], state_dict["epoch"]
         self._resume = state_dict.get("position")
         if "data" in state_dict and "train" in self._urls:  # checkpoints from before it was recorded: none
-            self._check_same_data(state_dict["data"])
+            self._check_same_data(state_dict["data"], self._urls["train"])
         started = self._train_loader is not None and self._train_loader.epoch is not None
         if started and self.trainer is not None and not self._train_loader.consumed:
             # Lightning has no public way to restart its training fetcher (which prefetches a batch).
             iter(self.trainer.fit_loop._data_fetcher)
 
-    def _check_same_data(self, saved: dict) -> None:
-        """One line when the training data differ from the checkpoint's: a warning, or with
+    def refuse_changed_data(self, state_dict: dict[str, Any]) -> None:
+        """With `on_data_change: refuse`, the error for training data that differ from those of the
+        checkpoint whose data-module state is `state_dict`, before the fit writes anything (the CLI
+        calls it first; Lightning's restore, `load_state_dict`, is after config.yaml and the W&B run)."""
+        if self.on_data_change == "refuse" and "data" in state_dict and self.train_urls is not None:
+            self._check_same_data(state_dict["data"], expand(self.train_urls, "train_urls"))
+
+    def _check_same_data(self, saved: dict, urls: list[str]) -> None:
+        """One line when the training data over `urls` differ from the checkpoint's: a warning, or with
         `on_data_change: refuse` the error that stops the resume."""
-        found = changes(saved, identity(self._urls["train"], self._manifest_of(self._urls["train"][0])))
+        found = changes(saved, identity(urls, self._manifest_of(urls[0])))
         if not found:
             return
         text = (

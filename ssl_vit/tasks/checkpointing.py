@@ -529,7 +529,7 @@ def local_ckpt_path(value) -> str | None:
 
 
 def check_ckpt_path(path: str | Path) -> dict:
-    """The hyperparameters of the Lightning checkpoint `path`; a one-line UserError unless it is one
+    """The Lightning checkpoint `path`, its tensors memory-mapped; a one-line UserError unless it is one
     that loads with weights only.
 
     For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
@@ -562,4 +562,4 @@ def check_ckpt_path(path: str | Path) -> dict:
         raise UserError(f"--ckpt_path {path} holds no weights (its state_dict is empty): {fix}")
     if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
         raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
-    return checkpoint.get("hyper_parameters", {})
+    return checkpoint

@@ -12,7 +12,10 @@ and a checkpoint there cannot resume exactly. Here the requeue signal only raise
 SIGTERM; the save happens when the step is over, and rank 0 then runs `scontrol requeue`.
 
 Lightning installs its own SIGUSR1 handler only where none is installed yet, so this one, installed at
-`setup`, takes its place.
+`setup`, takes its place. Before `setup` the command notes the requeue signal (`ssl_vit.signals.recorded`)
+and a SIGTERM ends it (nothing is trained yet); from `setup` until Lightning installs its handlers (the
+checkpoint is restored, the strategy set up) a SIGTERM is noted here. Either note is acted on when
+training starts: a save at the first step's end, and the requeue.
 
 A DataLoader worker that dies during training (the kernel's out-of-memory killer, a `kill`) ends the run
 too. Its death is reported from a loader's `next`, between two steps (the data module defers torch's
@@ -34,6 +37,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssl_vit.data.datamodule import stop_all_workers
 from ssl_vit.errors import worker_died
+from ssl_vit.signals import received
 from ssl_vit.tasks.run_lock import release_all
 
 log = logging.getLogger("ssl_vit")
@@ -49,27 +53,35 @@ class Preemption(pl.Callback):
 
     def __init__(self) -> None:
         self.requeue_requested = False
-        self._previous = None
+        self.sigterm_noted = False
+        self._previous: dict[int, object] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and hasattr(signal, "SIGUSR1"):
-            self._previous = signal.signal(REQUEUE_SIGNAL, self._on_requeue_signal)
         self.trainer = trainer
+        if stage != "fit":
+            return
+        self.requeue_requested = received(REQUEUE_SIGNAL)  # during the command's start-up
+        # Lightning keeps a SIGTERM handler it finds among its own, so this one stays harmless.
+        for signum, handler in ((REQUEUE_SIGNAL, self._on_requeue_signal), (signal.SIGTERM, self._note)):
+            self._previous[signum] = signal.signal(signum, handler)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._previous is not None:
-            signal.signal(REQUEUE_SIGNAL, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
     def _on_requeue_signal(self, signum, frame) -> None:
         log.info("received the requeue signal: saving at the end of this step")
         self.requeue_requested = True
         self._raise_stop_flag()
 
+    def _note(self, signum, frame) -> None:
+        self.sigterm_noted = True
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning clears its flag when it installs its handlers, after `setup`: a signal that came
         # during start-up is raised again here.
-        if self.requeue_requested:
+        if self.requeue_requested or self.sigterm_noted:
             self._raise_stop_flag()
 
     def _raise_stop_flag(self) -> None:
