@@ -39,6 +39,9 @@ WARNINGS = (
     # `--ckpt_path last` in a run directory without checkpoints is a fresh start, as the README and the
     # SLURM script (which always passes it) say: the first job of a run.
     re.escape('.fit(ckpt_path="last") is set, but there is no last checkpoint available.'),
+    # Every ssl-vit task validates when it is given val_urls; a run without them (a recipe that has no
+    # validation split, `bench step`) skips the loop by design.
+    re.escape("You defined a `validation_step` but have no `val_dataloader`. Skipping val loop."),
 )
 
 # Lightning's INFO lines, by their start: facts a user of ssl-vit either chose (the seed, the devices in

@@ -384,6 +384,25 @@ def test_bench_feed_takes_the_step_from_a_bench_step_report(tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_bench_feed_reads_the_shards_it_is_given(digits_shards, tmp_path):
+    """`--shards`: the feed of shards the user wrote (`data convert`), not of photos made for it."""
+    step_json, out = tmp_path / "step.json", tmp_path / "feed.json"
+    run_cli("bench", "step", *TINY, "--tasks", "mae", "--json", str(step_json))
+    shards = str(digits_shards / "train-{000000..000004}.tar")
+    proc = run_cli("bench", "feed", *FEED, "--workers", "1", "--shards", shards,
+                   "--step-json", str(step_json), "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["config"]["shards"] == shards and "stored" not in report["config"]
+    (row,) = report["rows"]
+    assert row["workers"] == 1 and row["images_per_s"] > 0
+    assert f"shards {shards}, crop 32" in proc.stdout
+    missing = run_cli("bench", "feed", *FEED, "--shards", str(tmp_path / "nope-{000000..000001}.tar"),
+                      "--step-json", str(step_json), check=False)  # fmt: skip
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "--shards" in missing.stderr and "nope-000000.tar" in missing.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

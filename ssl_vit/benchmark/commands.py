@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
 from ssl_vit.data.commands import add_jpeg_options, check_jpeg_options
+from ssl_vit.data.urls import check_urls, expand
 from ssl_vit.errors import UserError, check_at_least
 
 
@@ -58,6 +59,11 @@ def add_bench_parsers(bench_subparsers) -> None:
     feed.add_argument(
         "--decode", choices=("cpu", "device"), default="cpu", help="where JPEGs are decoded (default cpu)"
     )
+    feed.add_argument(
+        "--shards", metavar="URLS",
+        help="feed these shards (e.g. what `ssl-vit data convert --max-side` wrote) instead of photos "
+        "made at --stored size and --quality",
+    )  # fmt: skip
     feed.add_argument(
         "--batches", type=int, default=16, help="timed batches per worker, after 2 untimed (default 16)"
     )
@@ -243,6 +249,8 @@ def _feed(args) -> int:
     check_at_least(args, 1, "batches")
     check_jpeg_options(args)
     _check(args)
+    if args.shards is not None:
+        check_urls(expand(args.shards, "--shards"), "--shards")
     if args.step_json is not None:
         steps = _read_step_reports(args)
     else:
@@ -251,7 +259,7 @@ def _feed(args) -> int:
             print("\n" + format_table(step) + "\n")
     report = run_feed(
         workers, stored=args.stored, quality=args.quality, img_size=args.img_size, batch_size=args.batch_size,
-        batches=args.batches, device=args.device, decode=args.decode, progress=print,
+        batches=args.batches, device=args.device, decode=args.decode, shards=args.shards, progress=print,
     )  # fmt: skip
     report = step_rates(report, steps)
     print("\n" + format_feed(report))

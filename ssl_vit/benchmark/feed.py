@@ -2,7 +2,8 @@
 workers, against the training step's own rate (`ssl-vit bench step`) on the same device.
 
 The input path as `ssl-vit fit` runs it: JPEG shards in a temporary local directory (scikit-image's
-photos, randomly cropped and re-encoded at `--stored` size and `--quality`, `ssl_vit.data.bench`) ->
+photos, randomly cropped and re-encoded at `--stored` size and `--quality`, `ssl_vit.data.bench`), or
+the user's own (`--shards`, e.g. what `ssl-vit data convert --max-side` wrote) ->
 `ShardDataModule`'s training stream (tar reading, shuffle, decode, random resized crop with the
 imagenet1k recipes' scale (0.2, 1), flip, uint8 batches) through its DataLoader workers -> each batch
 moved to the device as Lightning moves it and passed through the data module's
@@ -84,19 +85,21 @@ def run_feed(
     batches: int,
     device: str,
     decode: str,
+    shards: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict:
-    """The feed rate for each number of `workers`, as a report (`step_rates` adds the step's side)."""
-    jpegs = make_jpegs(IMAGES, stored, quality=quality)
+    """The feed rate for each number of `workers`, as a report (`step_rates` adds the step's side): over
+    `shards` when given, else over JPEGs made at `stored` size and `quality`."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="ssl-vit-bench-feed-") as tmp:
-        urls = write_shards(jpegs, tmp, SHARDS)
+        urls = shards or write_shards(make_jpegs(IMAGES, stored, quality=quality), tmp, SHARDS)
         for n in workers:
             rate = feed_rate(urls, n, batch_size, img_size, batches, torch.device(device), decode)
             rows.append({"workers": n, "images_per_s": rate, "per_worker": rate / max(1, n)})
             progress(f"{n} workers: {rate:.1f} img/s")
+    source = {"shards": shards} if shards else {"stored": list(stored), "quality": quality, "images": IMAGES}
     config = {
-        "stored": list(stored), "quality": quality, "images": IMAGES, "img_size": img_size,
+        **source, "img_size": img_size,
         "crop_scale": list(CROP_SCALE), "batch_size": batch_size, "decode": decode, "device": device,
         "batches": batches, "warmup_batches": WARMUP_BATCHES, "cores": len(os.sched_getaffinity(0)),
     }  # fmt: skip
@@ -122,10 +125,12 @@ def step_rates(report: dict, step_reports: list[dict]) -> dict:
 def format_feed(report: dict) -> str:
     """The report as a Markdown table (also what `ssl-vit bench feed` prints)."""
     c = report["config"]
-    w, h = c["stored"]
+    source = f"shards {c['shards']}" if "shards" in c else (
+        f"{c['images']} JPEGs {c['stored'][0]}x{c['stored'][1]} quality {c['quality']}"
+    )
     steps = report["step"]
     head = (
-        f"{c['images']} JPEGs {w}x{h} quality {c['quality']}, crop {c['img_size']} scale "
+        f"{source}, crop {c['img_size']} scale "
         f"({c['crop_scale'][0]:g}, {c['crop_scale'][1]:g}), batch {c['batch_size']}, decode {c['decode']}, "
         f"normalised on {c['device']}; {c['batches']} timed batches per worker after "
         f"{c['warmup_batches']}; {c['cores']} cores\n"

@@ -58,6 +58,27 @@ def test_max_side_shrinks_large_images_and_keeps_small_ones_byte_for_byte(cli, t
     assert proc.returncode == 2 and "--max-side must be at least 1" in proc.stderr
 
 
+def test_wds_shards_are_shrunk_on_the_way_in(cli, tmp_path):
+    """Existing shards re-sharded with `--max-side`: large images shrunk, labels and keys kept."""
+    rng = np.random.default_rng(1)
+    (tmp_path / "in").mkdir()
+    images = {f"k{i}": (jpeg(rng, 320 - 40 * i, 240), i % 3) for i in range(4)}
+    with wds.TarWriter(str(tmp_path / "in" / "part-000000.tar")) as sink:
+        for key, (data, label) in images.items():
+            sink.write({"__key__": key, "jpg": data, "cls": str(label)})
+    cli(
+        "data", "convert", f"wds:{tmp_path / 'in' / 'part-000000.tar'}", str(tmp_path / "out"),
+        "--format", "jpg", "--max-side", "160", "--no-progress",
+    )  # fmt: skip
+    out = {s["__key__"]: s for s in samples(tmp_path / "out")}
+    assert sorted(out) == sorted(images)
+    for key, (data, label) in images.items():
+        width, height = Image.open(io.BytesIO(data)).size
+        scale = 160 / max(width, height)
+        assert Image.open(io.BytesIO(out[key]["jpg"])).size == (round(width * scale), round(height * scale))
+        assert int(out[key]["cls"]) == label
+
+
 def write_foreign_shard(path: Path, rng) -> dict:
     """A shard as another tool writes it (no manifest): labels in cls or json, an unlabelled png, a
     truncated JPEG and a sample without an image (both to be skipped). Returns key -> (bytes, label)."""
