@@ -136,6 +136,8 @@ def lightning_cli(argv: list[str]):
                 return
             config = self.config[self.config.subcommand]
             root = str(config.trainer.default_root_dir or DEFAULT_ROOT)
+            if "://" not in root:
+                check_run_dir(root)
             if self.config.subcommand == "fit" and job_leader() and "://" not in root:
                 # The first thing done with the run directory, before the checkpoint below is read and
                 # before the used-directory check, config.yaml, W&B and checkpoints: one fit at a time.
@@ -375,6 +377,19 @@ def check_ckpt_choice(subcommand: str, given: str | None) -> str | None:
     if given == "scratch" and subcommand == "fit":
         raise UserError("--ckpt_path scratch: a fit starts from scratch without --ckpt_path; drop it")
     return given
+
+
+def check_run_dir(root: str) -> None:
+    """`--trainer.default_root_dir` refused in one line where it is a file or lies under one, before
+    anything is written: the run directory's lock (fit) or the W&B run (validate, test) would fail to
+    make it, the latter with a traceback."""
+    path = Path(root).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        raise UserError(
+            f"--trainer.default_root_dir {root} {where}: give a directory for the run to write in"
+        )
 
 
 def checkpoint_dir(config) -> Path:

@@ -2,7 +2,10 @@
 non-zero exit, and nothing written: checked through the CLI, as users run it."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -10,10 +13,10 @@ import pytest
 import pytorch_lightning as pl
 import timm
 import torch
-from cli_helpers import run_cli
+from cli_helpers import one_step_fit_args, run_cli
 from safetensors.torch import save_file
 
-from ssl_vit.checkpoints import config_metadata
+from ssl_vit.checkpoints import config_metadata, load_backbone
 from ssl_vit.data.urls import check_manifest
 from ssl_vit.errors import BadValue, UserError, user_error_message
 from ssl_vit.models.vit import ViTConfig
@@ -429,3 +432,82 @@ def test_wrapped_user_errors_are_found_and_others_are_not():
     assert user_error_message(KeyError(101)) is None
     worker = "Caught KeyError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
     assert user_error_message(RuntimeError(worker + "KeyError: 3")) is None
+
+
+# --- the run directory ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+@pytest.mark.parametrize("under", [False, True], ids=["the-file", "under-the-file"])
+def test_a_run_directory_that_is_a_file_is_one_line(digits_shards, tmp_path, command, under):
+    given = tmp_path / "notes.txt"
+    given.write_text("not a directory\n")
+    root = given / "run" if under else given
+    if command == "fit":
+        args = one_step_fit_args(digits_shards, root)
+    else:
+        args = [
+            command, "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
+            "--data.init_args.val_urls", str(digits_shards / "val-000000.tar"),
+            "--data.init_args.test_urls", str(digits_shards / "val-000000.tar"),
+            "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(root),
+            "--ckpt_path", "scratch",
+        ]  # fmt: skip
+    proc = run_cli(*args, cwd=tmp_path, check=False)
+    where = "is a file" if not under else f"lies under the file {given}"
+    error_line(proc, f"--trainer.default_root_dir {root} {where}: give a directory")
+    assert proc.stdout == ""
+    assert listing(tmp_path) == ["notes.txt"] and given.read_text() == "not a directory\n"
+
+
+# --- timm:NAME without the network --------------------------------------------------------------------------
+
+# The Hub at a port where nothing listens; the Hugging Face settings of the caller's environment left out,
+# so that the cache is the test's own, empty one.
+NO_HUB = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_evaluate_timm_weights_without_the_hub_is_one_line_at_once(digits_shards, tmp_path, verbose):
+    """Not cached and no Hub to ask: one line, without the Hub client's retries (5 per file, backing off
+    1 to 8 s, about 45 s in all), which `--verbose` would show. A process of its own, not the CLI fork
+    server: huggingface_hub reads its settings from the environment when it is imported."""
+    suite = write_suite(tmp_path / "suite.yaml", digits_shards)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update(NO_HUB, HF_HOME=str(tmp_path / "hf"))
+    cmd = [
+        sys.executable, "-m", "ssl_vit", "evaluate", "timm:vit_tiny_patch16_224",
+        "--suite", str(suite), "--out", str(tmp_path / "out"), *(["--verbose"] if verbose else []),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    words = ["timm:vit_tiny_patch16_224: its weights are not in the Hugging Face cache", "cannot be reached"]
+    if verbose:  # everything shows, and there is nothing but the error to show
+        assert "Retrying in" not in proc.stderr and "thrown while requesting" not in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and proc.stderr.splitlines()[-1].startswith("ssl-vit: error: timm:")
+    else:
+        error_line(proc, *words, "(http://127.0.0.1:9)", "export the weights to a .safetensors file")
+    assert proc.stdout == ""
+    assert listing(tmp_path) == ["suite.yaml"]  # no --out, nothing in the Hugging Face cache
+
+
+def test_timm_weights_in_the_cache_load_without_the_hub(tmp_path, monkeypatch):
+    """The counterpart: cached weights need no Hub (the cache is read first)."""
+    from huggingface_hub import constants
+
+    source = timm.create_model("vit_tiny_patch16_224", num_classes=0)
+    repo = tmp_path / "hub" / "models--timm--vit_tiny_patch16_224.augreg_in21k_ft_in1k"  # timm's default tag
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    weights = {k: v.contiguous() for k, v in source.state_dict().items()}
+    save_file(weights, repo / "snapshots" / commit / "model.safetensors")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", NO_HUB["HF_ENDPOINT"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    vit, config = load_backbone("timm:vit_tiny_patch16_224")
+    assert config == ViTConfig("Ti/16", 224)
+    images = torch.randn(1, 3, 224, 224)
+    source.eval(), vit.eval()
+    torch.testing.assert_close(vit(images), source(images))

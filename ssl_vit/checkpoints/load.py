@@ -296,11 +296,11 @@ def _load_state(vit: ViT, state: dict, source: str) -> None:
 
 
 def _from_timm(name: str, wanted: ViTConfig | None) -> tuple[ViT, ViTConfig]:
-    import timm
-
     try:
-        model = timm.create_model(name, pretrained=True, num_classes=0)
-    except Exception as err:  # unknown name, no network, no cached copy: each is one user-facing line
+        model = _pretrained_timm(name)
+    except UserError:
+        raise
+    except Exception as err:  # unknown name, a failed download: each is one user-facing line
         raise UserError(
             f"timm:{name}: could not create it with pretrained weights ({type(err).__name__}: "
             f"{str(err).splitlines()[0][:200]}); check the name, or export the weights to a "
@@ -312,6 +312,39 @@ def _from_timm(name: str, wanted: ViTConfig | None) -> tuple[ViT, ViTConfig]:
     vit = config.build()
     _load_state(vit, model.state_dict(), f"timm:{name}")
     return vit, config
+
+
+def _pretrained_timm(name: str) -> nn.Module:
+    """timm's model `name` with its pretrained weights: from the Hugging Face cache when they are there,
+    else downloaded. Where they are not cached and the Hub cannot be reached at all, one line at once:
+    the Hub client would retry each file timm asks for 5 times, backing off 1 to 8 s (about 45 s for the
+    two it tries), in silence since the retry lines are dropped (`quiet.HUB_RETRY_LINES`)."""
+    import timm
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    fix = "export the weights to a .safetensors file and pass that"
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        constants.HF_HUB_OFFLINE = True  # the cache only: `huggingface_hub.is_offline_mode` reads it
+        return timm.create_model(name, pretrained=True, num_classes=0)
+    except LocalEntryNotFoundError:
+        if offline:
+            raise UserError(
+                f"timm:{name}: its weights are not in the Hugging Face cache and HF_HUB_OFFLINE is set: "
+                f"unset it to download them, or {fix}"
+            ) from None
+    finally:
+        constants.HF_HUB_OFFLINE = offline
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as err:  # no answer at all (any answer, even an error status, is a Hub to ask)
+        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        raise UserError(
+            f"timm:{name}: its weights are not in the Hugging Face cache and the Hub ({constants.ENDPOINT}) "
+            f"cannot be reached ({why}): connect to the network, or {fix}"
+        ) from None
+    return timm.create_model(name, pretrained=True, num_classes=0)
 
 
 def config_of_timm_model(model, name: str) -> ViTConfig:

@@ -453,13 +453,15 @@ def _train_heads(model, protocol, suite, features: FeatureCache, keys: list[str]
     )
     optim = optimizer(protocol, protocol.lrs[0])(model.param_groups())
     scheduler = schedule(protocol)(optim, steps)
-    for step in range(steps):
-        batch = order[step * size : (step + 1) * size].to(device)
-        loss = model.forward_loss(model.classify(x[batch]), y[batch])
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        scheduler.step()
+    with progress.step(f"{protocol.name}: training", steps, unit="steps") as advance:
+        for step in range(steps):
+            batch = order[step * size : (step + 1) * size].to(device)
+            loss = model.forward_loss(model.classify(x[batch]), y[batch])
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+            scheduler.step()
+            advance(1)
     return {"optimizer_steps": steps, "train_loss": loss.item() / len(model.heads)}
 
 
