@@ -13,6 +13,10 @@
 #   bash benchmarks/gpu.sh   (about 5 min on an H200, compilation included, and about 1 more for the feed
 #                            rows; WHOLE_STEP=0: 2 min and that)
 # Goal on an H200: supervised >= 40% MFU (about 3,750 img/s), MAE >= 1.6x that.
+# TASKS names the tasks of the step tables (default "supervised mae"; `bench parts` stays MAE's), e.g. the
+# latent-target presets against supervised and MAE (batch 128: data2vec 2.0 runs 16 masked views of each
+# image, 2,048 a step; about 5 min, an estimate, not yet run):
+#   TASKS="supervised mae maskfeat ijepa data2vec2" BATCH=128 WHOLE_STEP=0 bash benchmarks/gpu.sh
 # The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +27,8 @@ common=(
     --precision "${PRECISION:-bf16-mixed}"
     --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}"
 )
-options=("${common[@]}" --tasks supervised mae)
+read -r -a tasks <<< "${TASKS:-supervised mae}"
+options=("${common[@]}" --tasks "${tasks[@]}")
 written=("$JSON")
 $SSLVIT bench step "${options[@]}" --compile both --json "$JSON" --overwrite
 if [ "${WHOLE_STEP:-1}" = 1 ]; then

@@ -11,3 +11,16 @@ class ConstantFeatures(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         pl_module.backbone.norm.weight.data.zero_()
         pl_module.backbone.norm.weight.requires_grad_(False)
+
+
+class ConstantTargets(pl.Callback):
+    """A collapsed teacher beside a healthy student: zeroes the EMA teacher's final LayerNorm (scale and
+    bias) before training, so every patch of every image gets the same target (zero, after the target's
+    own LayerNorm), and freezes the predictor (its lr in effect 0: AdamW skips a parameter without a
+    gradient). The teacher stays so only with `--model.init_args.ema_momentum 1` and `ema_momentum_end 1`:
+    momentum 1 leaves it where it is. The student's own weights, final norm included, train as usual."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.teacher.norm.weight.data.zero_()
+        pl_module.teacher.norm.bias.data.zero_()
+        pl_module.decoder.requires_grad_(False)

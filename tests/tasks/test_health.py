@@ -1,12 +1,13 @@
-"""The collapse watch: its statistics on known features, the stop after `patience` looks, and a fit
-whose features are constant stopped with one line and exit status 2."""
+"""The collapse watch: its statistics on known features, the stop after `patience` looks, and fits
+whose features (the student's, or a teacher's targets) are constant stopped with one line and exit
+status 2."""
 
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import one_step_fit_args
+from cli_helpers import one_step_fit_args, wandb_records
 
 from ssl_vit.tasks.health import CollapseError, HealthMonitor, effective_rank, feature_std, target_variance
 
@@ -71,3 +72,32 @@ def test_a_fit_whose_features_collapse_is_stopped_with_one_line(digits_shards, t
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(errors) == 1 and "collapsed features at step 6: the student's feature std" in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_teacher_preset_with_constant_targets_is_stopped_by_its_teacher_check(digits_shards, tmp_path, cli):
+    """I-JEPA whose EMA teacher gives one target for every patch (`ConstantTargets`, momentum 1 so it
+    stays so) and whose predictor is frozen: the student's features stay spread, so only the teacher's
+    side can stop the run. Its std, effective rank and target variance are in W&B at every look (every 2
+    steps, and the trainer logs as often); the teacher's std below min_std at 3 looks stops the run at
+    step 6 of 12, exit status 2."""
+    run = tmp_path / "run"
+    args = one_step_fit_args(
+        digits_shards, run, "--model.init_args.preset", "ijepa", "--data.init_args.train_batches", "12",
+        "--model.init_args.ema_momentum", "1", "--model.init_args.ema_momentum_end", "1",
+        "--trainer.callbacks+=health_helpers.ConstantTargets", "--trainer.log_every_n_steps", "2",
+        "--health.every_n_steps", "2", "--health.min_std", "1e-4", "--health.patience", "3", config="mae",
+    )  # fmt: skip
+    proc = cli(*args, cwd=Path(__file__).resolve().parents[2], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "collapsed features at step 6: the teacher's feature std" in errors[0]
+    assert "Traceback" not in proc.stderr
+    [(_, records)] = wandb_records(run)
+    looks = [r["history"]["item"] for r in records if r["type"] == "history"]
+    looks = [h for h in looks if "health/teacher_std" in h]
+    assert len(looks) == 2, looks  # steps 2 and 4: the look at step 6 stops the run before W&B has it
+    for h in looks:
+        assert h["health/feature_std"] > 5e-3 and h["health/effective_rank"] > 2, h  # the student: spread
+        assert h["health/teacher_std"] == 0 and h["health/target_var"] == 0, h
+        assert h["health/teacher_effective_rank"] == pytest.approx(1, abs=1e-3), h
