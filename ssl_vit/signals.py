@@ -43,9 +43,17 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
             return
         raise error()
 
+    with _handled(signum, handler):
+        yield
+
+
+@contextlib.contextmanager
+def _handled(signum: int, handler):
+    """`handler` for `signum` while the block runs, then the one before; outside the main thread (an
+    embedding program) Python's own handling stays."""
     try:
         previous = signal.signal(signum, handler)
-    except ValueError:  # not the main thread (an embedding program): Python's own handling stays
+    except ValueError:
         yield
         return
     try:
@@ -63,18 +71,8 @@ def recorded(signum: int):
     (`received`), instead of taking its default action (SIGUSR1's ends the process). The handler before
     is put back."""
 
-    def handler(received, frame):
-        _RECEIVED.add(received)
-
-    try:
-        previous = signal.signal(signum, handler)
-    except ValueError:  # not the main thread
+    with _handled(signum, lambda received, frame: _RECEIVED.add(received)):
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signum, previous)
 
 
 def received(signum: int) -> bool:
