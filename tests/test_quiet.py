@@ -104,7 +104,8 @@ def test_hub_retry_lines_are_dropped_and_other_hub_warnings_kept(monkeypatch):
 
     from ssl_vit.quiet import quiet
 
-    monkeypatch.setenv("WANDB_SHOW_INFO", "true")  # quiet() only sets what is unset
+    monkeypatch.setenv("WANDB_QUIET", "false")  # quiet() only sets what is unset: nothing leaks
+    monkeypatch.setenv("WANDB_SHOW_INFO", "true")
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -134,7 +135,7 @@ def test_a_quiet_command_drops_wandbs_info_lines_and_keeps_its_warnings(tmp_path
         "import wandb; from wandb.errors import term\n"
         "wandb.setup(); term.termlog('an info line'); term.termwarn('a real problem')\n"
     )
-    ours = ("WANDB_SHOW", "WANDB_SILENT", "SSL_VIT_")
+    ours = ("WANDB_SHOW", "WANDB_QUIET", "WANDB_SILENT", "SSL_VIT_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     proc = subprocess.run([sys.executable, "-c", script], env={**env, "WANDB_MODE": "offline"}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)  # fmt: skip

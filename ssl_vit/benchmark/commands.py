@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
 from ssl_vit.data.commands import add_jpeg_options, check_jpeg_options
-from ssl_vit.data.urls import check_urls, expand
 from ssl_vit.errors import UserError, check_at_least
 
 
@@ -250,6 +249,8 @@ def _feed(args) -> int:
     check_jpeg_options(args)
     _check(args)
     if args.shards is not None:
+        from ssl_vit.data.urls import check_urls, expand
+
         check_urls(expand(args.shards, "--shards"), "--shards")
     if args.step_json is not None:
         steps = _read_step_reports(args)
