@@ -150,8 +150,10 @@ def lightning_cli(argv: list[str]):
             path = resumed_checkpoint(given, checkpoint_dir(config)) if given == "last" else given
             if path is None or local_ckpt_path(path) is None:
                 return  # nothing yet to resume, or a URL: the checkpoint IO checks it when loading
-            self.resumed = check_ckpt_path(path)
-            hparams = self.resumed.get("hyper_parameters", {})
+            checkpoint = check_ckpt_path(path)
+            if self.config.subcommand == "fit":
+                self.resumed = checkpoint  # its data module's record, for `before_fit`
+            hparams = checkpoint.get("hyper_parameters", {})
             class_path = hparams.get("_class_path")
             if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
                 raise UserError(
