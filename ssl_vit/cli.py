@@ -87,6 +87,8 @@ def lightning_cli(argv: list[str]):
         """One run directory per job (`trainer.default_root_dir`): config.yaml, checkpoints/,
         wandb/ and pictures/ all land there, and a restarted job finds them again."""
 
+        resumed: dict | None = None  # a resumed fit's checkpoint, memory-mapped, until `before_fit`
+
         def subcommands(self) -> dict[str, set[str]]:
             # Only the command being run gets a parser: each is built from the signatures of the
             # Trainer and every class in the config, a few tenths of a second of every start.
@@ -136,13 +138,13 @@ def lightning_cli(argv: list[str]):
                 return
             config = self.config[self.config.subcommand]
             root = str(config.trainer.default_root_dir or DEFAULT_ROOT)
-            if "://" not in root:
+            local = "://" not in root  # an object store (s3://...) has no files to check and no locks
+            if local:
                 check_run_dir(root)
-            if self.config.subcommand == "fit" and job_leader() and "://" not in root:
+            if self.config.subcommand == "fit" and job_leader() and local:
                 # The first thing done with the run directory, before the checkpoint below is read and
                 # before the used-directory check, config.yaml, W&B and checkpoints: one fit at a time.
-                # Only the job's rank 0 (every rank of a torchrun/srun job runs this command). An object
-                # store (s3://...) has no locks.
+                # Only the job's rank 0 (every rank of a torchrun/srun job runs this command).
                 held.enter_context(RunLock(root))
             given = check_ckpt_choice(self.config.subcommand, config.get("ckpt_path"))
             if given == "scratch":  # validate/test of the freshly initialised model, asked for by name
@@ -152,7 +154,7 @@ def lightning_cli(argv: list[str]):
                 return  # nothing yet to resume, or a URL: the checkpoint IO checks it when loading
             checkpoint = check_ckpt_path(path)
             if self.config.subcommand == "fit":
-                self.resumed = checkpoint  # its data module's record, for `before_fit`
+                self.resumed = checkpoint
             hparams = checkpoint.get("hyper_parameters", {})
             class_path = hparams.get("_class_path")
             if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
@@ -217,7 +219,7 @@ def lightning_cli(argv: list[str]):
             # `on_data_change: refuse` before config.yaml, the W&B run or a checkpoint is written; Lightning
             # restores the data module's state (and checks it again) only inside the fit.
             refuse = getattr(self.datamodule, "refuse_changed_data", None)
-            resumed, self.resumed = getattr(self, "resumed", None), None  # the file's map is let go
+            resumed, self.resumed = self.resumed, None  # the file's map is let go
             if resumed is not None and refuse is not None:
                 refuse(resumed.get(type(self.datamodule).__qualname__, {}))
 

@@ -57,6 +57,14 @@ def test_stops_after_patience_consecutive_looks_below_min_std():
     fake_run(HealthMonitor(min_std=0, patience=1), [flat] * 3)  # min_std 0: logs, never stops
 
 
+def assert_stopped_at_step_6_by(proc, side: str) -> None:
+    """The fit ended with exit status 2 and one line: the `side`'s features collapsed at step 6."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and f"collapsed features at step 6: the {side}'s feature std" in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_a_fit_whose_features_collapse_is_stopped_with_one_line(digits_shards, tmp_path, cli):
     """Constant features from the first step (`ConstantFeatures`); looks every 2 steps, patience 3: the
@@ -67,11 +75,7 @@ def test_a_fit_whose_features_collapse_is_stopped_with_one_line(digits_shards, t
         "--trainer.callbacks+=health_helpers.ConstantFeatures", "--health.every_n_steps", "2",
         "--health.min_std", "1e-4", "--health.patience", "3", config="mae",
     )  # fmt: skip
-    proc = cli(*args, cwd=Path(__file__).resolve().parents[2], check=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(errors) == 1 and "collapsed features at step 6: the student's feature std" in errors[0]
-    assert "Traceback" not in proc.stderr
+    assert_stopped_at_step_6_by(cli(*args, cwd=Path(__file__).resolve().parents[2], check=False), "student")
 
 
 @pytest.mark.slow
@@ -88,11 +92,7 @@ def test_a_teacher_preset_with_constant_targets_is_stopped_by_its_teacher_check(
         "--trainer.callbacks+=health_helpers.ConstantTargets", "--trainer.log_every_n_steps", "2",
         "--health.every_n_steps", "2", "--health.min_std", "1e-4", "--health.patience", "3", config="mae",
     )  # fmt: skip
-    proc = cli(*args, cwd=Path(__file__).resolve().parents[2], check=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(errors) == 1 and "collapsed features at step 6: the teacher's feature std" in errors[0]
-    assert "Traceback" not in proc.stderr
+    assert_stopped_at_step_6_by(cli(*args, cwd=Path(__file__).resolve().parents[2], check=False), "teacher")
     [(_, records)] = wandb_records(run)
     looks = [r["history"]["item"] for r in records if r["type"] == "history"]
     looks = [h for h in looks if "health/teacher_std" in h]
