@@ -100,7 +100,7 @@ $(STUDY)/%/pretrained:
 	@echo "pretrained $*"
 
 study-compare: $(STAMP)
-	$(STUDY_ENV) $(VENV)/bin/torchrun --nproc-per-node $(STUDY_JOBS) -m ssl_vit compare \
+	$(STUDY_ENV) $(VENV)/bin/torchrun --nproc-per-node $(STUDY_JOBS) --no-python $(SSLVIT) compare \
 		$(foreach method,$(STUDY_METHODS),$(call study_group,$(method))) --scratch 3 --baseline scratch \
 		--suite $(STUDY_SUITE) $(if $(STUDY_CLAIMS),--claims $(STUDY_CLAIMS)) --out $(STUDY)/compare --overwrite
 

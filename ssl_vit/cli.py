@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ssl_vit.errors import Interrupted, UserError, resource_error_message, user_error_message
 from ssl_vit.quiet import quiet, verbose_requested
-from ssl_vit.signals import Terminated, raises, recorded
+from ssl_vit.signals import Terminated, raises, received, recorded
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
@@ -288,21 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         message = resource_error_message(err)
         if message is None:
             raise
+        if received(signal.SIGINT) or received(signal.SIGTERM):
+            # The stop came first: a DataLoader worker killed by the same signal (Ctrl-C and a
+            # scheduler's SIGTERM reach the whole process group) is its consequence, not news.
+            return _stopped(signal.SIGINT if received(signal.SIGINT) else signal.SIGTERM, _saved(err))
         _end_early()
-        saved = getattr(err, "saved", None)  # `ssl_vit.tasks.preemption` saved the run's state
-        if saved:
-            message += f"; saved {saved}: resume with the same command and --ckpt_path last"
+        message += _saved(err)
         print(f"ssl-vit: error: {message}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted):
         # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.
-        _end_early()
-        print("ssl-vit: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return _stopped(signal.SIGINT)
     except Terminated:
-        _end_early()
-        print("ssl-vit: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return _stopped(signal.SIGTERM)
     except SystemExit as stop:
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, raised on every rank at one step
             raise
@@ -311,6 +309,19 @@ def main(argv: list[str] | None = None) -> int:
         if str(stop):
             print(f"ssl-vit: {stop}", file=sys.stderr)
         return 0 if getattr(stop, "requeued", False) else 128 + signal.SIGTERM
+
+
+def _saved(err: Exception) -> str:
+    """What the line of a run ended by `err` adds when `ssl_vit.tasks.preemption` saved its state."""
+    saved = getattr(err, "saved", None)
+    return f"; saved {saved}: resume with the same command and --ckpt_path last" if saved else ""
+
+
+def _stopped(signum: int, saved: str = "") -> int:
+    """A command ended by Ctrl-C or SIGTERM: its one line and exit status (128 + the signal)."""
+    _end_early()
+    print(f"ssl-vit: {'interrupted' if signum == signal.SIGINT else 'terminated'}{saved}", file=sys.stderr)
+    return 128 + signum
 
 
 def _end_early() -> None:

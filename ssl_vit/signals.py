@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 
 
@@ -23,10 +24,22 @@ class Terminated(BaseException):
 
 @contextlib.contextmanager
 def raises(signum: int, error: type[BaseException], in_children: type[BaseException] | None = None):
-    """Signal `signum` raises `error` in this process while the block runs; in processes forked from it
-    (DataLoader workers, encoding workers) it raises `in_children`, or, when None, takes the signal's
-    default action. The handler before is put back."""
+    """Signal `signum` raises `error` in this process while the block runs (and is noted: `received`);
+    in processes forked from it (DataLoader workers, encoding workers) it raises `in_children`, or,
+    when None, takes the signal's default action. The handler before is put back.
+
+    Raised inside a finalizer (a `__del__`, such as a DataLoader iterator's shutting its workers down),
+    the exception would be ignored, Python's rule for finalizers, and the command would go on as if it
+    had never been stopped: the signal is sent again, to be raised where the finalizer returns to."""
     main_pid = os.getpid()
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        if isinstance(info.exc_value, error) and os.getpid() == main_pid:
+            # From another thread, in 10 ms: sent from here, it would be handled (and ignored) here.
+            threading.Timer(0.01, os.kill, (main_pid, signum)).start()
+            return
+        previous_hook(info)
 
     def handler(received, frame):
         if os.getpid() != main_pid:
@@ -41,10 +54,15 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
             # again in 50 ms.
             threading.Timer(0.05, os.kill, (main_pid, received)).start()
             return
+        _RECEIVED.add(received)
         raise error()
 
     with _handled(signum, handler):
-        yield
+        sys.unraisablehook = unraisable
+        try:
+            yield
+        finally:
+            sys.unraisablehook = previous_hook
 
 
 @contextlib.contextmanager
@@ -76,7 +94,7 @@ def recorded(signum: int):
 
 
 def received(signum: int) -> bool:
-    """Whether `signum` came while `recorded(signum)` was noting it."""
+    """Whether `signum` came while `recorded(signum)` or `raises(signum, ...)` was noting it."""
     return signum in _RECEIVED
 
 

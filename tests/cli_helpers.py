@@ -15,15 +15,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cli_client
 import pytest
 import torch.multiprocessing
 
 
-def run_cli(*args: str, cwd=None, env=None, timeout: float = 600, check: bool = True):
+def run_cli(*args: str, cwd=None, env=None, timeout: float = 600, check: bool = True, prelude: str = ""):
     """Run `ssl-vit ARGS` as its own process, the way a user runs the command: a child forked by the
     CLI fork server (`cli_server.py`, which pays for the imports once), with its own working
-    directory, environment, stdout, stderr and exit status. Returns a `subprocess.CompletedProcess`."""
-    proc = start_cli(*args, cwd=cwd, env=env).wait(timeout)
+    directory, environment, stdout, stderr and exit status (`prelude`: as `start_cli`'s). Returns a
+    `subprocess.CompletedProcess`."""
+    proc = start_cli(*args, cwd=cwd, env=env, prelude=prelude).wait(timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"ssl-vit {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -44,88 +46,116 @@ def wandb_records(run_dir: Path) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def start_cli(*args: str, cwd=None, env=None, session: bool = False) -> "RunningCli":
+def start_cli(*args: str, cwd=None, env=None, session: bool = False, prelude: str = "") -> "RunningCli":
     """Start `ssl-vit ARGS` as `run_cli` does, without waiting for it. `session`: in a session and
     process group of its own, as a job step runs (a signal sent to the group reaches its DataLoader
-    workers too). No other command can start until it has ended and been waited for."""
+    workers too). `prelude`: Python code the command's process runs before the command (a hook into
+    ssl-vit, a resource limit). Commands started together run side by side."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **(env or {})}
     tmp = tempfile.mkdtemp(prefix="ssl-vit-cli-")
-    request = {
-        "argv": list(args),
-        "cwd": str(cwd or os.getcwd()),
-        "env": full_env,
-        "out": os.path.join(tmp, "stdout"),
-        "err": os.path.join(tmp, "stderr"),
-        "session": session,
-    }
-    pid = _ask(request)["pid"]
-    return RunningCli(["ssl-vit", *args], pid, tmp)
+    fds = [os.open(os.devnull, os.O_RDONLY)]
+    for name in ("stdout", "stderr"):
+        fds.append(os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT, 0o644))
+    try:
+        conn, pid = cli_client.request(
+            cli_socket(),
+            list(args),
+            cwd=str(cwd or os.getcwd()),
+            env=full_env,
+            fds=fds,
+            session=session,
+            prelude=prelude,
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return RunningCli(["ssl-vit", *args], pid, tmp, conn)
 
 
 class RunningCli:
-    """A command `start_cli` started: `pid`, `poll()`, `wait()`, `kill()`, as `subprocess.Popen` has."""
+    """A command `start_cli` started: `pid`, `poll()`, `wait()`, `kill()`, as `subprocess.Popen` has.
+    Every one not yet waited for is in `RUNNING` (a test's teardown kills what its test left)."""
 
-    def __init__(self, args: list[str], pid: int, tmp: str) -> None:
-        self.args, self.pid, self._tmp = args, pid, tmp
+    def __init__(self, args: list[str], pid: int, tmp: str, conn: socket.socket) -> None:
+        self.args, self.pid, self._tmp, self._conn = args, pid, tmp, conn
         self.returncode: int | None = None
         self._result: subprocess.CompletedProcess | None = None
+        RUNNING.add(self)
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([_server.stdout], [], [], 0)[0]:
-            self.returncode = _answer()["status"]
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.returncode = cli_client.answer(self._conn)["status"]
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> subprocess.CompletedProcess:
         """Wait for the end (killing the command after `timeout` seconds); its CompletedProcess."""
         if self.returncode is None:
-            if not select.select([_server.stdout], [], [], timeout)[0]:
+            if not select.select([self._conn], [], [], timeout)[0]:
                 self.kill()
-                _answer()
+                cli_client.answer(self._conn)
+                self._conn.close()
                 shutil.rmtree(self._tmp)
+                RUNNING.discard(self)
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = _answer()["status"]
+            self.returncode = cli_client.answer(self._conn)["status"]
         if self._result is None:
+            self._conn.close()
             out, err = (Path(self._tmp, name).read_text(errors="replace") for name in ("stdout", "stderr"))
             self._result = subprocess.CompletedProcess(self.args, self.returncode, out, err)
             shutil.rmtree(self._tmp)
+            RUNNING.discard(self)
         return self._result
 
     def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it has just ended
+            os.kill(self.pid, signal.SIGKILL)
+
+
+RUNNING: set[RunningCli] = set()
 
 
 _server: subprocess.Popen | None = None
+_socket = ""
 
 
-def _ask(request: dict) -> dict:
-    """Send the fork server a request, return its first answer."""
-    server, data = _cli_server(), (json.dumps(request) + "\n").encode()
-    while data:  # unbuffered: a write may take only part
-        data = data[server.stdin.write(data) :]
-    return _answer()
-
-
-def _answer() -> dict:
-    # Unbuffered: a line read never takes the next one along (which `select` would then not see).
-    return json.loads(_server.stdout.readline())
-
-
-def _cli_server() -> subprocess.Popen:
-    """The fork server, started on first use and stopped when the test session ends."""
-    global _server
+def cli_socket() -> str:
+    """The fork server's socket; the server is started on first use and stops when the test session
+    ends (its stdin closes)."""
+    global _server, _socket
     if _server is None or _server.poll() is not None:
+        _socket = os.path.join(tempfile.mkdtemp(prefix="ssl-vit-cli-server-"), "socket")
+        # This checkout's ssl_vit first, whatever the environment has installed.
+        path = os.pathsep.join(p for p in (str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")) if p)
         _server = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("cli_server.py"))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-            env={**os.environ, "WANDB_MODE": "offline"},
-        )
+            [sys.executable, str(Path(__file__).with_name("cli_server.py")), _socket],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": path},
+        )  # fmt: skip
         line = _server.stdout.readline()
         if not line.startswith(b'{"ready"'):
             raise RuntimeError(f"the CLI fork server did not start: {line!r}")
-        atexit.register(_server.kill)
-    return _server
+        atexit.register(_server.stdin.close)  # the server's cue to stop and remove its folders
+        client = Path(_socket).with_name("ssl-vit")  # one word, as a script's "$SSLVIT" may need
+        # -I -S: the client needs the standard library only, and starts faster without site-packages
+        client.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "{Path(cli_client.__file__)}" "$@"\n')
+        client.chmod(0o755)
+    return _socket
+
+
+def script_env() -> dict[str, str]:
+    """What a script a test runs (make, a shell script, torchrun) needs to run its `ssl-vit` commands
+    through the fork server: `SSLVIT`, an executable that runs `cli_client.py`, to call instead of
+    `ssl-vit`, and the server's socket."""
+    path = cli_socket()
+    return {"SSLVIT": str(Path(path).with_name("ssl-vit")), cli_client.SOCKET_ENV: path}
+
+
+def torchrun(*options: str) -> list[str]:
+    """`torchrun OPTIONS` (nodes, ranks, the rendezvous) of `ssl-vit`, each rank a command of the fork
+    server; run it with `script_env()` in its environment. The ranks are what torchrun makes them
+    (its environment, its signals, its restarts); only their imports are the server's."""
+    client = script_env()["SSLVIT"]
+    return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", client]
 
 
 def skip_or_fail(reason: str):
@@ -190,17 +220,26 @@ def run_lightning_ddp(script: Path, *args: str, timeout: float) -> str:
 def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
     """`ssl-vit fit ARGS` as 2 processes on this machine through torchrun (gloo), as a cluster job
     launches it; `strategy` None leaves the strategy to ARGS. Returns the CompletedProcess."""
-    tests = Path(__file__).parent
-    # The caller's PYTHONPATH after the tests' (a checkout tested against another's installed package).
-    path = os.pathsep.join(p for p in (str(tests), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, **script_env(), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "ssl_vit", *args,
-        "--trainer.devices", "2", "--data.init_args.num_workers", "1",
+        *torchrun("--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                  "--master_port", str(free_port())),
+        *args, "--trainer.devices", "2", "--data.init_args.num_workers", "1",
         *(["--trainer.strategy", strategy] if strategy else []),
     ]  # fmt: skip
-    return subprocess.run(cmd, cwd=tests.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    root = Path(__file__).parents[1]
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def small_fewshot_monitor(shards) -> list[str]:
+    """Options that point the quickstart recipes' live few-shot probe (`FewShotMonitor`, which also runs
+    at the end of every fit) at 2 training and 2 validation shards of the digits (800 images, not all
+    1,797), for the fits of tests that are not about it. Given before any `--trainer.callbacks+=`: they
+    set the last callback in the list, which is then the recipe's monitor."""
+    return [
+        "--trainer.callbacks.init_args.train_urls", f"{shards}/train-{{000000..000001}}.tar",
+        "--trainer.callbacks.init_args.test_urls", f"{shards}/val-{{000000..000001}}.tar",
+    ]  # fmt: skip
 
 
 def one_step_fit_args(shards: Path, run: Path, *extra: str, config: str = "mpp") -> list[str]:
@@ -208,7 +247,7 @@ def one_step_fit_args(shards: Path, run: Path, *extra: str, config: str = "mpp")
     epoch, no validation batches, run directory RUN (offline W&B unless `extra` says otherwise)."""
     root = Path(__file__).resolve().parents[1]
     return [
-        "fit", "--config", str(root / f"recipes/quickstart/{config}.yaml"),
+        "fit", "--config", str(root / f"recipes/quickstart/{config}.yaml"), *small_fewshot_monitor(shards),
         "--data.init_args.train_urls", str(shards / "train-{000000..000004}.tar"),
         "--data.init_args.val_urls", str(shards / "val-{000000..000003}.tar"),
         "--data.init_args.num_workers", "0", "--data.init_args.train_batches", "1",

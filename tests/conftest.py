@@ -1,7 +1,17 @@
 """Shared test fixtures. Sub-areas keep their own fixtures next to their tests."""
 
 import pytest
-from cli_helpers import run_cli, skip_or_fail  # noqa: F401  (skip_or_fail: re-exported for older imports)
+from cli_helpers import RUNNING, run_cli, skip_or_fail  # noqa: F401  (skip_or_fail: re-exported for older imports)
+
+
+@pytest.fixture(autouse=True)
+def no_command_left_running():
+    """A command a test started and did not wait for (it failed first) is killed at its end, not left
+    to compete with the next tests for the CPU (or to hold a run directory's lock)."""
+    yield
+    for command in list(RUNNING):
+        command.kill()
+        command.wait()
 
 
 @pytest.fixture

@@ -86,11 +86,17 @@ def read_steps(path) -> list[dict]:
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
-def fit_args(shards, run_dir, record, *extra: str, epochs: int = 2, batches: int = 6) -> list[str]:
+def fit_args(
+    shards, run_dir, record, *extra: str, epochs: int = 2, batches: int = 6, small_monitor: bool = True
+) -> list[str]:
     """`ssl-vit fit` of the quickstart MPP recipe, small: `epochs` x `batches` steps, two DataLoader
-    workers, a checkpoint every 4 steps, every step logged and recorded in `record`."""
+    workers, a checkpoint every 4 steps, every step logged and recorded in `record`. `small_monitor`:
+    its few-shot probe on 800 of the digits (`cli_helpers.small_fewshot_monitor`), not the data's own."""
+    from cli_helpers import small_fewshot_monitor  # here: the callbacks above run in fits, without pytest
+
     return [
         "fit", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"),
+        *(small_fewshot_monitor(shards) if small_monitor else []),
         "--data.init_args.train_urls", f"{shards}/train-{{000000..000004}}.tar",
         "--data.init_args.val_urls", f"{shards}/val-{{000000..000003}}.tar",
         "--data.init_args.num_workers", "2",

@@ -6,14 +6,13 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli, start_cli
+from cli_helpers import run_cli, script_env, start_cli
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -299,7 +298,7 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     MAE, then `bench feed` against the first steps (decoding in the workers, then on the device: here
     the CPU); tables printed and every report in its JSON."""
     env = {
-        **os.environ, "SSLVIT": f"{sys.executable} -m ssl_vit", "VARIANT": "Ti/8", "IMG_SIZE": "32",
+        **os.environ, **script_env(), "VARIANT": "Ti/8", "IMG_SIZE": "32",
         "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "2", "STEPS": "1", "WARMUP": "1",
         "JSON": str(tmp_path / "gpu.json"), "WANDB_MODE": "offline",
         "STORED": "64x48", "FEED_WORKERS": "1", "FEED_BATCHES": "1", "DEVICE_WORKERS": "1",

@@ -3,6 +3,7 @@ timm or W&B: the parsers are registered by light modules, and a command imports 
 
 import subprocess
 import sys
+from pathlib import Path
 
 HEAVY = ("torch", "pytorch_lightning", "lightning_fabric", "timm", "wandb", "matplotlib", "sklearn")
 HELP = [
@@ -24,3 +25,15 @@ def test_help_of_every_argparse_command_imports_nothing_heavy():
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == []
+
+
+def test_the_installed_console_script_runs_the_cli():
+    """The `ssl-vit` executable the install puts next to the interpreter (the other tests run the CLI
+    through a fork server or `python -m ssl_vit`): a real command, with its output and exit status."""
+    sslvit = Path(sys.executable).parent / "ssl-vit"
+    proc = subprocess.run([str(sslvit), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: ssl-vit"), proc.stderr[-3000:]
+    proc = subprocess.run(
+        [str(sslvit), "info", "--variant", "X/16"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("ssl-vit: error:"), proc.stderr[-3000:]

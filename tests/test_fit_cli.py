@@ -11,7 +11,7 @@ import pytest
 import timm
 import torch
 import yaml
-from cli_helpers import free_port, run_cli, wandb_records
+from cli_helpers import free_port, run_cli, script_env, torchrun, wandb_records
 
 from ssl_vit.cli import main
 
@@ -146,7 +146,8 @@ def test_bad_recipe_value_is_a_clear_error(cli, tmp_path):
 @pytest.mark.timeout(420)
 def test_torchrun_two_nodes_ddp_fit_writes_one_checkpoint_and_one_wandb_run(digits_shards, tmp_path):
     run_dir, port = tmp_path / "run", free_port()
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **script_env(), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    env["PYTHONUNBUFFERED"] = "1"
     args = [
         "fit",
         "--config",
@@ -169,32 +170,17 @@ def test_torchrun_two_nodes_ddp_fit_writes_one_checkpoint_and_one_wandb_run(digi
         "--model.init_args.picture_every_n_steps",
         "2",
     ]
+    options = ["--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1"]
+    options += ["--master_port", str(port)]
     nodes = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc_per_node",
-                "1",
-                "--node_rank",
-                str(rank),
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                "-m",
-                "ssl_vit",
-                *args,
-            ],
+            [*torchrun(*options, "--node_rank", str(rank)), *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )
+        )  # fmt: skip
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=400)[0] for node in nodes]

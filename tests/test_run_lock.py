@@ -219,7 +219,7 @@ def wait_for(path: Path, proc) -> None:
 @pytest.mark.timeout(300)
 def test_two_fits_started_together_one_runs_the_other_is_refused(digits_shards, tmp_path):
     """A requeued job whose previous allocation still runs: one fresh fit and one `--ckpt_path last`,
-    started at once on one empty directory as separate processes (their imports run side by side).
+    started at once on one empty directory as separate processes.
     Whichever takes the lock holds before training until the other one has ended, so that one is
     refused rather than run after it."""
     run = tmp_path / "run"
@@ -227,28 +227,20 @@ def test_two_fits_started_together_one_runs_the_other_is_refused(digits_shards, 
         1: fit_args(digits_shards, run, "--seed_everything", "1"),
         2: fit_args(digits_shards, run, "--seed_everything", "2", "--ckpt_path", "last"),
     }
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **ENV}
-    procs, logs = {}, {}
-    for seed, argv in commands.items():
-        logs[seed] = (tmp_path / f"out{seed}", tmp_path / f"err{seed}")
-        with open(logs[seed][0], "w") as out, open(logs[seed][1], "w") as err:
-            procs[seed] = subprocess.Popen(
-                [sys.executable, "-m", "ssl_vit", *argv], cwd=ROOT, env=env, stdout=out, stderr=err
-            )
+    procs = {seed: start_cli(*argv, cwd=ROOT, env=ENV) for seed, argv in commands.items()}
     while all(proc.poll() is None for proc in procs.values()):
         time.sleep(0.05)
     refused_seed = next(seed for seed, proc in procs.items() if proc.returncode is not None)
     (seed,) = set(procs) - {refused_seed}
-    refused = subprocess.CompletedProcess(
-        commands[refused_seed], procs[refused_seed].returncode, *(p.read_text() for p in logs[refused_seed])
-    )
+    refused = procs[refused_seed].wait()
     error_line(
         refused,
         f"{run} is in use by ssl-vit fit on host {HOST} pid {procs[seed].pid}",
         "--trainer.default_root_dir",
     )
     (tmp_path / "release").touch()
-    assert procs[seed].wait(timeout=240) == 0, logs[seed][1].read_text()[-3000:]
+    winner = procs[seed].wait(timeout=240)
+    assert winner.returncode == 0, winner.stderr[-3000:]
 
     # The directory is the winner's alone: its config, its one W&B run, its checkpoints, which verify.
     config = yaml.safe_load((run / "config.yaml").read_text())

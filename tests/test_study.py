@@ -5,12 +5,12 @@ import gzip
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from cli_helpers import script_env
 
 from ssl_vit.cli import main
 from ssl_vit.evaluation.suite import load_suite
@@ -99,15 +99,15 @@ def test_missing_fashion_mnist_is_one_line_and_writes_nothing(tmp_path):
 
 def test_the_script_reads_plain_or_gzipped_idx_files(tmp_path):
     """The training split's IDX files gzipped (as Debian ships them), the test split's plain."""
-    sslvit = str(Path(sys.executable).parent / "ssl-vit")
+    client = script_env()  # the script's `ssl-vit`: each command through the fork server
     idx = write_idx(tmp_path / "idx", 30, 10, gzipped=True)
     for packed in idx.glob("t10k-*.gz"):
         packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
         packed.unlink()
     out = tmp_path / "shards"
     proc = subprocess.run(
-        ["bash", str(ROOT / "data" / "fashion_mnist.sh"), str(out), sslvit],
-        env={**os.environ, "FASHION_MNIST": str(idx)}, capture_output=True, text=True,
+        ["bash", str(ROOT / "data" / "fashion_mnist.sh"), str(out), client["SSLVIT"]],
+        env={**os.environ, **client, "FASHION_MNIST": str(idx)}, capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load((out / "train.json").read_text())["num_samples"] == 30
@@ -140,11 +140,12 @@ def test_make_study_end_to_end_at_toy_size(tmp_path):
         protocol.update({"linear_probe": {"epochs": 1}, "finetune": {"steps": 2}}.get(protocol["kind"], {}))
     (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
 
-    runs = tmp_path / "study"
+    runs, client = tmp_path / "study", script_env()  # each `ssl-vit` of make's through the fork server
     proc = subprocess.run(
         ["make", "--no-print-directory", "study", f"STUDY={runs}", f"STUDY_SHARDS={shards}",
-         f"STUDY_FIT_ARGS=--config {tmp_path / 'toy.yaml'}", f"STUDY_SUITE={tmp_path / 'suite.yaml'}"],
-        cwd=ROOT, env={**os.environ, "FASHION_MNIST": str(idx), "WANDB_MODE": "offline"},
+         f"STUDY_FIT_ARGS=--config {tmp_path / 'toy.yaml'}", f"STUDY_SUITE={tmp_path / 'suite.yaml'}",
+         f"SSLVIT={client['SSLVIT']}"],
+        cwd=ROOT, env={**os.environ, **client, "FASHION_MNIST": str(idx), "WANDB_MODE": "offline"},
         capture_output=True, text=True, timeout=880,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -165,7 +166,8 @@ def test_make_study_end_to_end_at_toy_size(tmp_path):
     # A second `make study` skips the finished runs and compares again.
     again = subprocess.run(
         ["make", "--no-print-directory", "study-pretrain", f"STUDY={runs}", f"STUDY_SHARDS={shards}",
-         f"STUDY_FIT_ARGS=--config {tmp_path / 'toy.yaml'}"],
-        cwd=ROOT, env={**os.environ, "FASHION_MNIST": str(idx)}, capture_output=True, text=True, timeout=300,
+         f"STUDY_FIT_ARGS=--config {tmp_path / 'toy.yaml'}", f"SSLVIT={client['SSLVIT']}"],
+        cwd=ROOT, env={**os.environ, **client, "FASHION_MNIST": str(idx)}, capture_output=True, text=True,
+        timeout=300,
     )  # fmt: skip
     assert again.returncode == 0 and "pretraining" not in again.stdout, again.stdout

@@ -125,8 +125,10 @@ def step_rates(report: dict, step_reports: list[dict]) -> dict:
 def format_feed(report: dict) -> str:
     """The report as a Markdown table (also what `ssl-vit bench feed` prints)."""
     c = report["config"]
-    source = f"shards {c['shards']}" if "shards" in c else (
-        f"{c['images']} JPEGs {c['stored'][0]}x{c['stored'][1]} quality {c['quality']}"
+    source = (
+        f"shards {c['shards']}"
+        if "shards" in c
+        else (f"{c['images']} JPEGs {c['stored'][0]}x{c['stored'][1]} quality {c['quality']}")
     )
     steps = report["step"]
     head = (

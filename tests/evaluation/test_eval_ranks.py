@@ -4,14 +4,13 @@ table is the one a single process writes."""
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
-from cli_helpers import free_port, run_cli
+from cli_helpers import free_port, run_cli, script_env, torchrun
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
@@ -32,10 +31,10 @@ def ssl_vit(args: list[str], ranks: int) -> subprocess.CompletedProcess:
     arithmetic."""
     if ranks == 1:
         return run_cli(*args, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, check=False)
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-              "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-              "--master_port", str(free_port()), "-m", "ssl_vit"]  # fmt: skip
+    env = {**os.environ, **script_env(), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    env["PYTHONUNBUFFERED"] = "1"
+    launch = torchrun("--nnodes", "1", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+                      "--master_port", str(free_port()))  # fmt: skip
     return subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -82,7 +81,7 @@ def test_two_ranks_share_the_checkpoints_and_write_the_same_table(digits_shards,
     # per-image correctness gathered from both ranks), every checkpoint's results and the failure
     for name in ("results.csv", "results.md"):
         assert (tmp_path / "spread" / name).read_text() == (tmp_path / "alone" / name).read_text(), name
-    assert spread.stdout.count("| checkpoint |") == 1
+    assert spread.stdout.count("| checkpoint |") == 1, spread.stdout[-4000:] + spread.stderr[-4000:]
     assert (tmp_path / "spread/broken/error.txt").is_file()
     assert "Paired differences against mpp" in (tmp_path / "spread/results.md").read_text()
     for name in ("mpp", "sup", "group/1", "group/2", "scratch"):

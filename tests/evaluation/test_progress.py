@@ -9,13 +9,12 @@ import re
 import select
 import struct
 import subprocess
-import sys
 import termios
 import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import run_cli, script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
@@ -84,15 +83,15 @@ def test_evaluate_prints_one_line_per_finished_step_when_stdout_is_not_a_termina
 
 
 def run_on_terminal(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
-    """`python -m ssl_vit ARGS` with a pseudo-terminal (160 columns) as its stdout and stderr: its exit
-    status and what it drew there, escape sequences removed."""
+    """`ssl-vit ARGS` with a pseudo-terminal (160 columns) as its stdout and stderr: its exit status and
+    what it drew there, escape sequences removed."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in TERMINAL_OVERRIDES}
-    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)  # this checkout's ssl_vit
+    client = script_env()  # the fork server's command, on this terminal
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ssl_vit", *args], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-        cwd=cwd, env={**env, "TERM": "xterm-256color", "PYTHONPATH": path},
+        [client["SSLVIT"], *args], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=cwd,
+        env={**env, **client, "TERM": "xterm-256color"},
     )  # fmt: skip
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout

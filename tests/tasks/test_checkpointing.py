@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_cli
+from cli_helpers import run_cli, small_fewshot_monitor
 from pytorch_lightning import Trainer
 from pytorch_lightning.demos.boring_classes import BoringModel
 from test_fit_cli import quickstart_overrides
@@ -41,7 +41,8 @@ COMPLETE = {
 def fit_args(shards: Path, run: Path, *extra: str, recipe: str = "mpp") -> list[str]:
     """A quickstart fit on the digits shards, writing only to `run`."""
     return [
-        "fit", "--config", str(RECIPES / f"{recipe}.yaml"), *quickstart_overrides(shards),
+        "fit", "--config", str(RECIPES / f"{recipe}.yaml"), *small_fewshot_monitor(shards),
+        *quickstart_overrides(shards),
         "--trainer.default_root_dir", str(run),
         # LearningRateMonitor needs a logger; CSV starts instantly, W&B's offline run does not.
         "--trainer.logger", "pytorch_lightning.loggers.CSVLogger",
