@@ -288,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         message = resource_error_message(err)
         if message is None:
             raise
-        if received(signal.SIGINT) or received(signal.SIGTERM):
+        stop = next((s for s in (signal.SIGINT, signal.SIGTERM) if received(s)), None)
+        if stop is not None:
             # The stop came first: a DataLoader worker killed by the same signal (Ctrl-C and a
             # scheduler's SIGTERM reach the whole process group) is its consequence, not news.
-            return _stopped(signal.SIGINT if received(signal.SIGINT) else signal.SIGTERM, _saved(err))
+            return _stopped(stop, _saved(err))
         _end_early()
         message += _saved(err)
         print(f"ssl-vit: error: {message}", file=sys.stderr)

@@ -36,8 +36,7 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
 
     def unraisable(info) -> None:
         if isinstance(info.exc_value, error) and os.getpid() == main_pid:
-            # From another thread, in 10 ms: sent from here, it would be handled (and ignored) here.
-            threading.Timer(0.01, os.kill, (main_pid, signum)).start()
+            _send_again(main_pid, signum, 0.01)  # sent from here, it would be handled (and ignored) here
             return
         previous_hook(info)
 
@@ -52,7 +51,7 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
             # Raised there, it could leave logging's module lock held, and the next log line (the
             # cleanup's, or Lightning's as it tears down) would wait for it for ever: the signal comes
             # again in 50 ms.
-            threading.Timer(0.05, os.kill, (main_pid, received)).start()
+            _send_again(main_pid, received, 0.05)
             return
         _RECEIVED.add(received)
         raise error()
@@ -63,6 +62,11 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
             yield
         finally:
             sys.unraisablehook = previous_hook
+
+
+def _send_again(pid: int, signum: int, delay_s: float) -> None:
+    """`signum` to `pid` again in `delay_s`, from another thread."""
+    threading.Timer(delay_s, os.kill, (pid, signum)).start()
 
 
 @contextlib.contextmanager

@@ -93,18 +93,19 @@ class RunningCli:
             if not select.select([self._conn], [], [], timeout)[0]:
                 self.kill()
                 cli_client.answer(self._conn)
-                self._conn.close()
-                shutil.rmtree(self._tmp)
-                RUNNING.discard(self)
+                self._close()
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self.returncode = cli_client.answer(self._conn)["status"]
         if self._result is None:
-            self._conn.close()
             out, err = (Path(self._tmp, name).read_text(errors="replace") for name in ("stdout", "stderr"))
             self._result = subprocess.CompletedProcess(self.args, self.returncode, out, err)
-            shutil.rmtree(self._tmp)
-            RUNNING.discard(self)
+            self._close()
         return self._result
+
+    def _close(self) -> None:
+        self._conn.close()
+        shutil.rmtree(self._tmp)
+        RUNNING.discard(self)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):  # it has just ended
@@ -152,10 +153,16 @@ def script_env() -> dict[str, str]:
 
 def torchrun(*options: str) -> list[str]:
     """`torchrun OPTIONS` (nodes, ranks, the rendezvous) of `ssl-vit`, each rank a command of the fork
-    server; run it with `script_env()` in its environment. The ranks are what torchrun makes them
-    (its environment, its signals, its restarts); only their imports are the server's."""
+    server; run it with `torchrun_env()`. The ranks are what torchrun makes them (its environment, its
+    signals, its restarts); only their imports are the server's."""
     client = script_env()["SSLVIT"]
     return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", client]
+
+
+def torchrun_env() -> dict[str, str]:
+    """The environment of a `torchrun()` command: the fork server's client, offline W&B, and one
+    thread per rank (as torchrun sets)."""
+    return {**os.environ, **script_env(), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
 
 
 def skip_or_fail(reason: str):
@@ -220,7 +227,6 @@ def run_lightning_ddp(script: Path, *args: str, timeout: float) -> str:
 def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
     """`ssl-vit fit ARGS` as 2 processes on this machine through torchrun (gloo), as a cluster job
     launches it; `strategy` None leaves the strategy to ARGS. Returns the CompletedProcess."""
-    env = {**os.environ, **script_env(), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     cmd = [
         *torchrun("--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                   "--master_port", str(free_port())),
@@ -228,7 +234,7 @@ def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
         *(["--trainer.strategy", strategy] if strategy else []),
     ]  # fmt: skip
     root = Path(__file__).parents[1]
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=root, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def small_fewshot_monitor(shards) -> list[str]:

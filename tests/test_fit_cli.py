@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 import timm
 import torch
 import yaml
-from cli_helpers import free_port, run_cli, script_env, torchrun, wandb_records
+from cli_helpers import free_port, run_cli, torchrun, torchrun_env, wandb_records
 
 from ssl_vit.cli import main
 
@@ -146,8 +145,7 @@ def test_bad_recipe_value_is_a_clear_error(cli, tmp_path):
 @pytest.mark.timeout(420)
 def test_torchrun_two_nodes_ddp_fit_writes_one_checkpoint_and_one_wandb_run(digits_shards, tmp_path):
     run_dir, port = tmp_path / "run", free_port()
-    env = {**os.environ, **script_env(), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = torchrun_env()
     args = [
         "fit",
         "--config",

@@ -128,7 +128,7 @@ def format_feed(report: dict) -> str:
     source = (
         f"shards {c['shards']}"
         if "shards" in c
-        else (f"{c['images']} JPEGs {c['stored'][0]}x{c['stored'][1]} quality {c['quality']}")
+        else f"{c['images']} JPEGs {c['stored'][0]}x{c['stored'][1]} quality {c['quality']}"
     )
     steps = report["step"]
     head = (

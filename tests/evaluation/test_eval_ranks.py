@@ -1,7 +1,6 @@
 """`ssl-vit compare` under torchrun (2 gloo processes): the checkpoints are spread over the ranks, and the
 table is the one a single process writes."""
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -10,7 +9,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
-from cli_helpers import free_port, run_cli, script_env, torchrun
+from cli_helpers import free_port, run_cli, torchrun, torchrun_env
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
@@ -31,8 +30,7 @@ def ssl_vit(args: list[str], ranks: int) -> subprocess.CompletedProcess:
     arithmetic."""
     if ranks == 1:
         return run_cli(*args, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, check=False)
-    env = {**os.environ, **script_env(), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = torchrun_env()
     launch = torchrun("--nnodes", "1", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
                       "--master_port", str(free_port()))  # fmt: skip
     return subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
