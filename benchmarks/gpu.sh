@@ -17,13 +17,15 @@
 # latent-target presets against supervised and MAE (batch 128: data2vec 2.0 runs 16 masked views of each
 # image, 2,048 a step; about 5 min, an estimate, not yet run):
 #   TASKS="supervised mae maskfeat ijepa data2vec2" BATCH=128 WHOLE_STEP=0 bash benchmarks/gpu.sh
-# The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1.
+# The defaults can be overridden for a quick look, e.g. VARIANT=Ti/16 BATCH=8 DEVICE=cpu ROUNDS=1; DEPTH=2
+# builds every encoder and decoder 2 blocks deep (compiling a whole step at full depth takes minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SSLVIT=${SSLVIT:-.venv/bin/ssl-vit}
 JSON=${JSON:-benchmarks/gpu.json}
+depth=(${DEPTH:+--depth "$DEPTH"})
 common=(
-    --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
+    --variant "${VARIANT:-B/16}" "${depth[@]}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
     --precision "${PRECISION:-bf16-mixed}"
     --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}"
 )
@@ -39,7 +41,7 @@ fi
 $SSLVIT bench parts "${common[@]}" --task mae --json "${JSON%.json}-parts.json" --overwrite
 written+=("${JSON%.json}-parts.json")
 feed=(
-    --variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
+    --variant "${VARIANT:-B/16}" "${depth[@]}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
     --device "${DEVICE:-cuda}" --stored "${STORED:-500x375}" --batches "${FEED_BATCHES:-4}" --step-json "$JSON"
 )
 $SSLVIT bench feed "${feed[@]}" --workers "${FEED_WORKERS:-4,8,16}" --json "${JSON%.json}-feed.json" --overwrite

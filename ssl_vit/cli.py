@@ -111,7 +111,7 @@ def lightning_cli(argv: list[str]):
             parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
             # Collapse: feature std and effective rank logged as health/*, and a stop below `health.min_std`.
             parser.add_lightning_class_args(HealthMonitor, "health")
-            # torch.compile of the blocks or the step: `compile.enabled`, `compile.mode`, `compile.scope`.
+            # torch.compile of the blocks or the step: `compile.enabled`, `.mode`, `.scope`, `.backend`.
             parser.add_lightning_class_args(CompileTask, "compile")
             # Values that must agree between data and model are given once, on the data side.
             parser.link_arguments("data.init_args.image_size", "model.init_args.backbone.img_size")
@@ -184,7 +184,8 @@ def lightning_cli(argv: list[str]):
             if config.compile.enabled:  # CompileTask checks again at setup, after the trainer's banner
                 strategy = config.trainer.strategy
                 strategy = str(getattr(strategy, "class_path", strategy))  # a name, or class_path + init_args
-                check_compile(config.compile.mode, config.trainer.accumulate_grad_batches, strategy)
+                accumulate = config.trainer.accumulate_grad_batches
+                check_compile(config.compile.mode, accumulate, strategy, config.compile.backend)
             check_optimizer(config)
             # The datamodule checks the shards again in its setup, after the trainer has printed its
             # banner and the logger has started its run; here first, the error is the command's only

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_cli, script_env, start_cli
+from timm.models.vision_transformer import Block
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -38,6 +39,21 @@ def test_step_flops_of_b16_are_those_of_ssl_vit_info():
     assert vit_cost("B/16").flops / mae_cost("B/16").flops == pytest.approx(1.80, abs=0.01)
 
 
+def test_depth_sets_the_blocks_of_every_encoder_and_decoder_of_the_bench():
+    """`--depth 2`: the plain timm model, the tasks' encoders and their decoders (MAE's 8, I-JEPA's 6
+    predictor blocks) are 2 blocks deep, and the FLOPs counted follow."""
+    bench = StepBench("Ti/8", 32, depth=2)
+    assert len(bench.plain_model().blocks) == 2
+    blocks = lambda module: sum(isinstance(m, Block) for m in module.modules())  # noqa: E731
+    for name, decoder in [("supervised", 0), ("mae", 8), ("ijepa", 6)]:
+        with torch.device("meta"):
+            full, shallow = build_task(name, ViTConfig("Ti/8", 32)), build_task(name, bench.config)
+        assert blocks(full.backbone) == 12 and blocks(shallow.backbone) == 2
+        if decoder:
+            assert blocks(full.decoder) == decoder and blocks(shallow.decoder) == 2
+        assert task_flops(shallow, 32) < task_flops(full, 32) / 2
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -52,6 +68,7 @@ def test_step_flops_of_b16_are_those_of_ssl_vit_info():
         (["--device", "mps"], "--device mps: use cpu or cuda"),
         (["--device", "gpu0"], "--device gpu0: use cpu or cuda"),
         (["--batch-size", "100000000"], "--batch-size 100000000: a Ti/8 step at 32 px needs at least"),
+        (["--depth", "0"], "--depth must be at least 1"),
     ],
 )
 @pytest.mark.parametrize("command", ["step", "parts"])
@@ -296,9 +313,10 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     """benchmarks/gpu.sh: `ssl-vit bench step` of supervised and MAE, compile off, per block, and the
     whole step under CUDA graphs' mode (inductor without CUDA graphs on the CPU), then `bench parts` of
     MAE, then `bench feed` against the first steps (decoding in the workers, then on the device: here
-    the CPU); tables printed and every report in its JSON."""
+    the CPU); tables printed and every report in its JSON. Two blocks deep: Ti/8's 12 + MAE's 8 decoder
+    blocks took two minutes to compile as one step on 2 CPU cores."""
     env = {
-        **os.environ, **script_env(), "VARIANT": "Ti/8", "IMG_SIZE": "32",
+        **os.environ, **script_env(), "VARIANT": "Ti/8", "DEPTH": "2", "IMG_SIZE": "32",
         "BATCH": "2", "DEVICE": "cpu", "PRECISION": "32-true", "ROUNDS": "2", "STEPS": "1", "WARMUP": "1",
         "JSON": str(tmp_path / "gpu.json"), "WANDB_MODE": "offline",
         "STORED": "64x48", "FEED_WORKERS": "1", "FEED_BATCHES": "1", "DEVICE_WORKERS": "1",
@@ -311,6 +329,8 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     assert compiled == [(False, None, None), (True, "blocks", "default"), (True, "step", "reduce-overhead")]
     for report in reports:
         assert_step_report(report)
+        assert report["config"]["depth"] == 2
+    assert proc.stdout.count("Ti/8 (2 blocks deep) at 32 px") == 4  # three step tables and the parts'
     step_tables, parts_table = proc.stdout.split("forward + backward without the optimizer")
     assert step_tables.count("| mae |") == 3 and step_tables.count("of FLOP ratio") == 3
     assert "compile on (step, reduce-overhead)" in proc.stdout
@@ -318,7 +338,7 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     assert skips[:2] == [None, None] and skips[2] > 0  # inductor has no CUDA graphs for the CPU
     assert f"{skips[2]} compiled graphs ran without CUDA graphs" in proc.stdout
     parts = json.loads((tmp_path / "gpu-parts.json").read_text())
-    assert parts["config"]["task"] == "mae" and len(parts["rows"]) == 7
+    assert parts["config"]["task"] == "mae" and parts["config"]["depth"] == 2 and len(parts["rows"]) == 7
     assert "| mae | decoder blocks |" in parts_table
     feed = json.loads((tmp_path / "gpu-feed.json").read_text())
     assert feed["step_reports"] == json.loads((tmp_path / "gpu.json").read_text())  # not measured again
@@ -379,8 +399,11 @@ def test_bench_feed_takes_the_step_from_a_bench_step_report(tmp_path):
     wrong = run_cli("bench", "feed", *FEED, "--batch-size", "4", "--step-json", str(step_json), check=False)
     assert wrong.returncode == 2 and wrong.stderr.strip() == (
         f"ssl-vit: error: --step-json {step_json}: measured Ti/8 at 32 px, batch 2 on cpu, not Ti/8 at 32 "
-        "px, batch 4 on cpu: give the feed the step's --variant, --img-size, --batch-size and --device"
+        "px, batch 4 on cpu: give the feed the step's --variant, --depth, --img-size, --batch-size and "
+        "--device"
     )
+    shallow = run_cli("bench", "feed", *FEED, "--depth", "2", "--step-json", str(step_json), check=False)
+    assert shallow.returncode == 2 and "not Ti/8 (2 blocks deep) at 32 px, batch 2 on cpu" in shallow.stderr
 
 
 @pytest.mark.slow

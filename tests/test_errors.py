@@ -99,6 +99,7 @@ def test_fit_with_an_out_of_range_value(digits_shards, tmp_path, option, words):
     "option,words",
     [
         (("--trainer.accumulate_grad_batches", "2"), ("accumulate_grad_batches 2",)),
+        (("--compile.backend", "aot_eager"), ("a setting of inductor", "--compile.backend aot_eager")),
         (("--trainer.strategy", "fsdp"), ("FSDP", "--trainer.strategy fsdp")),
         (
             ("--trainer.strategy", "pytorch_lightning.strategies.ModelParallelStrategy"),
@@ -107,8 +108,9 @@ def test_fit_with_an_out_of_range_value(digits_shards, tmp_path, option, words):
     ],
 )
 def test_fit_with_cuda_graphs_where_they_cannot_work(digits_shards, tmp_path, option, words):
-    """Gradient accumulation (the replays would overwrite gradients) and FSDP (its hooks cannot be
-    captured): refused before anything is built."""
+    """Gradient accumulation (the replays would overwrite gradients), a backend other than inductor
+    (whose settings the modes are) and FSDP (its hooks cannot be captured): refused before anything is
+    built."""
     cuda_graphs = ("--compile.enabled", "true", "--compile.mode", "reduce-overhead")
     proc = fit(digits_shards, tmp_path, *cuda_graphs, *option)
     error_line(proc, "--compile.mode reduce-overhead", *words, "--compile.mode default")

@@ -68,8 +68,8 @@ def add_bench_parsers(bench_subparsers) -> None:
     )
     feed.add_argument(
         "--step-json", type=Path,
-        help="the step's side from this `bench step --json` report (same variant, size, batch and device) "
-        "instead of measuring it",
+        help="the step's side from this `bench step --json` report (same variant, depth, size, batch and "
+        "device) instead of measuring it",
     )  # fmt: skip
     feed.set_defaults(func=_feed, rounds=1)
 
@@ -95,6 +95,11 @@ def _step_options(
 
 def _model_options(parser, variant: str = "B/16") -> None:
     parser.add_argument("--variant", default=variant, help=f"ViT variant (default {variant})")
+    parser.add_argument(
+        "--depth", type=int,
+        help="blocks of the encoder and of each task's decoder instead of the variant's and the recipes' "
+        "(a quick look at the pipeline, e.g. on a CPU: compiling a whole step takes minutes at full depth)",
+    )  # fmt: skip
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=8, help="per process (default 8)")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true")
@@ -135,7 +140,7 @@ def _check(args) -> None:
         patch = parse_variant(args.variant).patch_size
     except ValueError as err:
         raise UserError(str(err)) from None
-    check_at_least(args, 1, "batch_size", "rounds", "steps", "threads")
+    check_at_least(args, 1, "batch_size", "depth", "rounds", "steps", "threads")
     check_at_least(args, 0, "warmup")
     if args.img_size < patch or args.img_size % patch:
         raise UserError(
@@ -172,7 +177,7 @@ def _step_reports(args, progress=print) -> list[dict]:
         bench = StepBench(
             args.variant, args.img_size, args.batch_size, tuple(args.tasks), args.precision, compiled,
             args.device, args.rounds, args.steps, args.warmup,
-            compile_scope=args.compile_scope, compile_mode=args.compile_mode,
+            compile_scope=args.compile_scope, compile_mode=args.compile_mode, depth=args.depth,
         )  # fmt: skip
         reports.append(bench.run(progress))
     return reports
@@ -220,7 +225,7 @@ def _parts(args) -> int:
         torch.set_num_threads(args.threads)
     bench = StepBench(
         args.variant, args.img_size, args.batch_size, precision=args.precision, device=args.device,
-        rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+        rounds=args.rounds, steps=args.steps, warmup=args.warmup, depth=args.depth,
     )  # fmt: skip
     report = PartsBench(bench, args.task).run(print)
     print("\n" + format_parts(report))
@@ -281,21 +286,28 @@ def _worker_counts(text: str) -> list[int]:
 
 def _read_step_reports(args) -> list[dict]:
     """The reports of `bench step --json` in `args.step_json`, refused unless measured at the variant,
-    image size, batch and device the feed runs at."""
+    depth, image size, batch and device the feed runs at."""
     import torch
+
+    from ssl_vit.benchmark.step import model_name
 
     try:
         reports = json.loads(args.step_json.read_text())
-        measured = {(r["config"]["variant"], r["config"]["img_size"], r["config"]["batch_size"],
-                     torch.device(r["config"]["device"]).type) for r in reports}  # fmt: skip
+        measured = {(r["config"]["variant"], r["config"].get("depth"), r["config"]["img_size"],
+                     r["config"]["batch_size"], torch.device(r["config"]["device"]).type)
+                    for r in reports}  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
         raise UserError(f"--step-json {args.step_json}: not a `bench step --json` report ({err})") from None
-    wanted = (args.variant, args.img_size, args.batch_size, torch.device(args.device).type)
+    wanted = (args.variant, args.depth, args.img_size, args.batch_size, torch.device(args.device).type)
     if measured != {wanted}:
-        said = lambda v, s, b, d: f"{v} at {s} px, batch {b} on {d}"  # noqa: E731
-        found = ", ".join(said(*config) for config in sorted(measured)) or "nothing"
+
+        def said(variant, depth, size, batch, device) -> str:
+            model = model_name({"variant": variant, "depth": depth})
+            return f"{model} at {size} px, batch {batch} on {device}"
+
+        found = ", ".join(said(*config) for config in sorted(measured, key=str)) or "nothing"
         raise UserError(
             f"--step-json {args.step_json}: measured {found}, not {said(*wanted)}: give the feed the step's "
-            "--variant, --img-size, --batch-size and --device"
+            "--variant, --depth, --img-size, --batch-size and --device"
         )
     return reports

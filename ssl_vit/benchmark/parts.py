@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ssl_vit.benchmark.step import StepBench, build_task, paired_ratio
+from ssl_vit.benchmark.step import StepBench, build_task, model_name, paired_ratio
 from ssl_vit.tasks.base import BackboneTask, step_inputs, step_loss
 
 
@@ -149,8 +149,8 @@ class PartsBench:
         flop_ratio = supervised.flops / task.flops
         b = self.bench
         config = dict(
-            variant=b.config.variant, img_size=b.config.img_size, batch_size=b.batch_size,
-            task=self.task_name, precision=b.precision, device=str(b.device),
+            variant=b.config.variant, depth=b.config.depth, img_size=b.config.img_size,
+            batch_size=b.batch_size, task=self.task_name, precision=b.precision, device=str(b.device),
             threads=torch.get_num_threads(), rounds=b.rounds, steps=b.steps, warmup=b.warmup,
         )  # fmt: skip
         return dict(
@@ -184,7 +184,7 @@ def format_parts(report: dict) -> str:
     """The report as a Markdown table (what `ssl-vit bench parts` prints)."""
     c = report["config"]
     lines = [
-        f"{c['variant']} at {c['img_size']} px, batch {c['batch_size']}, {c['precision']}, {c['device']}, "
+        f"{model_name(c)} at {c['img_size']} px, batch {c['batch_size']}, {c['precision']}, {c['device']}, "
         f"{c['threads']} threads, forward + backward without the optimizer, eager, median of {c['rounds']} "
         f"rounds x {c['steps']} steps",
         "",

@@ -48,7 +48,7 @@ def run_scaling(args) -> dict:
         "--tasks", *args.tasks, "--precision", args.precision, "--compile", args.compile,
         "--compile-scope", args.compile_scope, "--compile-mode", args.compile_mode,
         "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--threads", "1",
+        "--threads", "1", *(["--depth", str(args.depth)] if args.depth else []),
     ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ssl-vit-bench-scaling-") as tmp:
         one, two = Path(tmp) / "one.json", Path(tmp) / "two.json"

@@ -54,15 +54,15 @@ DECODERS = {
 def build_task(name: str, config: ViTConfig) -> BackboneTask:
     """The task as a recipe builds it: MAE's 8 x 512 decoder (`DECODERS` for the teacher presets, whose
     EMA teacher runs too), SimMIM's 32-pixel cells (or the nearest that tile the grid, `simmim_cell`),
-    fused AdamW."""
+    fused AdamW. A `config.depth` (`--depth`) is the decoder's depth too."""
     optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True)  # noqa: E731
     if name == "supervised":
         return SupervisedPretraining(config, num_classes=NUM_CLASSES, optimizer=optimizer)
     cell = simmim_cell(config) if name == "simmim" else 32
+    decoder = DECODERS.get(name, {}) | ({"decoder_depth": config.depth} if config.depth else {})
     return MaskedPatchPretraining(
-        config, preset=name, cell_size=cell, picture_every_n_steps=0, optimizer=optimizer,
-        **DECODERS.get(name, {}),
-    )  # fmt: skip
+        config, preset=name, cell_size=cell, picture_every_n_steps=0, optimizer=optimizer, **decoder
+    )
 
 
 def simmim_cell(config: ViTConfig) -> int:
@@ -126,8 +126,9 @@ class StepBench:
         seed: int = 0,
         compile_scope: str = "blocks",
         compile_mode: str = "default",
+        depth: int | None = None,
     ) -> None:
-        self.config = ViTConfig(variant, img_size)
+        self.config = ViTConfig(variant, img_size, depth=depth)
         self.batch_size, self.tasks, self.precision = batch_size, tuple(tasks), precision
         self.compile, self.device = compile, torch.device(device)
         self.compile_scope, self.compile_mode = compile_scope, compile_mode
@@ -152,10 +153,15 @@ class StepBench:
             return compiled_step(train_loss, self.compile_mode)
         return train_loss
 
+    def plain_model(self) -> torch.nn.Module:
+        return build_vit(
+            self.config.variant, self.config.img_size, depth=self.config.depth, num_classes=NUM_CLASSES
+        )
+
     def plain_loop(self) -> Callable[[dict], float]:
         """A timm model, its optimizer and a function that runs `warmup + steps` steps and returns the
         seconds of the timed ones."""
-        model = build_vit(self.config.variant, self.config.img_size, num_classes=NUM_CLASSES).to(self.device)
+        model = self.plain_model().to(self.device)
         if self.world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -240,7 +246,7 @@ class StepBench:
                 results[name].images_per_s.append(rate)
                 progress(f"round {round_ + 1}/{self.rounds} {name}: {rate:.1f} img/s")
         with torch.device("meta"):
-            plain = build_vit(self.config.variant, self.config.img_size, num_classes=NUM_CLASSES)
+            plain = self.plain_model()
         results["plain"].flops_per_image = 3 * _forward_flops(plain, self.config.img_size)
         return self.report(results)
 
@@ -383,11 +389,17 @@ def _compiled(config: dict) -> str:
     return f"on ({config['compile_scope']}{mode})"
 
 
+def model_name(config: dict) -> str:
+    """A report's variant, and its depth where `--depth` gave one: "Ti/8", "Ti/8 (2 blocks deep)"."""
+    depth = config.get("depth")
+    return config["variant"] + (f" ({depth} blocks deep)" if depth else "")
+
+
 def format_table(report: dict) -> str:
     """The report as a Markdown table (also what `ssl-vit bench step` prints)."""
     c = report["config"]
     head = (
-        f"{c['variant']} at {c['img_size']} px, batch {c['batch_size']} per process x {c['world_size']}, "
+        f"{model_name(c)} at {c['img_size']} px, batch {c['batch_size']} per process x {c['world_size']}, "
         f"{c['precision']}, compile {_compiled(c)}, {c['device']} ({c['device_name']}), "
         f"{c['threads']} threads, median of {c['rounds']} rounds x {c['steps']} steps"
         f"{_cudagraph_skips_note(c)}"

@@ -12,6 +12,10 @@
   the compiled step at DDP's gradient buckets, so each bucket's all-reduce still starts while the rest
   of the backward runs (under CUDA graphs, each piece is a graph of its own).
 
+`backend: aot_eager` (or `eager`) captures the same graphs but runs them without inductor's generated
+code: PyTorch's first step in telling a capture problem (dynamo, AOTAutograd) from a code-generation
+one, and seconds instead of minutes to compile.
+
 Both keep the module and its parameter names, so checkpoints, FSDP sharding (applied after, in the
 task's `configure_model`) and `load_backbone` see the same keys as without it.
 """
@@ -33,34 +37,40 @@ from ssl_vit.tasks.base import BackboneTask
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 Scope = Literal["blocks", "step"]
+Backend = Literal["inductor", "aot_eager", "eager"]
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-def compile_blocks(module: nn.Module, mode: Mode = "default") -> int:
+def _options(mode: Mode, backend: Backend) -> dict:
+    """torch.compile's arguments: a mode is inductor's, the other backends take none."""
+    return {"mode": mode} if backend == "inductor" else {"backend": backend}
+
+
+def compile_blocks(module: nn.Module, mode: Mode = "default", backend: Backend = "inductor") -> int:
     """Compile every timm `Block` inside `module` in place; returns how many."""
     blocks = [m for m in module.modules() if isinstance(m, Block)]
     for block in blocks:
-        block.compile(mode=mode)
+        block.compile(**_options(mode, backend))
     return len(blocks)
 
 
-def compile_step(task: BackboneTask, mode: Mode = "default") -> bool:
+def compile_step(task: BackboneTask, mode: Mode = "default", backend: Backend = "inductor") -> bool:
     """Replace `task.train_loss` by its compiled self (one graph for the step's forward and backward);
     False if it is compiled already (a second `fit` or a `test` before it set the task up again)."""
     if "train_loss" in vars(task):
         return False
-    task.train_loss = compiled_step(task.train_loss, mode)
+    task.train_loss = compiled_step(task.train_loss, mode, backend)
     return True
 
 
-def compiled_step(fn: Callable, mode: Mode = "default") -> Callable:
+def compiled_step(fn: Callable, mode: Mode = "default", backend: Backend = "inductor") -> Callable:
     """`fn` compiled; under CUDA graphs, each call starts a new step and returns copies of its outputs.
 
     CUDA graphs replay into the same output memory every step, so an output still referenced after the
     next step (a logged loss Lightning keeps in `callback_metrics`, the pictures' predictions) would
     read the next step's values or fail; copying them costs a few small kernels.
     """
-    compiled = torch.compile(fn, mode=mode)
+    compiled = torch.compile(fn, **_options(mode, backend))
     if mode not in CUDA_GRAPH_MODES:
         return compiled
 
@@ -71,15 +81,22 @@ def compiled_step(fn: Callable, mode: Mode = "default") -> Callable:
     return step
 
 
-def check_compile(mode: Mode, accumulate_grad_batches: int, strategy: str) -> None:
-    """Refuse CUDA graphs (of the step or of the blocks) where they would train wrongly or fail deep
-    inside torch, before anything is built:
+def check_compile(
+    mode: Mode, accumulate_grad_batches: int, strategy: str, backend: Backend = "inductor"
+) -> None:
+    """Refuse a mode without inductor (the modes are its settings), and CUDA graphs (of the step or
+    of the blocks) where they would train wrongly or fail deep inside torch, before anything is built:
     - with gradient accumulation: a backward's replay writes the parameters' gradients into the
       graphs' own memory, and the next micro-batch's replay overwrites them before the optimizer has
       seen the sum (pytorch/pytorch#169545);
     - with FSDP (`strategy`, a strategy's name or class path): its per-block all-gathers and frees
       run in hooks that CUDA graphs cannot capture (pytorch/pytorch#127225).
     """
+    if backend != "inductor" and mode != "default":
+        raise UserError(
+            f"--compile.mode {mode} is a setting of inductor, not of --compile.backend {backend}: "
+            "use --compile.mode default, or --compile.backend inductor"
+        )
     if mode not in CUDA_GRAPH_MODES:
         return
     if accumulate_grad_batches > 1:
@@ -106,22 +123,32 @@ class CompileTask(pl.Callback):
             `reduce-overhead` replays CUDA graphs (with `scope: step`: the whole step).
         scope: `blocks` (every transformer block of the encoder and decoder) or `step` (the task's
             whole training computation as one graph).
+        backend: `inductor` (generated kernels), or `aot_eager`/`eager`: the same graphs run by
+            PyTorch's own kernels, to tell a capture problem from a code-generation one.
     """
 
-    def __init__(self, enabled: bool = False, mode: Mode = "default", scope: Scope = "blocks") -> None:
-        self.enabled, self.mode, self.scope = enabled, mode, scope
+    def __init__(
+        self,
+        enabled: bool = False,
+        mode: Mode = "default",
+        scope: Scope = "blocks",
+        backend: Backend = "inductor",
+    ) -> None:
+        self.enabled, self.mode, self.scope, self.backend = enabled, mode, scope, backend
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.enabled:
             return
-        check_compile(self.mode, trainer.accumulate_grad_batches, type(trainer.strategy).__name__)
+        strategy = type(trainer.strategy).__name__
+        check_compile(self.mode, trainer.accumulate_grad_batches, strategy, self.backend)
+        how = self.mode if self.backend == "inductor" else f"{self.backend} backend"
         if self.scope == "blocks":
-            count = compile_blocks(pl_module, self.mode)
-            rank_zero_info(f"torch.compile ({self.mode}): {count} transformer blocks")
+            count = compile_blocks(pl_module, self.mode, self.backend)
+            rank_zero_info(f"torch.compile ({how}): {count} transformer blocks")
         elif isinstance(pl_module, BackboneTask):
-            if compile_step(pl_module, self.mode):
+            if compile_step(pl_module, self.mode, self.backend):
                 name = type(pl_module).__name__
-                rank_zero_info(f"torch.compile ({self.mode}): the whole training step of {name}")
+                rank_zero_info(f"torch.compile ({how}): the whole training step of {name}")
         else:
             raise UserError(
                 f"--compile.scope step needs an ssl-vit task, got {type(pl_module).__name__}; "

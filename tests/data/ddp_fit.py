@@ -1,8 +1,10 @@
 """A 2-process DDP `fit` (CPU, gloo) on ShardDataModule, run by test_ddp_fit.py as
-`python ddp_fit.py TRAIN_URLS VAL_URLS OUT [DECODE]`.
+`python ddp_fit.py TRAIN_URLS VAL_URLS OUT [DECODE[,DECODE...]]`.
 
-Lightning's DDP launcher re-runs this script for rank 1. Each rank writes OUT/rankN.json with the
-training batches it ran per epoch, the validation keys it saw and the synced metrics.
+Lightning's DDP launcher re-runs this script for rank 1. For each decode (`cpu` by default; several:
+one fit after the other in the same two processes, whose process group the second fit finds set up)
+each rank writes OUT/rankN-DECODE.json with the training batches it ran per epoch, the validation keys
+it saw and the synced metrics.
 """
 
 import faulthandler
@@ -53,9 +55,14 @@ class PooledLinear(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main(urls: str, val_urls: str, out: str, decode: str = "cpu") -> None:
-    # A run that hangs shows where: each rank's threads after 150 s (the tests wait 180 s at most).
-    faulthandler.dump_traceback_later(150, exit=False)
+def main(urls: str, val_urls: str, out: str, decodes: str = "cpu") -> None:
+    # A run that hangs shows where: each rank's threads after 240 s (the tests wait 280-300 s).
+    faulthandler.dump_traceback_later(240, exit=False)
+    for decode in decodes.split(","):
+        fit(urls, val_urls, out, decode)
+
+
+def fit(urls: str, val_urls: str, out: str, decode: str) -> None:
     pl.seed_everything(0, verbose=False)
     dm = ShardDataModule(
         train_urls=urls,
@@ -85,7 +92,7 @@ def main(urls: str, val_urls: str, out: str, decode: str = "cpu") -> None:
     )
     trainer.fit(model, datamodule=dm)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    Path(out, f"rank{trainer.global_rank}.json").write_text(
+    Path(out, f"rank{trainer.global_rank}-{decode}.json").write_text(
         json.dumps(
             {
                 "train_batches": model.train_batches,

@@ -21,7 +21,7 @@ def test_two_process_ddp_fit_on_unequal_shards(tmp_path):
     val_urls = val_urls.replace("000002}", "000003}")
     run_lightning_ddp(SCRIPT, train_urls, val_urls, str(tmp_path), timeout=280)
 
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((tmp_path / f"rank{r}-cpu.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     for r in ranks:
         assert r["train_batches"] == [4, 4]  # both epochs, both ranks: lockstep
@@ -37,12 +37,11 @@ def test_two_process_ddp_fit_on_unequal_shards(tmp_path):
 def test_device_decoding_keeps_ddp_in_lockstep_on_the_samples_of_cpu_decoding(tmp_path):
     train_urls, _ = write_shards(tmp_path / "train", [9, 4, 7], prefix="train", fmt="jpg")
     val_urls, _ = write_shards(tmp_path / "val", [4, 3], prefix="val", seed=1)
-    runs = {}
-    for decode in ("cpu", "device"):
-        (tmp_path / decode).mkdir()
-        out = str(tmp_path / decode)
-        run_lightning_ddp(SCRIPT, train_urls, val_urls, out, decode, timeout=180)
-        runs[decode] = [json.loads((tmp_path / decode / f"rank{r}.json").read_text()) for r in range(2)]
+    run_lightning_ddp(SCRIPT, train_urls, val_urls, str(tmp_path), "cpu,device", timeout=300)
+    runs = {
+        decode: [json.loads((tmp_path / f"rank{r}-{decode}.json").read_text()) for r in range(2)]
+        for decode in ("cpu", "device")
+    }
     for cpu, device in zip(runs["cpu"], runs["device"], strict=True):
         assert device["train_batches"] == [4, 4]  # both epochs, both ranks: lockstep
         assert device["train_keys"] == cpu["train_keys"]  # the same samples in the same order
