@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Two test processes (pytest-xdist), each given whole files: about half the suite waits on one core
+# (single-threaded commands, servers, timeouts) while the other idles. TEST_JOBS=0: pytest alone.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 SSLVIT := $(VENV)/bin/ssl-vit
 SHARDS := data/shards/digits

@@ -2,6 +2,7 @@
 
 import atexit
 import contextlib
+import fcntl
 import json
 import multiprocessing
 import os
@@ -170,6 +171,23 @@ def skip_or_fail(reason: str):
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"required under CI: {reason}")
     pytest.skip(reason)
+
+
+def apt_install(what: str, packages: list[str], timeout: float) -> None:
+    """Install Debian `packages` for a server a test needs (`what` names it), or skip (fail under CI)
+    where that cannot be done here. The test processes `make test` runs take turns: dpkg installs one
+    set at a time, and the second finds the packages there."""
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        skip_or_fail(f"{what} not installed and cannot be installed here (needs apt-get and root)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    with open(Path(tempfile.gettempdir(), "ssl-vit-tests-apt.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if subprocess.run(install, env=env, capture_output=True, timeout=timeout).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=timeout)
+            proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                skip_or_fail(f"apt-get install {' '.join(packages)} failed: {proc.stderr.strip()[-300:]}")
 
 
 def start_ranks(fn, *args, nprocs: int = 2) -> None:

@@ -1,7 +1,15 @@
 """Shared test fixtures. Sub-areas keep their own fixtures next to their tests."""
 
-import pytest
-from cli_helpers import RUNNING, run_cli, skip_or_fail  # noqa: F401  (skip_or_fail: re-exported for older imports)
+import os
+
+# `make test` runs two test processes (pytest-xdist) on as many cores. OpenMP's threads otherwise spin
+# while they wait for work, taking the core the other process needs: a 5 s fit took 11 s beside one
+# busy core, 6 s with passive waiting. Set before torch (libgomp reads it when it loads); the commands
+# and ranks the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+from cli_helpers import RUNNING, run_cli, skip_or_fail  # noqa: E402, F401  (skip_or_fail: re-exported for older imports)
 
 
 @pytest.fixture(autouse=True)

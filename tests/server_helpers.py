@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_helpers import free_port, skip_or_fail
+from cli_helpers import apt_install, free_port
 
 
 def nginx_binary() -> str:
@@ -22,15 +22,7 @@ def nginx_binary() -> str:
     found = shutil.which("nginx") or (os.path.exists("/usr/sbin/nginx") and "/usr/sbin/nginx")
     if found:
         return found
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        skip_or_fail("nginx is not installed and cannot be installed here (needs apt-get and root)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "nginx-light"]
-    if subprocess.run(install, env=env, capture_output=True, timeout=300).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300)
-        proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            skip_or_fail(f"apt-get install nginx-light failed: {proc.stderr.strip()[-300:]}")
+    apt_install("nginx is", ["nginx-light"], timeout=300)
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 

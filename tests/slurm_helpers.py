@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from cli_helpers import free_port, skip_or_fail
+from cli_helpers import apt_install, free_port, skip_or_fail
 
 SLURM_PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -76,17 +76,7 @@ def slurm_binaries() -> dict[str, str]:
     found = {name: _find(name) for name in DAEMONS}
     if all(found.values()) and _find("sbatch"):
         return found
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        skip_or_fail(
-            "slurm-wlm/munge are not installed and cannot be installed here (needs apt-get and root)"
-        )
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *SLURM_PACKAGES]
-    if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            skip_or_fail(f"apt-get install {' '.join(SLURM_PACKAGES)} failed: {proc.stderr.strip()[-300:]}")
+    apt_install("slurm-wlm/munge are", list(SLURM_PACKAGES), timeout=600)
     found = {name: _find(name) for name in DAEMONS}
     missing = [name for name, path in found.items() if path is None]
     if missing or not _find("sbatch"):
