@@ -23,9 +23,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SSLVIT=${SSLVIT:-.venv/bin/ssl-vit}
 JSON=${JSON:-benchmarks/gpu.json}
-depth=(${DEPTH:+--depth "$DEPTH"})
+model=(--variant "${VARIANT:-B/16}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}")
+if [ -n "${DEPTH:-}" ]; then model+=(--depth "$DEPTH"); fi
 common=(
-    --variant "${VARIANT:-B/16}" "${depth[@]}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
+    "${model[@]}"
     --precision "${PRECISION:-bf16-mixed}"
     --device "${DEVICE:-cuda}" --rounds "${ROUNDS:-3}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}"
 )
@@ -41,7 +42,7 @@ fi
 $SSLVIT bench parts "${common[@]}" --task mae --json "${JSON%.json}-parts.json" --overwrite
 written+=("${JSON%.json}-parts.json")
 feed=(
-    --variant "${VARIANT:-B/16}" "${depth[@]}" --img-size "${IMG_SIZE:-224}" --batch-size "${BATCH:-256}"
+    "${model[@]}"
     --device "${DEVICE:-cuda}" --stored "${STORED:-500x375}" --batches "${FEED_BATCHES:-4}" --step-json "$JSON"
 )
 $SSLVIT bench feed "${feed[@]}" --workers "${FEED_WORKERS:-4,8,16}" --json "${JSON%.json}-feed.json" --overwrite

@@ -19,11 +19,12 @@ from cli_helpers import apt_install, free_port
 
 def nginx_binary() -> str:
     """nginx from Debian, installed here if missing (the test needs root and the Debian mirror)."""
-    found = shutil.which("nginx") or (os.path.exists("/usr/sbin/nginx") and "/usr/sbin/nginx")
-    if found:
-        return found
-    apt_install("nginx is", ["nginx-light"], timeout=300)
-    return shutil.which("nginx") or "/usr/sbin/nginx"
+    apt_install("nginx is", ["nginx-light"], present=lambda: _nginx() is not None, timeout=300)
+    return _nginx()
+
+
+def _nginx() -> str | None:
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 
 
 @pytest.fixture

@@ -19,7 +19,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.benchmark.parts import PartsBench
 from ssl_vit.benchmark.scaling import traffic_table
-from ssl_vit.benchmark.step import DECODERS, NUM_CLASSES, StepBench, build_task, simmim_cell, task_flops
+from ssl_vit.benchmark.step import (
+    DECODERS,
+    NUM_CLASSES,
+    StepBench,
+    batch_memory,
+    build_task,
+    simmim_cell,
+    task_flops,
+)
 from ssl_vit.info import mae_cost, vit_cost
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
@@ -44,6 +52,7 @@ def test_depth_sets_the_blocks_of_every_encoder_and_decoder_of_the_bench():
     predictor blocks) are 2 blocks deep, and the FLOPs counted follow."""
     bench = StepBench("Ti/8", 32, depth=2)
     assert len(bench.plain_model().blocks) == 2
+    assert batch_memory("B/16", 224, 256, depth=2) < batch_memory("B/16", 224, 256) / 4  # checked as built
     blocks = lambda module: sum(isinstance(m, Block) for m in module.modules())  # noqa: E731
     for name, decoder in [("supervised", 0), ("mae", 8), ("ijepa", 6)]:
         with torch.device("meta"):
@@ -69,6 +78,10 @@ def test_depth_sets_the_blocks_of_every_encoder_and_decoder_of_the_bench():
         (["--device", "gpu0"], "--device gpu0: use cpu or cuda"),
         (["--batch-size", "100000000"], "--batch-size 100000000: a Ti/8 step at 32 px needs at least"),
         (["--depth", "0"], "--depth must be at least 1"),
+        (
+            ["--batch-size", "100000000", "--depth", "2"],
+            "a Ti/8 (2 blocks deep) step at 32 px needs at least",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["step", "parts"])
@@ -143,8 +156,9 @@ def test_bench_loop_runs_ssl_vit_fit_on_shards_against_a_bare_loop(tmp_path):
 @pytest.mark.slow
 def test_bench_scaling_measures_one_and_two_processes(tmp_path):
     out = tmp_path / "scaling.json"
-    run_cli("bench", "scaling", *TINY, "--json", str(out))
+    proc = run_cli("bench", "scaling", *TINY, "--depth", "2", "--json", str(out))
     report = json.loads(out.read_text())
+    assert report["config"]["depth"] == 2 and "Measured: Ti/8 (2 blocks deep) at 32 px" in proc.stdout
     (row,) = report["measured"][1:]  # plain, then mae
     assert row["name"] == "mae" and row["one_process"] > 0 and row["two_processes"] > 0
     assert row["efficiency"] == pytest.approx(row["two_processes"] / (2 * row["one_process"]))
@@ -327,9 +341,13 @@ def test_gpu_script_runs_bench_step_on_the_cpu_with_small_settings(tmp_path):
     reports += json.loads((tmp_path / "gpu-step.json").read_text())
     compiled = [tuple(r["config"][k] for k in ("compile", "compile_scope", "compile_mode")) for r in reports]
     assert compiled == [(False, None, None), (True, "blocks", "default"), (True, "step", "reduce-overhead")]
+    with torch.device("meta"):
+        full_depth = task_flops(build_task("supervised", ViTConfig("Ti/8", 32)), 32) / 1e9
     for report in reports:
         assert_step_report(report)
         assert report["config"]["depth"] == 2
+        supervised = next(row for row in report["rows"] if row["name"] == "supervised")
+        assert supervised["gflops_per_image"] < full_depth / 3  # the model that ran was 2 blocks deep
     assert proc.stdout.count("Ti/8 (2 blocks deep) at 32 px") == 4  # three step tables and the parts'
     step_tables, parts_table = proc.stdout.split("forward + backward without the optimizer")
     assert step_tables.count("| mae |") == 3 and step_tables.count("of FLOP ratio") == 3

@@ -5,3 +5,9 @@ as ratios against a reference measured in the same process (`ssl-vit bench step|
 TASKS = ("supervised", "vit_mpp", "mae", "simmim", "maskfeat", "ijepa", "data2vec2")
 PRECISIONS = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}  # Lightning's: torch's
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def model_name(config: dict) -> str:
+    """A report's variant, and its depth where `--depth` gave one: "Ti/8", "Ti/8 (2 blocks deep)"."""
+    depth = config.get("depth")
+    return config["variant"] + (f" ({depth} blocks deep)" if depth else "")

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS
+from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS, model_name
 from ssl_vit.data.commands import add_jpeg_options, check_jpeg_options
 from ssl_vit.errors import UserError, check_at_least
 
@@ -154,11 +154,12 @@ def _check(args) -> None:
         raise UserError(f"--device {args.device}: use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible here; use --device cpu")
-    needed, free = batch_memory(args.variant, args.img_size, args.batch_size), available_memory(device)
+    needed = batch_memory(args.variant, args.img_size, args.batch_size, args.depth)
+    free = available_memory(device)
     if needed > free:
         raise UserError(
-            f"--batch-size {args.batch_size}: a {args.variant} step at {args.img_size} px needs at least "
-            f"{needed / 2**30:,.1f} GiB for its images and activations, and {device.type} has "
+            f"--batch-size {args.batch_size}: a {model_name(vars(args))} step at {args.img_size} px needs at "
+            f"least {needed / 2**30:,.1f} GiB for its images and activations, and {device.type} has "
             f"{free / 2**30:,.1f} GiB free: give a smaller --batch-size"
         )
     _check_json(args)
@@ -288,8 +289,6 @@ def _read_step_reports(args) -> list[dict]:
     """The reports of `bench step --json` in `args.step_json`, refused unless measured at the variant,
     depth, image size, batch and device the feed runs at."""
     import torch
-
-    from ssl_vit.benchmark.step import model_name
 
     try:
         reports = json.loads(args.step_json.read_text())

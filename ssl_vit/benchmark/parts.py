@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ssl_vit.benchmark.step import StepBench, build_task, model_name, paired_ratio
+from ssl_vit.benchmark import model_name
+from ssl_vit.benchmark.step import StepBench, build_task, paired_ratio
 from ssl_vit.tasks.base import BackboneTask, step_inputs, step_loss
 
 

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ssl_vit.benchmark import model_name
+
 # Assumptions of the computed table, written out so they can be changed and checked.
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM
 ASSUMED_MFU = 0.40
@@ -118,7 +120,7 @@ def _free_port() -> int:
 def format_scaling(report: dict) -> str:
     c = report["config"]
     lines = [
-        f"Measured: {c['variant']} at {c['img_size']} px, batch {c['batch_size']} per process, "
+        f"Measured: {model_name(c)} at {c['img_size']} px, batch {c['batch_size']} per process, "
         f"{c['device']}, 1 thread per process, gloo",
         "",
         "| step | 1 process img/s | 2 processes img/s | efficiency |",

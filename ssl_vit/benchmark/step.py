@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from lightning_fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 
-from ssl_vit.benchmark import PRECISIONS, TASKS
+from ssl_vit.benchmark import PRECISIONS, TASKS, model_name
 from ssl_vit.models.vit import ViTConfig, build_vit, parse_variant
 from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
@@ -303,13 +303,14 @@ class StepBench:
         }
 
 
-def batch_memory(variant: str, img_size: int, batch_size: int) -> int:
+def batch_memory(variant: str, img_size: int, batch_size: int, depth: int | None = None) -> int:
     """About the fewest bytes a training step of `batch_size` images needs besides the model: the
-    float32 images, and per image and block what backward keeps of its activations, about 8 tensors of
-    (N, D) and 2 of (N, mlp_dim) floats (the norms' and attention's inputs and outputs, q, k and v, the
-    MLP's hidden layer before and after GELU)."""
+    float32 images, and per image and block (the variant's, or `depth`) what backward keeps of its
+    activations, about 8 tensors of (N, D) and 2 of (N, mlp_dim) floats (the norms' and attention's
+    inputs and outputs, q, k and v, the MLP's hidden layer before and after GELU)."""
     parsed = parse_variant(variant)
-    width, depth, _, mlp_dim = parsed.dims
+    width, blocks, _, mlp_dim = parsed.dims
+    depth = depth or blocks
     tokens = (img_size // parsed.patch_size) ** 2 + 1
     return batch_size * 4 * (3 * img_size**2 + depth * tokens * (8 * width + 2 * mlp_dim))
 
@@ -387,12 +388,6 @@ def _compiled(config: dict) -> str:
         return "off"
     mode = "" if config["compile_mode"] == "default" else f", {config['compile_mode']}"
     return f"on ({config['compile_scope']}{mode})"
-
-
-def model_name(config: dict) -> str:
-    """A report's variant, and its depth where `--depth` gave one: "Ti/8", "Ti/8 (2 blocks deep)"."""
-    depth = config.get("depth")
-    return config["variant"] + (f" ({depth} blocks deep)" if depth else "")
 
 
 def format_table(report: dict) -> str:

@@ -12,9 +12,9 @@
   the compiled step at DDP's gradient buckets, so each bucket's all-reduce still starts while the rest
   of the backward runs (under CUDA graphs, each piece is a graph of its own).
 
-`backend: aot_eager` (or `eager`) captures the same graphs but runs them without inductor's generated
-code: PyTorch's first step in telling a capture problem (dynamo, AOTAutograd) from a code-generation
-one, and seconds instead of minutes to compile.
+`backend: eager` runs dynamo's graphs with PyTorch's own kernels, `aot_eager` does so after
+AOTAutograd too, and `inductor` generates the kernels: PyTorch's ladder for finding which of the
+three a compile problem comes from; the first two compile in seconds instead of minutes.
 
 Both keep the module and its parameter names, so checkpoints, FSDP sharding (applied after, in the
 task's `configure_model`) and `load_backbone` see the same keys as without it.
@@ -42,8 +42,13 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _options(mode: Mode, backend: Backend) -> dict:
-    """torch.compile's arguments: a mode is inductor's, the other backends take none."""
-    return {"mode": mode} if backend == "inductor" else {"backend": backend}
+    """torch.compile's arguments: a mode is inductor's, the other backends take none (`check_compile`
+    says so in one line to a user; a caller in Python gets this error)."""
+    if backend == "inductor":
+        return {"mode": mode}
+    if mode != "default":
+        raise ValueError(f"mode {mode!r} is a setting of inductor, not of backend {backend!r}")
+    return {"backend": backend}
 
 
 def compile_blocks(module: nn.Module, mode: Mode = "default", backend: Backend = "inductor") -> int:
@@ -71,7 +76,7 @@ def compiled_step(fn: Callable, mode: Mode = "default", backend: Backend = "indu
     read the next step's values or fail; copying them costs a few small kernels.
     """
     compiled = torch.compile(fn, **_options(mode, backend))
-    if mode not in CUDA_GRAPH_MODES:
+    if mode not in CUDA_GRAPH_MODES:  # (only inductor takes them: `_options`)
         return compiled
 
     def step(*args, **kwargs):
@@ -123,8 +128,8 @@ class CompileTask(pl.Callback):
             `reduce-overhead` replays CUDA graphs (with `scope: step`: the whole step).
         scope: `blocks` (every transformer block of the encoder and decoder) or `step` (the task's
             whole training computation as one graph).
-        backend: `inductor` (generated kernels), or `aot_eager`/`eager`: the same graphs run by
-            PyTorch's own kernels, to tell a capture problem from a code-generation one.
+        backend: `inductor` (generated kernels), or `eager` (dynamo's graphs on PyTorch's kernels) and
+            `aot_eager` (the same after AOTAutograd), to find where a compile problem comes from.
     """
 
     def __init__(

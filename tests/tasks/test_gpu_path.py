@@ -236,6 +236,28 @@ def test_the_callback_refuses_cuda_graphs_where_they_cannot_work(scope, accumula
     assert (task.train_loss != train_loss) == (scope == "step")
 
 
+def test_the_backend_and_the_mode_reach_torch_compile(monkeypatch):
+    """`--compile.backend` is what torch.compile gets, for the blocks and the step (a mode for
+    inductor, none for the others); a mode with another backend is refused by Python callers too."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: calls.append(options) or fn)
+    trainer = SimpleNamespace(accumulate_grad_batches=1, strategy=DDPStrategy())
+    for scope, backend, mode, expected in [
+        ("blocks", "aot_eager", "default", [{"backend": "aot_eager"}] * 2),  # TINY's 2 blocks
+        ("step", "eager", "default", [{"backend": "eager"}]),
+        ("step", "inductor", "max-autotune-no-cudagraphs", [{"mode": "max-autotune-no-cudagraphs"}]),
+    ]:
+        calls.clear()
+        CompileTask(True, mode, scope, backend).setup(
+            trainer, SupervisedPretraining(TINY, num_classes=10), "fit"
+        )
+        assert calls == expected, (scope, backend)
+    with pytest.raises(
+        ValueError, match="'reduce-overhead' is a setting of inductor, not of backend 'aot_eager'"
+    ):
+        compile_step(SupervisedPretraining(TINY, num_classes=10), "reduce-overhead", "aot_eager")
+
+
 def test_the_bench_offers_every_compile_mode_the_tasks_take():
     assert COMPILE_MODES == Mode.__args__
 
