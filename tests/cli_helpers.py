@@ -174,9 +174,9 @@ def skip_or_fail(reason: str):
     pytest.skip(reason)
 
 
-def apt_install(what: str, packages: list[str], present: Callable[[], bool], timeout: float) -> None:
+def apt_install(packages: list[str], present: Callable[[], bool], timeout: float) -> None:
     """Install Debian `packages` for a server a test needs unless `present()` says they are there, or
-    skip (fail under CI) where that cannot be done here (`what` names them in that line). The test
+    skip (fail under CI) where that cannot be done here. The test
     processes `make test` runs take turns, checking too: dpkg installs one set at a time, and a server
     must not start from a half-unpacked package. The turn waits within the test's own timeout."""
     with open(Path(tempfile.gettempdir(), "ssl-vit-tests-apt.lock"), "w") as lock:
@@ -184,7 +184,7 @@ def apt_install(what: str, packages: list[str], present: Callable[[], bool], tim
         if present():
             return
         if shutil.which("apt-get") is None or os.geteuid() != 0:
-            skip_or_fail(f"{what} not installed and cannot be installed here (needs apt-get and root)")
+            skip_or_fail(f"{' '.join(packages)}: not installed, and installing needs apt-get and root")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
         if subprocess.run(install, env=env, capture_output=True, timeout=timeout).returncode != 0:

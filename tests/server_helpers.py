@@ -19,7 +19,7 @@ from cli_helpers import apt_install, free_port
 
 def nginx_binary() -> str:
     """nginx from Debian, installed here if missing (the test needs root and the Debian mirror)."""
-    apt_install("nginx is", ["nginx-light"], present=lambda: _nginx() is not None, timeout=300)
+    apt_install(["nginx-light"], present=lambda: _nginx() is not None, timeout=300)
     return _nginx()
 
 

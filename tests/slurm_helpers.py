@@ -74,7 +74,7 @@ def _find(name: str) -> str | None:
 def slurm_binaries() -> dict[str, str]:
     """Paths of munged, slurmctld and slurmd, installing the Debian packages here if missing."""
     present = lambda: all(_find(name) for name in (*DAEMONS, "sbatch"))  # noqa: E731
-    apt_install("slurm-wlm/munge are", list(SLURM_PACKAGES), present=present, timeout=600)
+    apt_install(list(SLURM_PACKAGES), present=present, timeout=600)
     found = {name: _find(name) for name in DAEMONS}
     missing = [name for name, path in found.items() if path is None]
     if missing or not _find("sbatch"):

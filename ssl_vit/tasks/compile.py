@@ -42,13 +42,19 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _options(mode: Mode, backend: Backend) -> dict:
-    """torch.compile's arguments: a mode is inductor's, the other backends take none (`check_compile`
-    says so in one line to a user; a caller in Python gets this error)."""
-    if backend == "inductor":
-        return {"mode": mode}
-    if mode != "default":
-        raise ValueError(f"mode {mode!r} is a setting of inductor, not of backend {backend!r}")
-    return {"backend": backend}
+    """torch.compile's arguments: a mode is inductor's, the other backends take none."""
+    _check_backend(mode, backend)
+    return {"mode": mode} if backend == "inductor" else {"backend": backend}
+
+
+def _check_backend(mode: Mode, backend: Backend) -> None:
+    """The one check that a mode goes with its backend: the CLI's, before anything is built, and every
+    caller's in Python."""
+    if backend != "inductor" and mode != "default":
+        raise UserError(
+            f"--compile.mode {mode} is a setting of inductor, not of --compile.backend {backend}: "
+            "use --compile.mode default, or --compile.backend inductor"
+        )
 
 
 def compile_blocks(module: nn.Module, mode: Mode = "default", backend: Backend = "inductor") -> int:
@@ -97,11 +103,7 @@ def check_compile(
     - with FSDP (`strategy`, a strategy's name or class path): its per-block all-gathers and frees
       run in hooks that CUDA graphs cannot capture (pytorch/pytorch#127225).
     """
-    if backend != "inductor" and mode != "default":
-        raise UserError(
-            f"--compile.mode {mode} is a setting of inductor, not of --compile.backend {backend}: "
-            "use --compile.mode default, or --compile.backend inductor"
-        )
+    _check_backend(mode, backend)
     if mode not in CUDA_GRAPH_MODES:
         return
     if accumulate_grad_batches > 1:

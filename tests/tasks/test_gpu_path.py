@@ -252,9 +252,7 @@ def test_the_backend_and_the_mode_reach_torch_compile(monkeypatch):
             trainer, SupervisedPretraining(TINY, num_classes=10), "fit"
         )
         assert calls == expected, (scope, backend)
-    with pytest.raises(
-        ValueError, match="'reduce-overhead' is a setting of inductor, not of backend 'aot_eager'"
-    ):
+    with pytest.raises(UserError, match="reduce-overhead is a setting of inductor, not of --compile.backend"):
         compile_step(SupervisedPretraining(TINY, num_classes=10), "reduce-overhead", "aot_eager")
 
 
