@@ -55,7 +55,8 @@ def lightning_cli(argv: list[str]):
     from pytorch_lightning.callbacks import LearningRateMonitor
     from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
-    from ssl_vit.data.datamodule import LogSkippedSamples, check_shard_urls
+    from ssl_vit.data.checks import check_shard_urls
+    from ssl_vit.data.skip_log import LogSkippedSamples
     from ssl_vit.tasks.base import Throughput
     from ssl_vit.tasks.checkpointing import (
         LastLinkCheckpoint,
@@ -343,9 +344,9 @@ def _end_early() -> None:
             threading.__excepthook__(info)
 
     sys.unraisablehook, threading.excepthook = unraisable, in_thread
-    datamodule = sys.modules.get("ssl_vit.data.datamodule")
-    if datamodule is not None:  # workers end now, not after their grace (nor after this process)
-        datamodule.stop_all_workers()
+    workers = sys.modules.get("ssl_vit.data.workers")
+    if workers is not None:  # workers end now, not after their grace (nor after this process)
+        workers.stop_all_workers()
     gc.collect()
 
 

@@ -1,7 +1,8 @@
 """Data: sources -> WebDataset shards (`writer`); the streaming pipeline, one job per module: `urls`
 (expansion, checks, manifests) -> `tar_reader` (tar members) -> `samples` (labels, images, skip
-counting) -> `stream` (training and exact-pass streams), with `transforms`; and `ShardDataModule`
-(`datamodule`).
+counting) -> `stream` (training and exact-pass streams), with `transforms`; `loaders` (its DataLoaders)
+and `workers` (their workers under job signals); `checks` (argument checks, light to import);
+`ShardDataModule` (`datamodule`) and its metrics callback `LogSkippedSamples` (`skip_log`).
 
 `ShardDataModule` is imported on first use so that `ssl-vit data convert` does not pay for Lightning.
 """
@@ -10,8 +11,12 @@ __all__ = ["ShardDataModule", "LogSkippedSamples"]
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from ssl_vit.data import datamodule
+    if name == "ShardDataModule":
+        from ssl_vit.data.datamodule import ShardDataModule
 
-        return getattr(datamodule, name)
+        return ShardDataModule
+    if name == "LogSkippedSamples":
+        from ssl_vit.data.skip_log import LogSkippedSamples
+
+        return LogSkippedSamples
     raise AttributeError(f"module 'ssl_vit.data' has no attribute {name!r}")

@@ -23,7 +23,7 @@ Bad samples (undecodable image, missing image member, unparsable label or one be
 unreadable shard) are skipped, logged with their key and shard, and counted; each batch carries in
 `skipped` how many its worker dropped since its previous batch (and in `unreadable` the shards it could
 not open since then, by URL), so the count reaches the main process
-and can be logged as a metric (`ssl_vit.data.datamodule.LogSkippedSamples`). A stream that reads every
+and can be logged as a metric (`ssl_vit.data.skip_log.LogSkippedSamples`). A stream that reads every
 one of its shards to the end without a usable sample fails with one line naming them, instead of
 spinning for ever.
 """
@@ -83,7 +83,7 @@ class ShardStream(IterableDataset):
     otherwise an exact pass. Load it with `DataLoader(stream, batch_size=None, num_workers=...)`.
 
     The webdataset pipeline is built inside each worker (in `__iter__`), where the worker id is known;
-    `epoch` and `resume` are set from the main process before each pass (see `EpochLoader`).
+    `epoch` and `resume` are set from the main process before each pass (see `ssl_vit.data.loaders.EpochLoader`).
     `classes` and `keys` keep only the samples with these labels and these `__key__`s. Remote shards
     are read with `read_policy` (`ssl_vit.data.remote`: retries, read timeout).
     """

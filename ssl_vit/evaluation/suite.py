@@ -48,7 +48,7 @@ from timm.data.auto_augment import rand_augment_transform
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.datamodule import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
+from ssl_vit.data.checks import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
 from ssl_vit.data.transforms import Preset
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import local_device

@@ -56,7 +56,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """
 
     def __init__(self, read_retries: int = DEFAULT.retries, read_timeout_s: float = DEFAULT.timeout_s):
-        from ssl_vit.data.datamodule import read_policy
+        from ssl_vit.data.checks import read_policy
 
         super().__init__()
         self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})

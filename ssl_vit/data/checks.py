@@ -1,0 +1,82 @@
+"""Checks of a data module's arguments, usable before anything heavy is imported (the CLI before the
+trainer starts, suite files, checkpoint I/O): split URLs, counts, seconds, the read policy."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ssl_vit.data.remote import ReadPolicy
+from ssl_vit.data.urls import check_urls, expand
+from ssl_vit.errors import BadValue, UserError
+
+SPLITS = ("train", "val", "test")
+# The split each stage cannot run without.
+REQUIRED_SPLIT = {"fit": "train", "validate": "val", "test": "test"}
+# The splits each stage reads.
+STAGE_SPLITS = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], None: list(SPLITS)}
+
+
+def check_required_urls(stage: str | None, urls: dict[str, Any]) -> None:
+    """One line if the split `stage` reads has no URLs. `urls`: `train_urls`, `val_urls`, `test_urls` as
+    configured (a datamodule's own, or the command line's, checked before the trainer starts)."""
+    split = REQUIRED_SPLIT.get(stage)
+    if split is not None and f"{split}_urls" in urls and urls[f"{split}_urls"] is None:
+        raise UserError(
+            f"{split}_urls is not set: give the URLs of the {split} shards (data.init_args.{split}_urls)"
+        )
+
+
+def check_shard_urls(
+    stage: str | None, urls: dict[str, Any], policy: ReadPolicy | None = None
+) -> dict[str, list[str]]:
+    """The brace-expanded URLs of the splits `stage` reads, each shard checked (`check_urls`, remote ones
+    with `policy`; by default the one `urls` sets, see `read_policy`): one line for a split without URLs
+    or a shard that is missing. `urls` as for `check_required_urls`."""
+    check_required_urls(stage, urls)
+    policy = policy or read_policy(urls)
+    expanded = {}
+    for split in STAGE_SPLITS.get(stage, []):
+        if urls.get(f"{split}_urls") is not None:
+            expanded[split] = expand(urls[f"{split}_urls"], f"{split}_urls")
+            check_urls(expanded[split], f"{split}_urls", policy)
+    return expanded
+
+
+def read_policy(args: dict[str, Any]) -> ReadPolicy:
+    """The `ReadPolicy` of a data module's arguments (`read_retries`, `read_timeout_s`; the defaults
+    for those `args` leaves out), checked first."""
+    values = {key: args[key] for key in ("read_retries", "read_timeout_s") if args.get(key) is not None}
+    check_counts({k: v for k, v in values.items() if k in COUNT_MINIMUMS})
+    check_seconds({k: v for k, v in values.items() if k in SECONDS})
+    return ReadPolicy(
+        retries=values.get("read_retries", DEFAULT_READ.retries),
+        timeout_s=float(values.get("read_timeout_s", DEFAULT_READ.timeout_s)),
+    )
+
+
+# The integer settings of a `ShardDataModule` and their smallest values (None: the default applies).
+COUNT_MINIMUMS = {
+    "batch_size": 1, "image_size": 1, "num_workers": 0, "segment_shards": 1, "train_batches": 1,
+    "num_classes": 1, "seed": 0, "read_retries": 0,
+}  # fmt: skip
+# Its settings in seconds: positive, finite numbers (None: the default applies).
+SECONDS = ("read_timeout_s", "loader_timeout_s")
+DEFAULT_READ = ReadPolicy()
+
+
+def check_counts(values: dict[str, Any], where: str = "") -> None:
+    """One line for an integer setting (`COUNT_MINIMUMS`) that is not an integer or is too small;
+    `where` prefixes it (a suite file's data block)."""
+    for key, value in values.items():
+        low = COUNT_MINIMUMS[key]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise BadValue(f"{where}{key} is {value!r}: it should be an integer of at least {low}")
+
+
+def check_seconds(values: dict[str, Any], where: str = "") -> None:
+    """One line for a setting in seconds (`SECONDS`) that is not a positive, finite number."""
+    for key, value in values.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and 0 < value < math.inf):
+            raise BadValue(f"{where}{key} is {value!r}: it should be a positive number of seconds")
