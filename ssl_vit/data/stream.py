@@ -83,7 +83,8 @@ class ShardStream(IterableDataset):
     otherwise an exact pass. Load it with `DataLoader(stream, batch_size=None, num_workers=...)`.
 
     The webdataset pipeline is built inside each worker (in `__iter__`), where the worker id is known;
-    `epoch` and `resume` are set from the main process before each pass (see `ssl_vit.data.loaders.EpochLoader`).
+    `epoch` and `resume` are set from the main process before each pass (see
+    `ssl_vit.data.loaders.EpochLoader`).
     `classes` and `keys` keep only the samples with these labels and these `__key__`s. Remote shards
     are read with `read_policy` (`ssl_vit.data.remote`: retries, read timeout).
     """
