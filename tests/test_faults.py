@@ -303,12 +303,12 @@ def test_signals_before_the_trainer_starts_end_or_defer_the_run_cleanly(digits_s
 
 INTERRUPT_AT_TRAINING = """
 import os, sys
-from ssl_vit.evaluation import protocols
-real = protocols._train
+from ssl_vit.evaluation.kinds import finetune
+real = finetune.train_streamed
 def train(*args):
     open(os.environ["REACHED"], "w").close()
     return real(*args)
-protocols._train = train
+finetune.train_streamed = train
 from ssl_vit.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -55,8 +55,8 @@ def add_parsers(subparsers) -> None:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation import progress
-    from ssl_vit.evaluation.protocols import grid_edge_notes
     from ssl_vit.evaluation.suite import evaluate, load_suite
+    from ssl_vit.evaluation.training import grid_edge_notes
 
     with progress.job("evaluate", 1):
         progress.run(0, args.checkpoint)

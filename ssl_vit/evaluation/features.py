@@ -1,12 +1,12 @@
-"""Frozen features of a backbone over an exact pass of a dataset, for the few-shot, k-NN and
-linear-probe protocols.
+"""Frozen features of a backbone over an exact pass of a dataset, for the frozen-backbone protocols.
 
-The feature kinds (`cls`, `mean`, `lastk`) are the backbone's: `ssl_vit.models.vit.ViT.features`.
+The feature kinds are the backbone's: pooled ones (`cls`, `mean`, `lastk`: `ViT.features`) and
+token-level ones (`tokens`, `patches`, `patches_lastk`: `ViT.feature_set`).
 
 Under `torch.distributed` every rank extracts its own share of an exact pass, and all ranks return
 the features of all samples, sorted by key, so the result does not depend on the world size.
 
-Legend: B batch, N samples, D width, F feature width.
+Legend: B batch, N samples, T tokens, D width, F feature width, H x W mask pixels.
 """
 
 from __future__ import annotations
@@ -31,9 +31,15 @@ def local_device() -> torch.device:
 
 
 class Features(NamedTuple):
-    x: Tensor  # (N, F) float32, on CPU
+    x: Tensor  # (N, F) float32, on CPU; (N, T, F) for token kinds
     y: Tensor  # (N,) int64 labels, -1 where unlabelled
     keys: list[str]  # the samples' __key__, sorted
+    mask: Tensor | None = None  # (N, H, W) uint8 segmentation masks (255 ignored), when the samples have them
+
+    def take(self, rows: Tensor) -> Features:
+        """The samples at positions `rows` (n,), in that order."""
+        mask = None if self.mask is None else self.mask[rows]
+        return Features(self.x[rows], self.y[rows], [self.keys[i] for i in rows.tolist()], mask)
 
 
 def extract_features(
@@ -59,14 +65,15 @@ def extract_features(
 def extract_feature_set(
     backbone: ViT,
     loader: Iterable[dict],
-    kinds: tuple[FeatureKind, ...],
+    kinds: tuple[str, ...],
     last_k: int = 4,
     prepare: Callable[[dict], dict] | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> dict[FeatureKind, Features]:
+) -> dict[str, Features]:
     """`extract_features` for several kinds from one pass over `loader` (one forward per batch,
-    `ViT.feature_set`): {kind: Features}, equal to separate passes, sharing labels and keys.
-    `on_batch(n)` is called after each batch of n images (a progress display)."""
+    `ViT.feature_set`): {kind: Features}, equal to separate passes, sharing labels, keys and the
+    batches' segmentation masks (`mask`, when they carry one). `on_batch(n)` is called after each batch
+    of n images (a progress display)."""
     if not kinds:
         raise ValueError("kinds is empty: name at least one feature kind")
     for kind in kinds:
@@ -74,8 +81,8 @@ def extract_feature_set(
     device = next(backbone.parameters()).device
     was_training = backbone.training
     backbone.eval()
-    xs: dict[FeatureKind, list[Tensor]] = {kind: [] for kind in kinds}
-    ys, keys = [], []
+    xs: dict[str, list[Tensor]] = {kind: [] for kind in kinds}
+    ys, keys, masks = [], [], []
     try:
         with torch.inference_mode():
             for batch in loader:
@@ -93,29 +100,33 @@ def extract_feature_set(
                     xs[kind].append(x.float().cpu())
                 ys.append(batch["label"].cpu())
                 keys.extend(batch["key"])
+                if "mask" in batch:
+                    masks.append(batch["mask"].cpu())
                 if on_batch is not None:
                     on_batch(len(batch["key"]))
     finally:
         backbone.train(was_training)
     if dist.is_available() and dist.is_initialized():
-        xs, ys, keys = _gather(xs, ys, keys)
+        xs, ys, keys, masks = _gather(xs, ys, keys, masks)
     if not keys:
         raise ValueError("the loader yielded no samples")
     order = sorted(range(len(keys)), key=keys.__getitem__)
     y, sorted_keys = torch.cat(ys)[order], [keys[i] for i in order]
-    return {kind: Features(torch.cat(xs[kind])[order], y, sorted_keys) for kind in kinds}
+    mask = torch.cat(masks)[order] if masks else None
+    return {kind: Features(torch.cat(xs[kind])[order], y, sorted_keys, mask) for kind in kinds}
 
 
 def _gather(
-    xs: dict[FeatureKind, list[Tensor]], ys: list[Tensor], keys: list[str]
-) -> tuple[dict[FeatureKind, list[Tensor]], list[Tensor], list[str]]:
+    xs: dict[str, list[Tensor]], ys: list[Tensor], keys: list[str], masks: list[Tensor]
+) -> tuple[dict[str, list[Tensor]], list[Tensor], list[str], list[Tensor]]:
     """Every rank's features to every rank. `all_gather_object` pickles through the process group:
     evaluation sets are small (10^4-10^5 features of a few KB), and unlike `all_gather` it takes a
     different sample count on each rank, which an exact pass produces when shards are uneven."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (xs, ys, keys))
+    dist.all_gather_object(gathered, (xs, ys, keys, masks))
     return (
         {kind: [x for g in gathered for x in g[0][kind]] for kind in xs},
         [y for g in gathered for y in g[1]],
         [k for g in gathered for k in g[2]],
+        [m for g in gathered for m in g[3]],
     )

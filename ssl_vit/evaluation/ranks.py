@@ -66,7 +66,7 @@ def evaluate_checkpoints(
             except Exception as err:
                 mine[name, i] = failure(err)
     if world_size > 1:
-        # gloo: records and (S, M) bool correctness tensors, gathered on the CPU whatever the devices
+        # gloo: records and per-image statistics (CPU tensors), gathered on the CPU whatever the devices
         dist.init_process_group("gloo", timeout=GATHER_TIMEOUT)
         try:
             gathered: list | None = [None] * world_size if rank == 0 else None

@@ -35,10 +35,9 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.stats import LEVEL, Difference, contrast
-from ssl_vit.evaluation.suite import FewShotProtocol, Protocol, Suite
+from ssl_vit.evaluation.suite import Suite
 
 READING = {"win": "holds beyond noise", "noise": "within noise", "loss": "reversed"}
-FEATURES = {"cls": "[class] token", "mean": "mean patch token", "lastk": "last blocks' [class] tokens"}
 Names = Annotated[list[str], Field(min_length=1)]
 
 
@@ -130,31 +129,16 @@ def _problem(err: Exception) -> str:
     return f"{key} is {first['input']!r}: {first['msg'][0].lower()}{first['msg'][1:]}"
 
 
-def protocol_of(suite: Suite, column: str) -> Protocol:
-    return next(p for p in suite.protocols if column in p.columns())
-
-
 def _scored_on(suite: Suite, column: str) -> tuple:
-    """What makes two columns' correctness pairable: the same test images (dataset, classes) and the
-    same seeds (a few-shot protocol's; one for the other kinds)."""
-    protocol = protocol_of(suite, column)
-    seeds = tuple(protocol.seeds) if isinstance(protocol, FewShotProtocol) else (None,)
-    return protocol.dataset, tuple(protocol.classes or ()), seeds
+    """What makes two columns' statistics pairable: the same test images (dataset, classes) and the same
+    support draws (a few-shot protocol's seeds; one for the other kinds)."""
+    protocol = suite.protocol_of(column)
+    return protocol.dataset, tuple(protocol.classes or ()), protocol.support_draws()
 
 
 def describe(suite: Suite, column: str) -> str:
     """`fewshot_mean_5shot (few-shot, mean patch token)`: a column and the feature it rests on."""
-    protocol = protocol_of(suite, column)
-    kind = {"fewshot": "few-shot", "knn": "k-NN", "linear_probe": "linear probe", "finetune": "fine-tuned"}
-    classes = f", classes {_classes(protocol.classes)}" if protocol.classes else ""
-    return f"{column} ({kind[protocol.kind]}, {FEATURES[protocol.feature]}{classes})"
-
-
-def _classes(classes: list[int]) -> str:
-    ordered = sorted(classes)
-    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 2:
-        return f"{ordered[0]}-{ordered[-1]}"
-    return ", ".join(str(c) for c in ordered)
+    return suite.protocol_of(column).describe(column)
 
 
 def _points(value: float) -> str:
@@ -166,13 +150,13 @@ def _interval(found: Difference) -> str:
 
 
 def judge(claim: Claim, rows: dict[str, dict], suite: Suite) -> list[tuple[tuple, Difference]]:
-    """Each comparison of `claim` with its paired interval, from the rows' correctness (R, S, M) per
-    column (`report.aggregate`); comparisons with a failed row are left out."""
+    """Each comparison of `claim` with its paired interval, from the rows' Scores per column
+    (`report.aggregate`); comparisons with a failed row are left out."""
     found = []
     for row, other, column, less in claim.comparisons():
         if rows[row]["error"] or rows[other]["error"]:
             continue
-        a, b = rows[row]["correct"], rows[other]["correct"]
+        a, b = rows[row]["scores"], rows[other]["scores"]
         terms: list[tuple[float, Any, str]] = [(1.0, a[column], row), (-1.0, b[column], other)]
         if less is not None:
             terms += [(-1.0, a[less], row), (1.0, b[less], other)]

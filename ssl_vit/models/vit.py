@@ -43,6 +43,8 @@ EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R5
 # Which feature of an image heads and frozen-feature protocols read (`ViT.features`); SSL papers differ on
 # it, so it is always an explicit, logged choice.
 FeatureKind = Literal["cls", "mean", "lastk"]
+# Token-level features, for probes that read every token (`ViT.feature_set`): one vector per token.
+TokenKind = Literal["tokens", "patches", "patches_lastk"]
 
 
 class Variant(NamedTuple):
@@ -146,7 +148,10 @@ class ViT(VisionTransformer):
         return self.encode(self.embed_patches(images))
 
     def check_feature(
-        self, feature: str, last_k: int = 4, kinds: tuple[str, ...] = FeatureKind.__args__
+        self,
+        feature: str,
+        last_k: int = 4,
+        kinds: tuple[str, ...] = (*FeatureKind.__args__, *TokenKind.__args__),
     ) -> None:
         """Raise ValueError (one line) unless `features(images, feature, last_k)` can run; `kinds` narrows
         the valid ones for callers whose heads take width D (no `lastk`)."""
@@ -158,7 +163,7 @@ class ViT(VisionTransformer):
                 f"feature 'cls' needs a [class] token, but this backbone pools by global average ('gap'): "
                 f"use {others}"
             )
-        if feature == "lastk" and not 1 <= last_k <= len(self.blocks):
+        if feature in ("lastk", "patches_lastk") and not 1 <= last_k <= len(self.blocks):
             raise ValueError(
                 f"last_k must be in [1, {len(self.blocks)}] (the backbone's depth), got {last_k}"
             )
@@ -178,12 +183,23 @@ class ViT(VisionTransformer):
         return self.feature_set(images, (feature,), last_k)[feature]
 
     def feature_set(
-        self, images: Tensor, kinds: tuple[FeatureKind, ...], last_k: int = 4
-    ) -> dict[FeatureKind, Tensor]:
-        """images: (B, 3, H, W) -> {kind: (B, F)} for every kind in `kinds` (see `features`), all from
-        one forward pass: a suite that reads several kinds pays for the blocks once."""
-        if "lastk" not in kinds:
+        self, images: Tensor, kinds: tuple[FeatureKind | TokenKind, ...], last_k: int = 4
+    ) -> dict[str, Tensor]:
+        """images: (B, 3, H, W) -> {kind: features} for every kind in `kinds`, all from one forward pass:
+        a suite that reads several kinds pays for the blocks once. Pooled kinds (see `features`) are
+        (B, F); token kinds are (B, T, F):
+
+        - `tokens`: every output token after the final norm, [class] token first (T = 1 + N; N without
+          one): what an attentive probe attends over;
+        - `patches`: the patch tokens after the final norm (T = N, in grid order): what a dense probe
+          classifies;
+        - `patches_lastk`: the patch tokens of each of the last k blocks, each through the final norm,
+          concatenated per token (F = last_k x D): the dense counterpart of `lastk` (DINOv2's linear
+          segmentation reads the last blocks' patch tokens).
+        """
+        if "lastk" not in kinds and "patches_lastk" not in kinds:
             tokens = self.forward_tokens(images)
+            normed = None
         else:
             # timm's forward_intermediates returns the last k blocks' outputs, un-normalised and split
             # into (patches, prefix) pairs when there is a [class] token; forward_head(norm(.)) then pools
@@ -203,14 +219,21 @@ class ViT(VisionTransformer):
                 patches=final[:, self.num_prefix_tokens :],
                 pooled=pooled[-1],
             )
-        found: dict[FeatureKind, Tensor] = {}
+        found: dict[str, Tensor] = {}
         for kind in kinds:
             if kind == "cls":
                 found[kind] = tokens.cls
             elif kind == "mean":
                 found[kind] = tokens.pooled if self.cls_token is None else tokens.patches.mean(1)
-            else:
+            elif kind == "lastk":
                 found[kind] = torch.cat(pooled, dim=1)  # (B, last_k * D)
+            elif kind == "tokens":
+                prefix = [] if tokens.cls is None else [tokens.cls[:, None]]
+                found[kind] = torch.cat([*prefix, tokens.patches], dim=1)  # (B, T, D)
+            elif kind == "patches":
+                found[kind] = tokens.patches  # (B, N, D)
+            else:
+                found[kind] = torch.cat([x[:, self.num_prefix_tokens :] for x in normed], dim=2)  # (B, N, kD)
         return found
 
 

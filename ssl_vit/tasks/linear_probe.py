@@ -8,18 +8,17 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pytorch_lightning.cli import OptimizerCallable
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 from torch.optim import SGD, Optimizer
-from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
+from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # The heads take one token's width D; `lastk` (k x D) is for the frozen-feature protocols only.
@@ -31,13 +30,11 @@ def sgd_momentum(params) -> Optimizer:
     return SGD(params, lr=0.1, momentum=0.9, weight_decay=0.0)
 
 
-class LinearProbe(BackboneTask):
+class LinearProbe(FrozenProbe):
     """Linear classifiers on frozen features (ViT paper's linear evaluation; MAE sec 4 / appendix A.2).
 
-    The backbone is loaded from `init_from`, frozen (`requires_grad=False`, outside the optimizer) and kept
-    in eval mode even while training, so drop path never acts; its features are computed once per batch
-    without gradients and fed to one zero-initialised linear head per learning rate, so a whole lr sweep
-    costs one backbone forward.
+    Zero-initialised linear heads, one per learning rate, on one pooled feature per image (a
+    `FrozenProbe`: the backbone is frozen and in eval mode, a whole lr sweep costs one forward).
 
     Args:
         init_from: a Lightning .ckpt of any ssl-vit task, an exported .safetensors, `timm:NAME` or
@@ -73,19 +70,16 @@ class LinearProbe(BackboneTask):
         lrs = [float(lr) for lr in lrs]
         if not lrs or len(set(lrs)) != len(lrs) or min(lrs) <= 0:
             raise BadValue(f"lrs must be distinct positive learning rates, got {lrs}")
-        if num_classes < 1:
-            raise BadValue(f"num_classes must be positive, got {num_classes}")
         super().__init__(
-            backbone, init_from, optimizer, lr_scheduler, lr_reference_batch, mean, std,
-            hparams=dict(num_classes=num_classes, feature=feature, batch_norm=batch_norm, lrs=lrs),
+            backbone, init_from, num_classes, lrs, None, optimizer, lr_scheduler, lr_reference_batch, mean,
+            std, hparams=dict(feature=feature, batch_norm=batch_norm),
         )  # fmt: skip
         self.backbone.check_feature(feature, kinds=Feature.__args__)
-        self.backbone.requires_grad_(False).eval()
-        self.feature, self.lrs = feature, lrs
+        self.feature = feature
         width = self.backbone.embed_dim
         # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.
         self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()
-        self.heads = nn.ModuleList(zero_linear(width, num_classes) for _ in lrs)
+        self.heads.extend(zero_linear(width, num_classes) for _ in lrs)
         # One per head and evaluation stage, computed and reset at the end of that stage's pass.
         self.val_accuracy = nn.ModuleList(
             MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
@@ -94,12 +88,6 @@ class LinearProbe(BackboneTask):
             MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
         )
         self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
-
-    def train(self, mode: bool = True) -> LinearProbe:
-        """Lightning puts the module in train mode every epoch; the frozen backbone stays in eval mode."""
-        super().train(mode)
-        self.backbone.eval()
-        return self
 
     @torch.no_grad()
     def features(self, images: Tensor) -> Tensor:
@@ -111,24 +99,6 @@ class LinearProbe(BackboneTask):
         features = self.norm(features)
         return torch.stack([head(features) for head in self.heads])
 
-    def forward(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> logits (H, B, K)."""
-        return self.classify(self.features(images))
-
-    def forward_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """Sum over heads of each head's mean cross-entropy, so each head's gradient is its own loss's."""
-        heads = logits.shape[0]
-        return heads * F.cross_entropy(logits.flatten(0, 1), labels.repeat(heads), ignore_index=-1)
-
-    def train_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        return self.forward_loss(self(batch["image"]), batch["label"])
-
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.train_loss(step_inputs(batch))
-        size = batch["image"].shape[0]
-        self.log("train/loss", loss / len(self.heads), on_step=True, prog_bar=True, batch_size=size)
-        return loss
-
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.eval_step("val", batch)
 
@@ -139,7 +109,7 @@ class LinearProbe(BackboneTask):
         logits = self(batch["image"])
         for metric, head_logits in zip(getattr(self, f"{stage}_accuracy"), logits):
             metric.update(head_logits, batch["label"])
-        loss = self.forward_loss(logits, batch["label"]) / len(self.heads)
+        loss = self.forward_loss(logits, batch["label"]) / self.num_heads
         self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=batch["image"].shape[0])
 
     def on_validation_epoch_end(self) -> None:
@@ -159,18 +129,6 @@ class LinearProbe(BackboneTask):
         best = accuracies.argmax()
         self.log(f"{stage}/accuracy", accuracies[best], prog_bar=True)
         self.log(f"{stage}/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
-
-    def param_groups(self) -> list[dict]:
-        """One group per head, with that head's lr; the frozen backbone is in none."""
-        return [{"params": list(head.parameters()), "lr": lr} for head, lr in zip(self.heads, self.lrs)]
-
-    def measure_flops(self, images: Tensor) -> None:
-        """Training FLOPs per image: one forward of the frozen backbone, forward and backward (3x) of the
-        heads (2 D K each)."""
-        with FlopCounterMode(display=False) as counter:
-            self.features(images[:1])
-        heads = sum(2 * head.in_features * head.out_features for head in self.heads)
-        self.flops_per_image = counter.get_total_flops() + 3 * heads
 
 
 __all__ = ["Feature", "LinearProbe", "sgd_momentum"]

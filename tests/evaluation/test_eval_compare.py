@@ -12,8 +12,8 @@ from PIL import Image
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.commands import parse_checkpoints
-from ssl_vit.evaluation.protocols import grid_edge_notes
 from ssl_vit.evaluation.suite import load_suite
+from ssl_vit.evaluation.training import grid_edge_notes
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 
@@ -136,7 +136,9 @@ def test_bad_suites_and_arguments_are_one_line_errors(tmp_path, cli):
             {"data": {"train_urls": "a", "test_urls": "b"}, "protocols": [{"name": "x", "kind": "magic"}]}
         )
     )
-    with pytest.raises(UserError, match="valid: fewshot, knn, linear_probe, finetune"):
+    with pytest.raises(
+        UserError, match="valid: fewshot, knn, linear_probe, attentive_probe, linear_seg, finetune"
+    ):
         load_suite(bad)
     bad.write_text(
         yaml.safe_dump(
@@ -201,14 +203,17 @@ def test_scratch_rows_are_reproducible(setup):
 
 def test_labels_reuse_any_feature_pass_of_the_split(digits_shards, monkeypatch):
     """Trained protocols ask for the labels only: they must not cost another pass over the data."""
-    from ssl_vit.evaluation import protocols
+    from ssl_vit.evaluation import cache as cache_module
 
     calls = []
-    real = protocols.extract_feature_set
-    monkeypatch.setattr(protocols, "extract_feature_set", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    real = cache_module.extract_feature_set
+    monkeypatch.setattr(
+        cache_module, "extract_feature_set", lambda *a, **k: calls.append(a[2]) or real(*a, **k)
+    )
     data = {"train_urls": str(digits_shards / "val-{000000..000003}.tar"), "test_urls": "unused",
             "image_size": 32, "batch_size": 128, "num_workers": 0}  # fmt: skip
-    cache = protocols.FeatureCache(ViTConfig(**BACKBONE).build(), data, ("mean", "cls"))
+    config = ViTConfig(**BACKBONE)
+    cache = cache_module.FeatureCache(config.build(), config, data, ("mean", "cls"))
     features = cache.get("train", "mean")
     assert torch.equal(cache.labels("train"), features.y) and cache.num_classes() == 10
     assert torch.equal(cache.get("train", "cls").y, features.y)

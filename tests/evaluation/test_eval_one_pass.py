@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from ssl_vit.data import ShardDataModule
-from ssl_vit.evaluation import protocols
+from ssl_vit.evaluation import cache as cache_module
 from ssl_vit.evaluation import suite as suite_module
 from ssl_vit.evaluation.features import extract_feature_set, extract_features
 from ssl_vit.evaluation.suite import evaluate, load_suite
@@ -53,7 +53,7 @@ def test_a_suite_runs_the_backbone_once_per_split(digits_shards, tmp_path, monke
 
     load_backbone = suite_module.load_backbone
     monkeypatch.setattr(suite_module, "load_backbone", load_and_count)
-    monkeypatch.setattr(protocols, "extract_feature_set", recording)
+    monkeypatch.setattr(cache_module, "extract_feature_set", recording)
     train, test = str(digits_shards / "val-00000{0..1}.tar"), str(digits_shards / "val-00000{2..3}.tar")
     data = {"train_urls": train, "test_urls": test, "image_size": 32, "batch_size": 64, "num_workers": 0}
     spec = {
@@ -67,7 +67,7 @@ def test_a_suite_runs_the_backbone_once_per_split(digits_shards, tmp_path, monke
         ],
     }
     (tmp_path / "suite.yaml").write_text(yaml.safe_dump(spec))
-    record, correct = evaluate("scratch", load_suite(tmp_path / "suite.yaml"))
+    record, scores = evaluate("scratch", load_suite(tmp_path / "suite.yaml"))
 
     samples = {
         split: json.loads((digits_shards / "val.json").read_text())["shards"][i : i + 2] for split, i in
@@ -77,14 +77,14 @@ def test_a_suite_runs_the_backbone_once_per_split(digits_shards, tmp_path, monke
     assert sum(seen) == expected  # each image once: one pass per split, not one per kind
     assert len(passes) == 2 and all(list(p) == ["cls", "mean", "lastk"] for p in passes)
     assert set(record["results"]) == {"fs_cls_1shot", "fs_cls_2shot", "knn_mean", "fs_lastk_2shot", "knn_cls"}
-    # the one pass also yields each column's per-image correctness (S seeds, M test images), the
-    # intervals' input
+    # the one pass also yields each column's per-image statistics (1 run, S seeds, M test images, one
+    # correct flag each), the intervals' input
     test_images = sum(shard["num_samples"] for shard in samples["test"])
-    assert {column: tuple(hits.shape) for column, hits in correct.items()} == {
-        column: (1, test_images) for column in record["results"]
+    assert {column: tuple(score.values.shape) for column, score in scores.items()} == {
+        column: (1, 1, test_images, 1) for column in record["results"]
     }
-    for column, hits in correct.items():
-        assert hits.double().mean().item() == pytest.approx(record["results"][column])
+    for column, score in scores.items():
+        assert score.values.mean().item() == pytest.approx(record["results"][column])
 
     backbone = backbones[0]
     dm = ShardDataModule(train_urls=train, test_urls=test, image_size=32, batch_size=64, num_workers=0)

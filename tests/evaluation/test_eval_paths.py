@@ -25,7 +25,10 @@ def test_a_folder_given_as_the_checkpoint_or_the_suite(tmp_path, cli):
 @pytest.mark.parametrize(
     "data, words",
     [
-        ({"image_size": 64}, ["data: image_size 64 differs from backbone img_size 32", "set both"]),
+        (
+            {"image_size": 34},
+            ["data: image_size 34 is not a multiple of the backbone's patch size 4", "such as 32"],
+        ),
         ({"batch_size": "big"}, ["data: batch_size is 'big'", "integer of at least 1"]),
         ({"batch_size": 0}, ["data: batch_size is 0", "integer of at least 1"]),
         ({"num_workers": -1}, ["data: num_workers is -1", "integer of at least 0"]),

@@ -12,7 +12,7 @@ import yaml
 from cli_helpers import run_cli
 from PIL import Image
 
-from ssl_vit.evaluation.protocols import label_subset
+from ssl_vit.evaluation.training import label_subset
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import SupervisedPretraining
 
@@ -69,8 +69,8 @@ def test_label_subset_is_class_balanced_seeded_and_nested():
                                           "valid keys are name, kind"]),
         ({"name": "knn", "kind": "knn", "optimizer": "sgd"}, ["(knn): unknown keys ['optimizer']"]),
         ({**FINETUNE, "optimizer": "adam"}, ["optimizer is 'adam'", "'sgd', 'adamw' or 'lars'"]),
-        ({**FINETUNE, "lr": -0.1}, ["lr is -0.1", "greater than 0"]),
-        ({**FINETUNE, "lr": "1e-3"}, ["lr is '1e-3'", "write 1.0e-3"]),
+        ({**FINETUNE, "lrs": [-0.1]}, ["lrs[0] is -0.1", "greater than 0"]),
+        ({**FINETUNE, "lrs": ["1e-3"]}, ["lrs[0] is '1e-3'", "write 1.0e-3"]),
         ({**FINETUNE, "epochs": "ten"}, ["epochs is 'ten'", "valid integer"]),
         ({**LINEAR, "lrs": [0.1, -1.0]}, ["lrs[1] is -1.0", "greater than 0"]),
         ({**LINEAR, "lrs": [0.1, 0.1]}, ["lrs [0.1, 0.1] repeat"]),
@@ -81,7 +81,7 @@ def test_label_subset_is_class_balanced_seeded_and_nested():
         ({**FINETUNE, "augmentation": "strong"}, ["augmentation is 'strong'", "'supervised' or 'eval'"]),
         ({**FINETUNE, "mixup_alpha": 0.8}, ["mixup_alpha and cutmix_alpha belong to"]),
         ({**FINETUNE, "augmentation": "supervised", "randaugment": "strong"}, ["randaugment is 'strong'"]),
-        ({**FINETUNE, "feature": "lastk"}, ["feature is 'lastk'", "cls, mean"]),
+        ({**FINETUNE, "feature": "lastk"}, ["feature is 'lastk'", "'cls' or 'mean'"]),
         ({**LINEAR, "batch_norm": 1}, ["batch_norm is 1", "valid boolean"]),
     ],
     ids=["unknown-key", "key-of-another-kind", "optimizer", "negative-lr", "lr-as-text", "epochs-type",
@@ -140,8 +140,8 @@ def test_results_json_records_every_key_and_the_recorded_protocol_reproduces_the
     }  # fmt: skip
     assert finetune == {
         **FINETUNE, **shared, "optimizer": "adamw", "momentum": None, "betas": [0.9, 0.999],
-        "weight_decay": 0.05, "lr": 1e-3, "layer_decay": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
-        "label_smoothing": 0.0,
+        "weight_decay": 0.05, "lrs": [1e-3], "layer_decay": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+        "label_smoothing": 0.0, "select_fraction": 0.1,
     }  # fmt: skip
     # Every key written out, at the recorded values: the same numbers as the suite without them.
     suite = write_suite(tmp_path / "explicit.yaml", digits_shards, plain["protocols"])
@@ -155,7 +155,7 @@ def test_results_json_records_every_key_and_the_recorded_protocol_reproduces_the
 def test_sgd_and_lars_suites_run_and_record_their_knobs(plain, digits_shards, tmp_path, cli):
     lars = {**LINEAR, "optimizer": "lars", "momentum": 0.8, "weight_decay": 1.0e-4, "warmup_steps": 2}
     sgd = {
-        **FINETUNE, "epochs": None, "steps": 3, "optimizer": "sgd", "lr": 0.05, "batch_size": 32,
+        **FINETUNE, "epochs": None, "steps": 3, "optimizer": "sgd", "lrs": [0.05], "batch_size": 32,
         "decay": "linear", "min_lr_ratio": 0.1, "layer_decay": 0.75, "augmentation": "supervised",
         "randaugment": "rand-m9-mstd0.5", "label_smoothing": 0.1,
     }  # fmt: skip
@@ -227,6 +227,8 @@ def test_compare_with_label_fractions_writes_a_row_per_fraction_and_the_picture(
         column = next(
             c for c, f in columns.items() if c.startswith(r["protocol"]) and f == float(r["fraction"])
         )
-        assert float(r["accuracy"]) == pytest.approx(float(rows[r["name"]][column]))
+        assert r["metric"] == "accuracy" and float(r["value"]) == pytest.approx(
+            float(rows[r["name"]][column])
+        )
     with Image.open(out / "label_efficiency.png") as picture:
         assert picture.format == "PNG" and picture.size == (1100, 440)  # two panels

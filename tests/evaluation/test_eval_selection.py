@@ -12,9 +12,12 @@ from cli_helpers import run_cli
 
 from ssl_vit.data.sources import _digits
 from ssl_vit.data.stream import ShardStream
-from ssl_vit.evaluation import protocols
-from ssl_vit.evaluation.protocols import label_subset, selection_split
+from ssl_vit.evaluation import training
+from ssl_vit.evaluation.cache import FeatureCache
+from ssl_vit.evaluation.kinds import probe as probe_kind
+from ssl_vit.evaluation.stats import ACCURACY
 from ssl_vit.evaluation.suite import evaluate, load_suite
+from ssl_vit.evaluation.training import label_subset, selection_split
 
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 LRS = [0.03, 0.3]
@@ -75,18 +78,18 @@ def test_the_test_split_is_read_once_and_only_after_the_lr_is_chosen(
     """Every stream the evaluation opens and the selection itself, in order: no stream over the test
     shards before the choice, one after it; the training (Lightning, for `pretrain`) reads none."""
     events = []
-    real_stream, real_select = ShardStream.__init__, protocols.select_head
+    real_stream, real_choose = ShardStream.__init__, probe_kind.choose
 
     def stream(self, urls, *args, **kwargs):
         events.append(("stream", tuple(urls)))
         real_stream(self, urls, *args, **kwargs)
 
-    def select(model, selection):
-        events.append(("select", len(selection.y)))
-        return real_select(model, selection)
+    def choose(protocol, selection, *args):
+        events.append(("select", selection.shape[1]))
+        return real_choose(protocol, selection, *args)
 
     monkeypatch.setattr(ShardStream, "__init__", stream)
-    monkeypatch.setattr(protocols, "select_head", select)
+    monkeypatch.setattr(probe_kind, "choose", choose)
     test = digits_shards / "val-{000000..000003}.tar"
     suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar", test,
                         [probe(augmentation, label_fractions=[0.1, 1.0])])  # fmt: skip
@@ -102,7 +105,8 @@ def test_the_test_split_is_read_once_and_only_after_the_lr_is_chosen(
         assert detail["selected_on"] == "train_urls (held out)" and detail["labels"] == labels
         assert detail["selection_images"] + detail["training_images"] == labels
         assert 0.08 * labels <= detail["selection_images"] <= 0.12 * labels
-        assert detail["best_lr"] in LRS and set(detail["selection_accuracy"]) == {"0.03", "0.3"}
+        assert detail["best_lr"] in LRS and set(detail["selection"]) == {"0.03", "0.3"}
+        assert detail["selected_by"] == "accuracy"
     assert record["protocols"][0]["select_fraction"] == 0.1
 
 
@@ -118,7 +122,7 @@ def test_val_urls_are_the_selection_set_when_given(digits_shards, tmp_path):
 
 
 def test_one_lr_chooses_nothing_and_trains_on_every_labelled_image(digits_shards, tmp_path, monkeypatch):
-    monkeypatch.setattr(protocols, "select_head", lambda *a: pytest.fail("nothing to choose"))
+    monkeypatch.setattr(probe_kind, "choose", lambda *a: pytest.fail("nothing to choose"))
     suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar",
                         digits_shards / "val-{000000..000003}.tar", [probe(lrs=[0.1])])  # fmt: skip
     detail = evaluate("scratch", load_suite(suite)).record["details"]["linear"]
@@ -149,7 +153,7 @@ def test_held_out_selection_and_test_selection_pick_different_lrs(
     On held-out training digits the first head wins; on the shifted test split the second would. The
     protocol reports the first head's lr and its (poor) test accuracy: the test split chose nothing."""
     trained = []
-    real = protocols._train_heads
+    real = probe_kind.train_cached
 
     def train_then_roll(model, *args):
         metrics = real(model, *args)
@@ -159,21 +163,23 @@ def test_held_out_selection_and_test_selection_pick_different_lrs(
         trained.append(model)
         return metrics
 
-    monkeypatch.setattr(protocols, "_train_heads", train_then_roll)
+    monkeypatch.setattr(probe_kind, "train_cached", train_then_roll)
     suite = load_suite(write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000004}.tar",
                                    shifted_test, [probe(epochs=10)]))  # fmt: skip
-    features = protocols.FeatureCache  # the test features the protocol scored, recomputed for the check
     evaluation = evaluate("scratch", suite)
     detail = evaluation.record["details"]["linear"]
     assert detail["best_lr"] == LRS[0]
-    assert detail["selection_accuracy"]["0.03"] > detail["selection_accuracy"]["0.3"]
+    assert detail["selection"]["0.03"] > detail["selection"]["0.3"]
 
     (model,) = trained
-    cache = features(model.backbone, suite.datasets["data"], ("mean",))
-    on_test, accuracy = protocols.select_head(model, cache.get("test", "mean"))
-    assert on_test == 1, accuracy  # choosing on the test split would have picked the other lr
-    assert accuracy["selection_accuracy"]["0.3"] > evaluation.record["results"]["linear"]
-    assert evaluation.record["results"]["linear"] == pytest.approx(accuracy["selection_accuracy"]["0.03"])
+    # the test features the protocol scored, recomputed for the check, and the choice made on them
+    (protocol,) = suite.protocols
+    cache = FeatureCache(model.backbone, suite.backbone, suite.datasets["data"], ("mean",))
+    on_test_stats = training.statistics([model], protocol, cache, "test", None, cached="mean")
+    on_test, found = training.choose(protocol, on_test_stats, ACCURACY, protocol.grid_axes())
+    assert on_test == 1, found  # choosing on the test split would have picked the other lr
+    assert found["selection"]["0.3"] > evaluation.record["results"]["linear"]
+    assert evaluation.record["results"]["linear"] == pytest.approx(found["selection"]["0.03"])
 
 
 # --- mistakes --------------------------------------------------------------------------------------------
@@ -224,13 +230,13 @@ def test_a_fraction_too_small_to_hold_images_out_is_one_line(digits_shards, tmp_
 )
 def test_a_chosen_lr_that_ends_its_grid_and_beats_its_neighbour_is_an_edge(accuracy, head, edge):
     lrs = [0.01, 0.1, 1.0][: len(accuracy)]
-    assert protocols.grid_edge(lrs, accuracy, head) == edge
+    assert training.grid_edge(lrs, accuracy, head) == edge
     shuffled = [1.0, 0.01, 0.1][: len(accuracy)]  # the grid's order is not the lrs' order
     moved = {0.01: 1, 0.1: 2, 1.0: 0} if len(accuracy) == 3 else {0.01: 0}
     reordered = [0.0] * len(accuracy)
     for lr, a in zip(lrs, accuracy, strict=True):
         reordered[moved[lr]] = a
-    assert protocols.grid_edge(shuffled, reordered, moved[lrs[head]]) == edge
+    assert training.grid_edge(shuffled, reordered, moved[lrs[head]]) == edge
 
 
 def test_evaluate_notes_a_chosen_lr_at_the_top_of_its_grid(digits_shards, tmp_path, cli):
@@ -247,6 +253,6 @@ def test_evaluate_notes_a_chosen_lr_at_the_top_of_its_grid(digits_shards, tmp_pa
         "ssl-vit: note: linear: the lr chosen on the held-out images is the grid's largest (1) in 1 of 1 "
         "run(s); a better one may lie above it: extend the protocol's lrs"
     )
-    notes = protocols.grid_edge_notes([{"details": {"linear": detail}}, {"details": {"linear": {
+    notes = training.grid_edge_notes([{"details": {"linear": detail}}, {"details": {"linear": {
         **detail, "lr_at_grid_edge": None}}}])  # fmt: skip
     assert notes == [note.removeprefix("ssl-vit: note: ").replace("in 1 of 1", "in 1 of 2")]

@@ -4,10 +4,13 @@ import pytest
 import torch
 
 from ssl_vit.evaluation.fewshot import fewshot_correct
+from ssl_vit.evaluation.kinds import KNNProtocol
 from ssl_vit.evaluation.knn import knn_correct
-from ssl_vit.evaluation.report import markdown_table
-from ssl_vit.evaluation.stats import Difference, Interval, interval, paired_difference
+from ssl_vit.evaluation.stats import Difference, Interval, Score, interval, paired_difference
+from ssl_vit.evaluation.stats import interval as interval_
+from ssl_vit.evaluation.stats import paired_difference as paired_
 from ssl_vit.evaluation.suite import Suite
+from ssl_vit.evaluation.tables import markdown_table
 from ssl_vit.models.vit import ViTConfig
 
 TRUE_ACCURACY = 0.8
@@ -35,7 +38,7 @@ def test_the_95_interval_covers_the_true_accuracy_about_95_times_in_100(protocol
         else:
             hits = fewshot_correct(train_x, train_y, test_x, test_y, shots=(5,), seeds=(0, 1, 2))[5]
             correct = hits[None]  # (1, 3, M)
-        found = interval(correct, resamples=500, seed=repeat)
+        found = interval(Score.of_correct(correct), resamples=500, seed=repeat)
         assert found.low <= found.mean <= found.high
         covered += found.low <= TRUE_ACCURACY <= found.high
     assert 88 <= covered <= 100, covered
@@ -43,9 +46,10 @@ def test_the_95_interval_covers_the_true_accuracy_about_95_times_in_100(protocol
 
 def test_an_interval_is_seeded_and_its_spreads_are_the_stds_across_seeds_and_runs():
     correct = torch.rand(2, 3, 50, generator=torch.Generator().manual_seed(0)) > 0.4
-    assert interval(correct, seed=1) == interval(correct, seed=1)
-    assert interval(correct, seed=1) != interval(correct, seed=2)
-    found = interval(correct)
+    score = Score.of_correct(correct)
+    assert interval(score, seed=1) == interval(score, seed=1)
+    assert interval(score, seed=1) != interval(score, seed=2)
+    found = interval(score)
     assert found.mean == pytest.approx(correct.double().mean().item())
     assert found.seed_std == pytest.approx(correct.double().mean((0, 2)).std(correction=0).item())
     assert found.run_std == pytest.approx(correct.double().mean((1, 2)).std(correction=0).item())
@@ -57,21 +61,27 @@ def test_replicate_runs_aggregate_and_their_spread_widens_the_interval():
     images = torch.arange(400)
     good, poor = (images % 10 != 0)[None], (images % 2 == 0)[None]  # (1, M): 90% and 50%
     group = torch.stack([good, poor])  # (2, 1, M)
-    found = interval(group)
+    found = interval(Score.of_correct(group))
     assert found.mean == pytest.approx(0.7) and found.run_std == pytest.approx(0.2)
-    alone = interval(good[None])
+    alone = interval(Score.of_correct(good))
     assert found.high - found.low > 4 * (alone.high - alone.low)
     assert found.low < 0.6 and found.high > 0.8
 
 
 def test_a_checkpoint_against_itself_differs_by_exactly_zero():
     correct = torch.rand(1, 3, 200, generator=torch.Generator().manual_seed(0)) > 0.3
-    difference = paired_difference(correct, correct.clone())
+    difference = paired_difference(Score.of_correct(correct), Score.of_correct(correct.clone()))
     assert (difference.mean, difference.low, difference.high) == (0.0, 0.0, 0.0)
     assert difference.verdict == "noise"
 
 
 def test_paired_differences_win_lose_or_are_noise():
+    def paired_difference(a, b):
+        return paired_(Score.of_correct(a), Score.of_correct(b))
+
+    def interval(a):
+        return interval_(Score.of_correct(a))
+
     generator = torch.Generator().manual_seed(0)
     base = torch.rand(1, 1, 500, generator=generator) > 0.5
     better = base | (torch.rand(1, 1, 500, generator=generator) > 0.8)  # right wherever base is, and more
@@ -100,7 +110,36 @@ def test_the_differences_table_states_the_bounds_its_verdict_is_read_from():
         "cost": None,
         "intervals": {"knn": Interval(0.5, 0.4, 0.6, 0, 0)},
     }
-    suite = Suite(ViTConfig("S/8", 32, width=32, depth=1, heads=2), {}, [])
+    suite = Suite(ViTConfig("S/8", 32, width=32, depth=1, heads=2), {}, [KNNProtocol(name="knn", kind="knn")])
     table = markdown_table([row], ["knn"], suite, baseline="scratch", differences={"mpp": {"knn": skewed}})
     assert "| mpp | -3.8 [-8.2, -0.0] loss |" in table
     assert "| mpp | **50.0 ± 10.0** |" in table  # accuracies keep mean ± half-width (bold: the only row)
+
+
+def test_an_miou_interval_resamples_images_and_is_the_ratio_of_summed_intersections_and_unions():
+    """mIoU is not a mean of per-image IoUs: class 0's intersection over union is 1/1 in one image and
+    0/2 in the other, 1/3 over both, not the mean of 1 and 0. Its interval comes from resampling images,
+    as accuracy's does, and contains the estimate."""
+    from ssl_vit.evaluation.segmentation import MIOU, PIXEL_ACCURACY, intersections_and_unions, pixel_counts
+
+    predicted = torch.tensor([[[0, 1], [1, 1]], [[1, 1], [1, 1]]])  # (2 images, 2 x 2 pixels)
+    masks = torch.tensor([[[0, 1], [1, 255]], [[0, 0], [1, 1]]], dtype=torch.uint8)
+    stats = intersections_and_unions(predicted, masks, 2)  # (2, 4): hits of 0, 1, then unions of 0, 1
+    assert stats.tolist() == [[1, 2, 1, 2], [0, 2, 2, 4]]
+    score = Score(stats[None, None], MIOU)
+    assert score.value() == pytest.approx((1 / 3 + 4 / 6) / 2)
+    pixels = Score(pixel_counts(predicted, masks)[None, None], PIXEL_ACCURACY)
+    assert pixels.value() == pytest.approx(5 / 7)  # the ignored pixel counts in neither
+    many = Score(
+        stats.repeat(50, 1)[None, None] + torch.rand(100, 4, generator=torch.Generator().manual_seed(0)), MIOU
+    )
+    found = interval(many, resamples=200)
+    assert found.low < found.mean < found.high and found.high - found.low < 0.2
+    assert paired_difference(many, many).mean == 0.0
+
+
+def test_a_class_absent_from_a_resample_is_left_out_of_its_miou_not_counted_as_zero():
+    from ssl_vit.evaluation.segmentation import MIOU
+
+    only_one = torch.tensor([[1.0, 0.0, 2.0, 0.0]])  # class 1 has no pixel at all
+    assert Score(only_one[None, None], MIOU).value() == pytest.approx(0.5)

@@ -5,7 +5,7 @@ import torch
 import yaml
 
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.stats import contrast, paired_difference
+from ssl_vit.evaluation.stats import Score, contrast, paired_difference
 from ssl_vit.evaluation.suite import load_suite
 from ssl_vit.evaluation.verdicts import baseline_text, claims_text, load_claims
 
@@ -33,8 +33,9 @@ def claims_file(path, *claims):
     return path
 
 
-def hits(p: float, shape, seed: int) -> torch.Tensor:
-    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < p
+def hits(p: float, shape, seed: int) -> Score:
+    """An accuracy Score of (R, S, M) correct flags, each right with probability p."""
+    return Score.of_correct(torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < p)
 
 
 # --- contrasts -------------------------------------------------------------------------------------------
@@ -49,7 +50,7 @@ def test_a_difference_of_differences_is_paired_within_rows_and_columns():
     a1, b1 = hits(0.8, (2, 1, 500), 2), hits(0.4, (2, 1, 500), 3)
     a2, b2 = hits(0.7, (2, 1, 500), 4), hits(0.6, (2, 1, 500), 5)
     found = contrast([(1.0, a1, "a"), (-1.0, b1, "b"), (-1.0, a2, "a"), (1.0, b2, "b")], 400, 0)
-    expected = (a1.double().mean() - b1.double().mean()) - (a2.double().mean() - b2.double().mean())
+    expected = (a1.values.mean() - b1.values.mean()) - (a2.values.mean() - b2.values.mean())
     assert found.mean == pytest.approx(expected.item())
     assert found.low <= found.mean <= found.high and found.verdict == "win"  # 40 points against 10
     # the same runs and images on both sides cancel exactly: a row's edge over itself in one column is 0
@@ -65,12 +66,12 @@ def test_a_difference_of_differences_is_paired_within_rows_and_columns():
 
 
 def rows_with(suite, accuracies):
-    """Rows as `report.aggregate` makes them: per name, per column a (R, S, M) correctness."""
+    """Rows as `report.aggregate` makes them: per name, per column a Score of (R, S, M) correct flags."""
     columns = suite.columns()
     shapes = {"fewshot_5shot": (2, 2, 600), "unseen_5shot": (2, 2, 300), "ft_10pct": (2, 1, 600),
               "ft_50pct": (2, 1, 600)}  # fmt: skip
     return [
-        {"name": name, "error": "", "correct": {c: hits(by_column[c], shapes[c], i) for c in columns}}
+        {"name": name, "error": "", "scores": {c: hits(by_column[c], shapes[c], i) for c in columns}}
         for i, (name, by_column) in enumerate(accuracies.items())
     ]
 

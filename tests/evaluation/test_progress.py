@@ -60,7 +60,7 @@ def expected_steps(shards: Path) -> list[tuple[str, int, str]]:
         ("linear: training", LINEAR_STEPS, "steps"),  # label fraction 0.5
         ("linear: training", LINEAR_STEPS, "steps"),  # label fraction 1.0
         ("ft: training", FT_STEPS, "steps"),
-        ("scoring the test split", test, "images"),
+        ("ft: scoring test", test, "images"),
     ]
 
 

@@ -1,0 +1,81 @@
+"""What the frozen-backbone probes share (`kind: linear_probe`, `attentive_probe`, `linear_seg`): one
+task whose heads are the candidates of a grid, trained on cached frozen features when the training
+transform is `eval` (the backbone would see exactly the images the cache holds), else on the stream."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from ssl_vit.evaluation.protocol import STRICT, Positive, check_unique
+from ssl_vit.evaluation.stats import Score
+from ssl_vit.evaluation.training import (
+    TrainedProtocol,
+    TrainingSet,
+    choose,
+    restrict,
+    statistics,
+    train_cached,
+    train_streamed,
+)
+
+
+@dataclass(config=STRICT)
+class ProbeProtocol(TrainedProtocol):
+    """A grid of learning rates (`lrs`), one head each."""
+
+    lrs: Annotated[list[Positive], Field(min_length=1)] = Field(
+        default_factory=lambda: [0.01, 0.03, 0.1, 0.3]
+    )
+
+    def candidates(self) -> list[str]:
+        return [f"{lr:g}" for lr in self.lrs]
+
+    def grid_axes(self) -> dict[str, list[float]]:
+        """Each candidate's value on each axis of its grid."""
+        return {"lr": list(self.lrs)}
+
+    def cached_kind(self) -> str | None:
+        """The cache's feature kind its heads train on; None when it trains on the stream."""
+        return self.feature if self.augmentation == "eval" else None
+
+    def scored_kind(self) -> str | None:
+        """The cache's feature kind its heads are scored on (the eval transform's features); None when
+        the scoring passes run the frozen backbone themselves (tokens too large to cache)."""
+        return self.cached_kind()
+
+    def cache_kinds(self) -> tuple[str, ...]:
+        kind = self.cached_kind()
+        return () if kind is None else (kind,)
+
+    def settle(self, data, backbone, where) -> None:
+        super().settle(data, backbone, where)
+        check_unique(self.lrs, "lrs", where)
+
+    def build(self, features, source: str, config):
+        """The task: the backbone of `source` (`config`: at the dataset's image size), one head per
+        candidate."""
+        raise NotImplementedError
+
+    def fit_fraction(
+        self, plan: TrainingSet, features, source, config, suite
+    ) -> tuple[dict[str | None, Score], dict]:
+        model = self.build(features, source, config)
+        kind = self.cached_kind()
+        if kind is None:
+            found = train_streamed(model, self, suite, features, plan.keys)
+        else:
+            train = restrict(features.get("train", kind), self.classes, plan.keys)
+            found = train_cached(model, self, suite, features, train)
+        # The head is chosen on the selection images; only then is the test split read, and only the
+        # chosen head scores it.
+        head = 0
+        chosen = {f"best_{axis}": values[0] for axis, values in self.grid_axes().items()}
+        scored = self.scored_kind()
+        if plan.selection is not None:
+            selected = statistics([model], self, features, *plan.selection, cached=scored)
+            head, chosen = choose(self, selected, self.selection_metric(), self.grid_axes())
+        test = statistics([model], self, features, "test", None, head=head, cached=scored)
+        return self.test_scores(test), {**chosen, **found}

@@ -1,0 +1,584 @@
+"""What the trained protocols share: their keys (`TrainedProtocol`), the labelled images each label
+fraction trains on, the images a protocol with several candidates chooses on, training (a Lightning
+trainer streaming the shards, or a loop over cached frozen features), and scoring per test image.
+
+A protocol with candidates (a grid of learning rates, weight decays) chooses among them on images held
+out of its labelled training images (`selection_split`), or on the data block's `val_urls`, never on the
+test split: the test split is read after the choice, by the chosen candidate only. Every trained
+column records its training loss every few steps (`loss_curve` in results.json, `compare`'s
+training_curves.png), so that whether its loss levelled off can be seen.
+
+Legend: C candidates, M test images, F statistics per image, B batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple
+
+import torch
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+from timm.data.auto_augment import rand_augment_transform
+from timm.optim import Lars
+from torch import Tensor
+from torch.optim import SGD, AdamW, Optimizer
+
+from ssl_vit.data import ShardDataModule
+from ssl_vit.data.transforms import Preset
+from ssl_vit.errors import UserError
+from ssl_vit.evaluation import progress
+from ssl_vit.evaluation.cache import datamodule_args
+from ssl_vit.evaluation.features import Features, local_device
+from ssl_vit.evaluation.protocol import (
+    STRICT,
+    Fraction,
+    Momentum,
+    NonNegative,
+    Outcome,
+    PositiveInt,
+    Protocol,
+)
+from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
+from ssl_vit.quiet import lightning_info_dropped
+from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
+
+if TYPE_CHECKING:
+    from ssl_vit.evaluation.cache import FeatureCache
+
+OptimizerName = Literal["sgd", "adamw", "lars"]
+# The batch size a protocol trains with unless it sets its own: the dataset's, else ShardDataModule's.
+DATA_BATCH_SIZE = inspect.signature(ShardDataModule).parameters["batch_size"].default
+CURVE_POINTS = 50  # training-loss points a column records, evenly spaced over its steps
+
+
+class Selection(NamedTuple):
+    """Where a protocol chooses among its candidates: the images of `split` with these `keys` (None:
+    the whole split, of the protocol's classes)."""
+
+    split: str
+    keys: list[str] | None
+
+
+class TrainingSet(NamedTuple):
+    """What one label fraction of a trained protocol trains and chooses on."""
+
+    keys: list[str] | None  # training images (None: the whole train split, of the protocol's classes)
+    selection: Selection | None  # None: one candidate, nothing to choose
+    used: dict[str, Any]  # what results.json records of them
+
+
+@dataclass(config=STRICT)
+class TrainedProtocol(Protocol):
+    """What the trained kinds share: a Lightning task trained on the train split (or a class-balanced
+    part of it per label fraction), scored once on the test split at the end; a protocol with several
+    candidates chooses among them first, on images the test split does not hold."""
+
+    feature: Literal["cls", "mean"] = "cls"
+    epochs: PositiveInt | None = None  # passes over the training (sub)set; 10 unless `steps` is given
+    steps: PositiveInt | None = None  # optimizer steps instead of epochs: the same for every fraction
+    batch_size: PositiveInt | None = None  # None: the dataset's
+    optimizer: OptimizerName = "sgd"
+    momentum: Momentum | None = None  # sgd and lars: 0.9 unless given
+    betas: Annotated[list[Momentum], Field(min_length=2, max_length=2)] | None = None  # adamw: [0.9, 0.999]
+    weight_decay: NonNegative = 0.0
+    warmup_steps: Annotated[int, Field(ge=0)] = 0  # linear warmup, then `decay` (`WarmupDecay`)
+    decay: Literal["cosine", "linear"] = "cosine"
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    augmentation: Preset = "pretrain"  # the training transform (`build_transform`'s preset)
+    crop_scale: Annotated[list[Fraction], Field(min_length=2, max_length=2)] = Field(
+        default_factory=lambda: [0.6, 1.0]
+    )
+    randaugment: str | None = None  # timm's RandAugment string; augmentation `supervised` only
+    label_fractions: Annotated[list[Fraction], Field(min_length=1)] = Field(default_factory=lambda: [1.0])
+    # The share of each class's labelled images held out to choose a candidate on (unless val_urls is
+    # given); used only with several candidates.
+    select_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
+
+    def candidates(self) -> list[str]:
+        """The names of the candidates it trains and chooses among (one: nothing to choose)."""
+        return ["only"]
+
+    def column(self, fraction: float) -> str:
+        """The result column of one label fraction: the protocol's name for all labels, else e.g.
+        `finetune_10pct`."""
+        return self.name if fraction == 1 else f"{self.name}_{100 * fraction:g}pct"
+
+    def result_column(self, fraction: float) -> str:
+        """The column that stands for one label fraction (a segmentation's mIoU among its two)."""
+        return self.column(fraction)
+
+    def columns(self) -> list[str]:
+        return [self.column(f) for f in self.label_fractions]
+
+    def headline(self) -> str:
+        return self.result_column(max(self.label_fractions))
+
+    def augment(self) -> dict[str, Any]:
+        """The ShardDataModule arguments of the training transform."""
+        return dict(
+            train_preset=self.augmentation, crop_scale=tuple(self.crop_scale), randaugment=self.randaugment
+        )
+
+    def settle(self, data: dict[str, Any], backbone, where: str) -> None:
+        if self.epochs is not None and self.steps is not None:
+            raise UserError(
+                f"{where}: epochs and steps are both given: keep one (steps: the same for every fraction)"
+            )
+        if self.steps is None and self.epochs is None:
+            self.epochs = 10
+        if self.batch_size is None:
+            self.batch_size = data.get("batch_size", DATA_BATCH_SIZE)
+        if self.optimizer == "adamw":
+            if self.momentum is not None:
+                raise UserError(f"{where}: momentum is for sgd and lars; adamw takes betas")
+            self.betas = self.betas or [0.9, 0.999]
+        else:
+            if self.betas is not None:
+                raise UserError(f"{where}: betas are adamw's; {self.optimizer} takes momentum")
+            self.momentum = 0.9 if self.momentum is None else self.momentum
+        if self.crop_scale[0] > self.crop_scale[1]:
+            raise UserError(f"{where}: crop_scale is {self.crop_scale}: give [smallest, largest] area")
+        if self.randaugment is not None:
+            if self.augmentation != "supervised":
+                raise UserError(
+                    f"{where}: randaugment is part of augmentation 'supervised', not {self.augmentation!r}"
+                )
+            try:
+                rand_augment_transform(self.randaugment, {})
+            except Exception:
+                raise UserError(
+                    f"{where}: randaugment is {self.randaugment!r}: give a timm RandAugment string such "
+                    "as 'rand-m9-mstd0.5-inc1'"
+                ) from None
+        if len(set(self.label_fractions)) != len(self.label_fractions):
+            raise UserError(f"{where}: label_fractions {self.label_fractions} repeat a fraction")
+
+    # --- what it is scored on: classification by default (a segmentation overrides these) ---
+
+    TARGET: ClassVar[str] = "label"  # the batch entry it trains and is scored on
+
+    def targets(self, found: Features) -> Tensor:
+        """The targets of cached samples: (N,) labels."""
+        return found.y
+
+    def statistics(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """(C, B, K) candidates' logits, (B,) labels -> (C, B, 1) correct flags."""
+        return (outputs.argmax(-1) == targets).double()[..., None]
+
+    def selection_metric(self) -> Metric:
+        """What its candidates are chosen by, from `statistics` averaged over the selection images."""
+        return ACCURACY
+
+    def test_scores(self, found: Tensor) -> dict[str | None, Score]:
+        """The chosen candidate's test statistics (1, M, F) -> its Scores by column suffix (None: the
+        column itself)."""
+        return {None: Score(found[None])}
+
+    def run(self, features: FeatureCache, source: str, config, suite) -> Outcome:
+        """For each label fraction: train on its images (`training_set`), choose a candidate when there
+        are several, score the test split with it (`fit_fraction`)."""
+        scores, details = {}, {}
+        for fraction in self.label_fractions:
+            column = self.column(fraction)
+            plan = training_set(self, features, fraction, suite.seed)
+            found, detail = self.fit_fraction(plan, features, source, config, suite)
+            scores.update({(column if key is None else f"{column}_{key}"): s for key, s in found.items()})
+            details[column] = {**plan.used, **detail}
+        return Outcome(scores, details)
+
+    def fit_fraction(
+        self, plan: TrainingSet, features: FeatureCache, source: str, config, suite
+    ) -> tuple[dict[str | None, Score], dict]:
+        """Train on `plan`, choose, score the test split: ({column suffix: Score} (None: the column
+        itself), details)."""
+        raise NotImplementedError
+
+
+# --- the labelled images ------------------------------------------------------------------------------
+
+
+def label_subset(
+    labels: torch.Tensor, fraction: float, seed: int, classes: list[int] | None = None
+) -> torch.Tensor:
+    """The labelled training samples a label fraction keeps: (n,) sorted indices into `labels` (N,).
+
+    Class-balanced: each class (of `classes`, else every label present; -1 is unlabelled) keeps
+    max(1, round(fraction x its count)) of its samples, drawn without replacement from `seed` (the
+    suite's, so every checkpoint trains on the same images and paired differences stay paired). Each
+    class's draw is one permutation whatever the fraction, so one seed's subsets are nested: the 1% lies
+    inside the 10%.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    wanted = torch.unique(labels[labels >= 0]) if classes is None else sorted(set(classes))
+    chosen = []
+    for c in [int(c) for c in wanted]:
+        members = torch.nonzero(labels == c).flatten()
+        keep = max(1, round(fraction * len(members)))
+        chosen.append(members[torch.randperm(len(members), generator=generator)[:keep]])
+    return torch.cat(chosen).sort().values
+
+
+def selection_split(labels: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labelled images (N,) -> (train, select): sorted positions into `labels` to train on and to hold out
+    for choosing among a protocol's candidates.
+
+    Class-balanced: each class of c images holds out min(c - 1, max(1, round(fraction x c))) of them, so
+    every class keeps at least one image to train on (a class of one image holds none out). Drawn from
+    `seed` (the suite's: every checkpoint is selected on the same images), one permutation per class.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    held = []
+    for c in torch.unique(labels).tolist():
+        members = torch.nonzero(labels == c).flatten()
+        keep = min(len(members) - 1, max(1, round(fraction * len(members))))
+        held.append(members[torch.randperm(len(members), generator=generator)[:keep]])
+    select = torch.cat(held).sort().values
+    train = torch.ones(len(labels), dtype=torch.bool)
+    train[select] = False
+    return torch.nonzero(train).flatten(), select
+
+
+def training_set(
+    protocol: TrainedProtocol, features: FeatureCache, fraction: float, seed: int
+) -> TrainingSet:
+    """What one label fraction of a trained protocol trains on and chooses on.
+
+    The selection images come out of the fraction's labelled images (`selection_split`), so a 1% column
+    never sees more than 1% of the labels, unless the data block gives `val_urls`: then the whole val
+    split (of `classes`) is the selection set. `labels` counts every labelled image used, selection
+    images included; `labels_per_class` is that over the classes (the x of its point in the pictures).
+    A dataset of segmentation masks without image labels trains on every image (fractions of images)."""
+    labels, keys = features.labels("train"), features.get("train", features.kinds[0]).keys
+    if (labels < 0).all():  # masks, no image labels: one class, as far as the balance goes
+        labels = torch.zeros_like(labels)
+        chosen = label_subset(labels, fraction, seed)
+    else:
+        chosen = label_subset(labels, fraction, seed, protocol.classes)
+    several = len(protocol.candidates()) > 1
+    selection, used = None, {}
+    if several and features.datamodule.val_urls is not None:
+        images = int(class_mask(features.labels("val"), protocol.classes).sum())
+        selection, used = Selection("val", None), {"selected_on": "val_urls", "selection_images": images}
+    elif several:
+        kept, held = selection_split(labels[chosen], protocol.select_fraction, seed)
+        held, chosen = chosen[held], chosen[kept]
+        if len(held) == 0:
+            raise UserError(
+                f"protocol {protocol.name!r}: {fraction:g} of the labels leaves one image per class, none "
+                f"to choose among its {len(protocol.candidates())} candidates on: give one candidate, a "
+                "larger label fraction, or val_urls in the data block"
+            )
+        selection = Selection("train", [keys[i] for i in held.tolist()])
+        used = {"selected_on": "train_urls (held out)", "selection_images": len(held)}
+    classes = len(labels[chosen].unique())
+    held_out = used.get("selection_images", 0)
+    used = {
+        "fraction": fraction, "labels": len(chosen) + held_out,
+        "labels_per_class": (len(chosen) + held_out) / max(1, classes), "training_images": len(chosen),
+        **used,
+    }  # fmt: skip
+    whole = fraction == 1 and selection is None
+    return TrainingSet(None if whole else [keys[i] for i in chosen.tolist()], selection, used)
+
+
+# --- optimizers -----------------------------------------------------------------------------------------
+
+
+def optimizer(protocol: TrainedProtocol, lr: float) -> Callable[[list[dict]], Optimizer]:
+    """The protocol's optimizer over a task's param groups (a group's own lr and weight decay win)."""
+    if protocol.optimizer == "adamw":
+        return partial(AdamW, lr=lr, betas=tuple(protocol.betas), weight_decay=protocol.weight_decay)
+    if protocol.optimizer == "sgd":
+        return partial(SGD, lr=lr, momentum=protocol.momentum, weight_decay=protocol.weight_decay)
+    # LARS (You et al. 2017; MAE's linear probe, appendix A.2) is timm's. `always_adapt`: MAE's scales
+    # every weight's step by its trust ratio, while timm's would scale only groups with weight decay,
+    # and a probe has none.
+    return partial(
+        Lars, lr=lr, momentum=protocol.momentum, weight_decay=protocol.weight_decay, always_adapt=True
+    )
+
+
+def schedule(protocol: TrainedProtocol) -> SchedulerCallable:
+    """The protocol's lr schedule: linear warmup, then cosine or linear decay (`WarmupDecay`)."""
+    return partial(
+        WarmupDecay,
+        warmup_steps=protocol.warmup_steps,
+        decay=protocol.decay,
+        min_lr_ratio=protocol.min_lr_ratio,
+    )
+
+
+# --- training ---------------------------------------------------------------------------------------------
+
+
+class _Curve:
+    """Training losses at about CURVE_POINTS evenly spaced steps of `total` (all of them when unknown)."""
+
+    def __init__(self, total: int | None) -> None:
+        self.every = max(1, (total or CURVE_POINTS) // CURVE_POINTS)
+        self.points: list[list[float]] = []
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def add(self, step: int, loss: float) -> None:
+        self.points.append([step, round(loss, 5)])
+
+
+def train_streamed(model, protocol: TrainedProtocol, suite, features: FeatureCache, keys) -> dict[str, Any]:
+    """Train `model` on the suite's train split (only the samples `keys` when given) for the protocol's
+    epochs or steps, through its training transform; the test split is never read here. Returns the
+    optimizer steps taken, the last training loss and the loss curve."""
+    import pytorch_lightning as pl
+
+    start_from_scored_backbone(model, features)
+    data = features.data
+    # An epoch of a labelled subset is its images in whole batches, at least one (the stream resamples a
+    # subset smaller than a batch); with `steps`, one epoch of all the steps: the stream reads the whole
+    # split to find a subset's images, and an epoch per batch would start its workers and read again.
+    batches = protocol.steps or max(1, len(keys or ()) // protocol.batch_size)
+    subset = {} if keys is None else dict(train_keys=keys, train_batches=batches)
+    datamodule = ShardDataModule(
+        train_urls=data["train_urls"],
+        classes=protocol.classes,
+        **protocol.augment(),
+        **subset,
+        **{k: v for k, v in datamodule_args(data).items() if k != "batch_size"},
+        batch_size=protocol.batch_size,
+    )
+    # the manifests as the frozen protocols' data module read them: the same epoch size and eval view
+    datamodule.manifests = features.datamodule.manifests
+    if protocol.steps is None:
+        length = dict(max_epochs=protocol.epochs)
+    else:
+        length = dict(max_epochs=-1, max_steps=protocol.steps)
+    device = local_device()  # under torchrun, this rank's own GPU
+    trainer = pl.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "auto",
+        devices=[device.index] if device.type == "cuda" else 1,
+        **length,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    total = protocol.steps or (batches * protocol.epochs if keys is not None else None)
+    curve = _Curve(total)
+    with progress.step(f"{protocol.name}: training", total, unit="steps") as advance:
+        trainer.callbacks.append(_following(advance, curve))
+        with lightning_info_dropped("`Trainer.fit` stopped"):  # the end of one protocol, not the command's
+            trainer.fit(model, datamodule=datamodule)
+    return {
+        "optimizer_steps": trainer.global_step,
+        "train_loss": float(trainer.callback_metrics["train/loss"]),
+        "loss_curve": curve.points,
+    }
+
+
+def _following(advance: Callable[[int], None], curve: _Curve):
+    """A Lightning callback: `advance(1)` after each training step (the progress display), and the
+    step's logged `train/loss` into `curve` when due (read on the host only then)."""
+    import pytorch_lightning as pl
+
+    class Following(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            advance(1)
+            step = trainer.global_step
+            if curve.due(step) and "train/loss" in trainer.callback_metrics:
+                curve.add(step, float(trainer.callback_metrics["train/loss"]))
+
+    return Following()
+
+
+def train_cached(model, protocol: TrainedProtocol, suite, features: FeatureCache, train: Features) -> dict:
+    """`train_streamed` for a frozen-backbone probe whose training transform is `eval`: its backbone
+    would see exactly the images the cache holds features of, so the heads train on those features
+    (`train`: pooled or token features and their labels or masks) instead of a forward pass per step.
+    Same optimizer, schedule, batch size and epochs (an epoch: the training images in whole batches, at
+    least one batch). Hand-written: a Lightning Trainer would add a DataLoader and device handling
+    around a few hundred steps on tensors already in memory."""
+    start_from_scored_backbone(model, features)
+    device = local_device()
+    model.to(device).train()
+    targets = protocol.targets(train)
+    size, count = protocol.batch_size, len(train.y)
+    steps = protocol.steps or protocol.epochs * max(1, count // size)
+    generator = torch.Generator().manual_seed(suite.seed)
+    # Consecutive shuffles of the training images, cut into batches (a set smaller than a batch repeats).
+    order = torch.cat([torch.randperm(count, generator=generator) for _ in range(-(-steps * size // count))])
+    optim = optimizer(protocol, protocol.lrs[0])(model.param_groups())  # each head's group has its lr
+    scheduler = schedule(protocol)(optim, steps)
+    curve = _Curve(steps)
+    with progress.step(f"{protocol.name}: training", steps, unit="steps") as advance:
+        for step in range(1, steps + 1):
+            batch = order[(step - 1) * size : step * size]
+            loss = model.forward_loss(model.classify(train.x[batch].to(device)), targets[batch].to(device))
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+            scheduler.step()
+            if curve.due(step):
+                curve.add(step, loss.item() / model.num_heads)
+            advance(1)
+    return {"optimizer_steps": steps, "train_loss": loss.item() / model.num_heads, "loss_curve": curve.points}
+
+
+def start_from_scored_backbone(model, features: FeatureCache) -> None:
+    """Start from the very backbone the frozen protocols scored: for `scratch`, the task's own random
+    draw would otherwise differ from theirs, and paired differences would compare two backbones."""
+    model.backbone.load_state_dict(features.backbone.state_dict())
+
+
+# --- scoring ----------------------------------------------------------------------------------------------
+
+
+def statistics(
+    models: list,
+    protocol,
+    features: FeatureCache,
+    split: str,
+    keys: list[str] | None,
+    head: int | None = None,
+    cached: str | None = None,
+) -> Tensor:
+    """(C, M, F) per-image statistics (`protocol.statistics`) of every candidate on the images of
+    `split` (those with `keys` when given, else all; of the protocol's classes), in key order. The
+    candidates are the heads of each model in `models` (one model: a probe's heads; several: one per
+    fine-tune), only `head` when given. `cached`: the feature kind to read from the cache instead of
+    running the backbone (a probe trained on cached features)."""
+    for model in models:
+        model.eval()
+    if cached is not None:
+        found = restrict(features.get(split, cached), protocol.classes, keys)
+        parts = []
+        size = protocol.batch_size
+        with torch.inference_mode():
+            for start in range(0, len(found.y), size):
+                rows = torch.arange(start, min(start + size, len(found.y)))
+                part = found.take(rows)
+                outputs = _outputs(models, part.x.to(models[0].device), head, cached=True)
+                parts.append(protocol.statistics(outputs, protocol.targets(part).to(outputs.device)).cpu())
+        return torch.cat(parts, dim=1)
+    return _streamed_statistics(models, protocol, features, split, keys, head)
+
+
+def _streamed_statistics(models, protocol, features: FeatureCache, split, keys, head) -> Tensor:
+    data = features.data
+    datamodule = ShardDataModule(
+        **{f"{split}_urls": data[f"{split}_urls"]},
+        classes=protocol.classes,
+        train_keys=keys if split == "train" else None,
+        train_batches=1,  # an exact pass: no training epoch to size from the manifest
+        **datamodule_args(data),
+    )
+    datamodule.manifests = features.datamodule.manifests
+    parts, order_keys = [], []
+    total = len(keys) if keys is not None else datamodule.samples_in(split)
+    with torch.inference_mode(), progress.step(f"{protocol.name}: scoring {split}", total) as advance:
+        for batch in datamodule.exact_dataloader(split):
+            batch = datamodule.prepare_batch({**batch, "image": batch["image"].to(models[0].device)})
+            outputs = _outputs(models, batch["image"], head, cached=False)
+            parts.append(protocol.statistics(outputs, batch[protocol.TARGET].to(outputs.device)).cpu())
+            order_keys.extend(batch["key"])
+            advance(len(batch["key"]))
+    order = sorted(range(len(order_keys)), key=order_keys.__getitem__)
+    return torch.cat(parts, dim=1)[:, order]
+
+
+def _outputs(models: list, inputs: Tensor, head: int | None, cached: bool) -> Tensor:
+    """(C, B, ...) every candidate's outputs on a batch: cached features or images."""
+    found = []
+    for model in models:
+        if cached:
+            out = model.classify(inputs)
+        elif hasattr(model, "classify"):  # a frozen-backbone probe: every head on one forward
+            out = model.classify(model.features(inputs))
+        else:  # a fine-tuned model: one candidate
+            out = model(inputs)[None]
+        found.append(out)
+    outputs = torch.cat(found)
+    return outputs if head is None else outputs[head : head + 1]
+
+
+def restrict(found: Features, classes: list[int] | None, keys: list[str] | None = None) -> Features:
+    """The samples of `found` whose label is among `classes` (all when None) and, when given, whose key is
+    among `keys`."""
+    keep = class_mask(found.y, classes)
+    if keys is not None:
+        wanted = set(keys)
+        keep &= torch.tensor([key in wanted for key in found.keys], dtype=torch.bool)
+    return found if bool(keep.all()) else found.take(torch.nonzero(keep).flatten())
+
+
+def class_mask(labels: Tensor, classes: list[int] | None) -> Tensor:
+    return (
+        torch.ones_like(labels, dtype=torch.bool)
+        if classes is None
+        else torch.isin(labels, torch.tensor(classes))
+    )
+
+
+# --- choosing -------------------------------------------------------------------------------------------
+
+
+def choose(protocol, selection: Tensor, metric: Metric, axes: dict[str, list[float]]) -> tuple[int, dict]:
+    """The candidate with the best `metric` of its `selection` statistics (C, M, F) (of equals, the first
+    in the grid's order) and what results.json records: each candidate's value there, and for each grid
+    axis (`axes`: name -> each candidate's value on it, e.g. {"lr": [...]}) whether the choice ends it
+    (`grid_edge`)."""
+    values = metric.of(selection.mean(1)).tolist()
+    best = max(range(len(values)), key=lambda i: (values[i], -i))
+    record: dict[str, Any] = {
+        "selected_by": metric.name,
+        "selection": dict(zip(protocol.candidates(), values)),
+    }
+    for axis, along in axes.items():
+        record[f"best_{axis}"] = along[best]
+        # the candidates that differ from the chosen one on this axis only
+        others = {a: v for a, v in axes.items() if a != axis}
+        line = [i for i in range(len(values)) if all(v[i] == v[best] for v in others.values())]
+        edge = grid_edge([along[i] for i in line], [values[i] for i in line], line.index(best))
+        if edge:
+            record[f"{axis}_at_grid_edge"] = edge
+    return best, record
+
+
+def grid_edge(grid: list[float], scores: list[float], chosen: int) -> str | None:
+    """The grid's end, "largest" or "smallest", when the chosen value `grid[chosen]` ends a grid of
+    several and beats its neighbour in the grid on the held-out images (`scores`, one per value): the
+    best value may lie beyond the grid (`grid_edge_notes`)."""
+    order = sorted(range(len(grid)), key=lambda i: grid[i])
+    if len(grid) < 2 or chosen not in (order[0], order[-1]):
+        return None
+    neighbour = order[1] if chosen == order[0] else order[-2]
+    if scores[chosen] <= scores[neighbour]:
+        return None
+    return "largest" if chosen == order[-1] else "smallest"
+
+
+def grid_edge_notes(records: list[dict]) -> list[str]:
+    """One line per trained column and grid axis whose choice ended its grid in any of `records`
+    (results.json records of one suite): how often, and what to do."""
+    edges: dict[tuple[str, str, str], list[float]] = {}
+    runs: dict[str, int] = {}
+    for record in records:
+        for column, found in record.get("details", {}).items():
+            if not (isinstance(found, dict) and "selection" in found):
+                continue
+            runs[column] = runs.get(column, 0) + 1
+            for key, edge in found.items():
+                if key.endswith("_at_grid_edge") and edge:
+                    axis = key.removesuffix("_at_grid_edge")
+                    edges.setdefault((column, axis, edge), []).append(found[f"best_{axis}"])
+    direction = {"largest": "above", "smallest": "below"}
+    return [
+        f"{column}: the {axis} chosen on the held-out images is the grid's {edge} ({values[0]:g}) in "
+        f"{len(values)} of {runs[column]} run(s); a better one may lie {direction[edge]} it: extend the "
+        f"protocol's {axis}s"
+        for (column, axis, edge), values in edges.items()
+    ]

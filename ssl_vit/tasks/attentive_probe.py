@@ -1,0 +1,114 @@
+"""Attentive probing: learned queries cross-attend over a frozen backbone's tokens, a linear head
+classifies what they gather; one such probe per (learning rate, weight decay) of a grid, all trained
+on the same frozen tokens.
+
+The pooling is AIM's (El-Nouby et al. 2024, sec 4 and `AttentionPoolingClassifier` of apple/ml-aim),
+which CAPI (Darcet et al. 2025) and Web-SSL read their models with: the tokens are normalised by a
+BatchNorm without affine parameters, `queries` learned query vectors attend over them with `heads`
+heads through key and value projections, the queries' outputs are averaged and a linear layer
+classifies the result; no MLP and no output projection. The lightest of the published variants
+(V-JEPA's and SigLIP's add an MLP block), so that what it measures is what the tokens hold, not what a
+second network on top of them can compute. timm's `AttentionPoolLatent` is exactly this attention
+without its output projection, norm and MLP (`out_features=0`).
+
+Legend: B batch, T tokens, D width, K classes, H probes (one per candidate), Q queries.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pytorch_lightning.cli import OptimizerCallable
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import AttentionPoolLatent
+from torch import Tensor, nn
+from torch.optim import AdamW, Optimizer
+
+from ssl_vit.errors import BadValue
+from ssl_vit.models.heads import zero_linear
+from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.frozen_probe import FrozenProbe
+from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
+
+# What the queries attend over: every output token ([class] token included) or the patch tokens only.
+TokenFeature = Literal["tokens", "patches"]
+
+
+def adamw(params) -> Optimizer:
+    """The default attentive-probe optimizer (AIM's and CAPI's: AdamW); each probe's group sets its lr
+    and weight decay."""
+    return AdamW(params, lr=1e-3, weight_decay=0.0)
+
+
+def attentive_pooling(width: int, heads: int, queries: int) -> AttentionPoolLatent:
+    """(B, T, D) tokens, already normalised -> (B, D): `queries` learned queries attend over them with
+    `heads` heads, their outputs averaged: timm's `AttentionPoolLatent` without its output projection,
+    norm and MLP (`out_features=0`), and without bias in its key and value projections, as AIM's."""
+    return AttentionPoolLatent(
+        width, out_features=0, num_heads=heads, latent_len=queries, qkv_bias=False,
+        pool_type="avg" if queries > 1 else "token",
+    )  # fmt: skip
+
+
+class AttentiveProbe(FrozenProbe):
+    """Attentive probes on a frozen backbone, one per candidate (`lrs[i]`, `weight_decays[i]`).
+
+    Args:
+        init_from, num_classes, lr_scheduler, lr_reference_batch, mean, std: as `LinearProbe`.
+        feature: `tokens` (every output token, the [class] token included) or `patches`.
+        queries: learned queries per probe (AIM: 1), their outputs averaged.
+        heads: attention heads (the width must divide by them).
+        lrs, weight_decays: one probe per pair (the same length), each its own param group.
+        optimizer: AdamW by default.
+    """
+
+    def __init__(
+        self,
+        backbone: ViTConfig,
+        num_classes: int,
+        init_from: str = "scratch",
+        feature: TokenFeature = "tokens",
+        queries: int = 1,
+        heads: int = 8,
+        lrs: tuple[float, ...] = (1e-3,),
+        weight_decays: tuple[float, ...] = (0.0,),
+        optimizer: OptimizerCallable = adamw,
+        lr_scheduler: SchedulerCallable = WarmupDecay,
+        lr_reference_batch: int | None = None,
+        mean: RGB = IMAGENET_DEFAULT_MEAN,
+        std: RGB = IMAGENET_DEFAULT_STD,
+    ) -> None:
+        if queries < 1:
+            raise BadValue(f"queries must be at least 1, got {queries}")
+        super().__init__(
+            backbone, init_from, num_classes, list(lrs), list(weight_decays), optimizer, lr_scheduler,
+            lr_reference_batch, mean, std,
+            hparams=dict(feature=feature, queries=queries, heads=heads, weight_decays=list(weight_decays)),
+        )  # fmt: skip
+        self.backbone.check_feature(feature, kinds=TokenFeature.__args__)
+        width = self.backbone.embed_dim
+        if heads < 1 or width % heads:
+            raise BadValue(f"heads must divide the backbone's width {width}, got {heads}")
+        self.feature = feature
+        # AIM: BatchNorm1d(affine=False, eps=1e-6) over the tokens' channels; shared, as it learns nothing.
+        self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6)
+        self.heads.extend(
+            nn.Sequential(attentive_pooling(width, heads, queries), zero_linear(width, num_classes))
+            for _ in self.lrs
+        )
+        self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
+
+    @torch.no_grad()
+    def features(self, images: Tensor) -> Tensor:
+        """images: (B, 3, H, W) -> frozen tokens (B, T, D), no graph."""
+        return self.backbone.feature_set(images, (self.feature,))[self.feature]
+
+    def classify(self, features: Tensor) -> Tensor:
+        """tokens (B, T, D) -> logits of every probe (H, B, K)."""
+        tokens = self.norm(features.transpose(1, 2)).transpose(1, 2)
+        return torch.stack([head(tokens) for head in self.heads])
+
+
+__all__ = ["AttentiveProbe", "TokenFeature", "attentive_pooling"]

@@ -1,0 +1,129 @@
+"""Probes on a frozen backbone: one head per candidate of a grid (learning rates, weight decays), all
+trained together on the same frozen features, so a whole sweep costs one backbone forward per batch.
+
+The kinds differ in what their heads read and return: `LinearProbe` one pooled feature per image,
+`AttentiveProbe` all tokens pooled by learned queries, `LinearSegProbe` every patch token (a class map).
+
+Legend: B batch, T tokens, D width, K classes, H heads (one per candidate).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.cli import OptimizerCallable
+from torch import Tensor, nn
+
+from ssl_vit.errors import BadValue
+from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
+from ssl_vit.tasks.optim import SchedulerCallable
+
+
+class FrozenProbe(BackboneTask):
+    """Heads (`self.heads`, built by the subclass, one per candidate) on a frozen backbone.
+
+    The backbone is loaded from `init_from`, frozen (`requires_grad=False`, outside the optimizer) and
+    kept in eval mode even while training, so drop path never acts; its features are computed without
+    gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else the optimizer's),
+    each head one param group: its gradient is its own loss's (`forward_loss` sums the heads' losses).
+
+    Subclasses define `features(images)` (the frozen input of the heads), `classify(features)` (every
+    head's output, (H, B, ...)) and `head_loss(outputs (B, ...), targets)`; `TARGET` names the batch
+    entry the loss reads (`label`, or `mask` for a segmentation).
+    """
+
+    TARGET = "label"
+
+    def __init__(
+        self,
+        backbone: ViTConfig,
+        init_from: str,
+        num_classes: int,
+        lrs: list[float],
+        weight_decays: list[float] | None,
+        optimizer: OptimizerCallable,
+        lr_scheduler: SchedulerCallable,
+        lr_reference_batch: int | None,
+        mean: RGB,
+        std: RGB,
+        hparams: dict,
+    ) -> None:
+        lrs = [float(lr) for lr in lrs]
+        if not lrs or min(lrs) <= 0:
+            raise BadValue(f"lrs must be positive learning rates, got {lrs}")
+        if weight_decays is not None and len(weight_decays) != len(lrs):
+            raise BadValue(f"weight_decays {weight_decays} must give one per lr of {lrs}")
+        if num_classes < 1:
+            raise BadValue(f"num_classes must be positive, got {num_classes}")
+        super().__init__(
+            backbone, init_from, optimizer, lr_scheduler, lr_reference_batch, mean, std,
+            hparams=dict(num_classes=num_classes, lrs=lrs, **hparams),
+        )  # fmt: skip
+        self.backbone.requires_grad_(False).eval()
+        self.lrs = lrs
+        self.weight_decays = None if weight_decays is None else [float(wd) for wd in weight_decays]
+        self.heads = nn.ModuleList()
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    def train(self, mode: bool = True) -> FrozenProbe:
+        """Lightning puts the module in train mode every epoch; the frozen backbone stays in eval mode."""
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    def features(self, images: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def classify(self, features: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def head_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """One head's mean loss: cross-entropy over its classes, unlabelled targets (-1) ignored."""
+        return F.cross_entropy(outputs, targets, ignore_index=-1)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """images: (B, 3, H, W) -> every head's output (H, B, ...)."""
+        return self.classify(self.features(images))
+
+    def forward_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Sum over heads of each head's mean loss, so each head's gradient is its own loss's."""
+        return sum(self.head_loss(out, targets) for out in outputs)
+
+    def train_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        return self.forward_loss(self(batch["image"]), batch[self.TARGET])
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        loss = self.train_loss(step_inputs(batch))
+        size = batch["image"].shape[0]
+        self.log("train/loss", loss / self.num_heads, on_step=True, prog_bar=True, batch_size=size)
+        return loss
+
+    def param_groups(self) -> list[dict]:
+        """One group per head, with that head's lr (and weight decay); the frozen backbone is in none."""
+        decays = self.weight_decays or [None] * len(self.lrs)
+        return [
+            {"params": list(head.parameters()), "lr": lr, **({} if wd is None else {"weight_decay": wd})}
+            for head, lr, wd in zip(self.heads, self.lrs, decays)
+        ]
+
+    def measure_flops(self, images: Tensor) -> None:
+        """Training FLOPs per image: one forward of the frozen backbone, forward and backward (3x) of the
+        heads."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        training = self.training
+        self.eval()  # BatchNorm in train mode would take the one image as a batch and update its statistics
+        try:
+            with torch.no_grad(), FlopCounterMode(display=False) as backbone:
+                features = self.features(images[:1])
+            # with gradients: the counter's module tracker hooks the inputs that require grad, and a
+            # parameter's view made without them (timm's latent query, expanded) has no grad_fn to hook
+            with torch.enable_grad(), FlopCounterMode(display=False) as heads:
+                self.classify(features)
+        finally:
+            self.train(training)
+        self.flops_per_image = backbone.get_total_flops() + 3 * heads.get_total_flops()

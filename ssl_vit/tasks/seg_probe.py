@@ -1,0 +1,96 @@
+"""Linear segmentation probing: a linear classifier on every frozen patch token, its class map
+upsampled to the mask, one per learning rate, all trained on the same frozen tokens.
+
+DINOv2's linear evaluation of dense features (Oquab et al. 2023, sec 7.4 "linear": BatchNorm, then a
+1x1 convolution on the patch tokens, logits upsampled bilinearly to the label resolution; "+ms" reads
+the last four blocks, here `feature: lastk`), which CAPI reports too. The loss is cross-entropy over the
+mask's pixels, 255 ignored, as mmseg's.
+
+Legend: B batch, N = h x w patch tokens, D width (k x D for `lastk`), K classes, H heads, (Hm, Wm) mask.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.cli import OptimizerCallable
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torch import Tensor, nn
+
+from ssl_vit.models.heads import zero_linear
+from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.frozen_probe import FrozenProbe
+from ssl_vit.tasks.linear_probe import sgd_momentum
+from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
+
+# The patch tokens of the last block, or of the last LAST_K blocks concatenated per token.
+PatchFeature = Literal["patches", "patches_lastk"]
+LAST_K = 4
+IGNORE = 255
+
+
+def upsample(logits: Tensor, size: tuple[int, int]) -> Tensor:
+    """(B, K, h, w) class map -> (B, K, Hm, Wm), bilinear (DINOv2's and mmseg's resize of the logits)."""
+    return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+
+
+class LinearSegProbe(FrozenProbe):
+    """Per-patch linear classifiers on a frozen backbone, one per learning rate.
+
+    Args:
+        init_from, num_classes, lrs, optimizer, lr_scheduler, lr_reference_batch, mean, std: as
+            `LinearProbe` (num_classes: the mask's classes, 255 aside).
+        feature: `patches` (the last block's patch tokens) or `patches_lastk` (the last 4 blocks').
+        batch_norm: BatchNorm without affine parameters over the tokens' channels before the heads.
+    `classify` gives each head's class map at the patch grid, (H, B, K, h, w); the loss upsamples it
+    to the mask's size.
+    """
+
+    TARGET = "mask"
+
+    def __init__(
+        self,
+        backbone: ViTConfig,
+        num_classes: int,
+        init_from: str = "scratch",
+        feature: PatchFeature = "patches",
+        batch_norm: bool = True,
+        lrs: tuple[float, ...] = (0.01, 0.1),
+        optimizer: OptimizerCallable = sgd_momentum,
+        lr_scheduler: SchedulerCallable = WarmupDecay,
+        lr_reference_batch: int | None = None,
+        mean: RGB = IMAGENET_DEFAULT_MEAN,
+        std: RGB = IMAGENET_DEFAULT_STD,
+    ) -> None:
+        super().__init__(
+            backbone, init_from, num_classes, list(lrs), None, optimizer, lr_scheduler, lr_reference_batch,
+            mean, std, hparams=dict(feature=feature, batch_norm=batch_norm),
+        )  # fmt: skip
+        self.backbone.check_feature(feature, LAST_K, kinds=PatchFeature.__args__)
+        self.feature = feature
+        width = self.backbone.embed_dim * (LAST_K if feature == "patches_lastk" else 1)
+        self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()
+        self.heads.extend(zero_linear(width, num_classes) for _ in self.lrs)
+        self.tokens_per_image = self.backbone.grid_size[0] * self.backbone.grid_size[1]
+
+    @torch.no_grad()
+    def features(self, images: Tensor) -> Tensor:
+        """images: (B, 3, H, W) -> frozen patch tokens (B, N, D), no graph."""
+        return self.backbone.feature_set(images, (self.feature,), LAST_K)[self.feature]
+
+    def classify(self, features: Tensor) -> Tensor:
+        """patch tokens (B, N, D) -> every head's class map at the patch grid (H, B, K, h, w)."""
+        tokens = self.norm(features.transpose(1, 2)).transpose(1, 2)
+        h, w = self.backbone.grid_size
+        return torch.stack([head(tokens).transpose(1, 2).unflatten(2, (h, w)) for head in self.heads])
+
+    def head_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """One head's (B, K, h, w) class map against masks (B, Hm, Wm): cross-entropy per pixel of the
+        logits upsampled to the mask, pixels of 255 ignored."""
+        return F.cross_entropy(upsample(outputs, targets.shape[-2:]), targets.long(), ignore_index=IGNORE)
+
+
+__all__ = ["LinearSegProbe", "PatchFeature", "upsample"]
