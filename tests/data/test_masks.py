@@ -148,6 +148,28 @@ def test_eval_frames_masks_like_images(jpeg_set, tmp_path):
         assert set(batch["mask"][:, 4:12, 3:13].unique().tolist()) <= {TILE_CLASS, CLASSES}
 
 
+def test_shards_without_a_manifest_may_mix_samples_with_and_without_masks(tmp_path, caplog):
+    """Shards from other tools, no manifest: a sample without seg.png among samples with one gets a
+    mask of 255 (no pixel scored), said once; the others keep theirs."""
+    rng = np.random.default_rng(4)
+    masks = rng.integers(0, 3, (4, 16, 16), dtype=np.uint8)
+    with wds.TarWriter(str(tmp_path / "theirs.tar")) as sink:
+        for i in range(4):
+            image = encoded(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8), "PNG")
+            sink.write({"__key__": f"k{i}", "png": image, **({} if i == 2 else {"seg.png": png(masks[i])})})
+    dm = ShardDataModule(
+        val_urls=str(tmp_path / "theirs.tar"), batch_size=2, num_workers=0, image_size=16, eval_crop_pct=1.0
+    )  # stored at 16 px, no manifest to say so: crop_pct 1 keeps them whole
+    assert not dm.has_masks("val")
+    with caplog.at_level("WARNING", logger="ssl_vit.data"):
+        batches = list(dm.exact_dataloader("val"))
+    got = torch.cat([b["mask"] for b in batches])
+    assert [k for b in batches for k in b["key"]] == ["k0", "k1", "k2", "k3"] and got.shape == (4, 16, 16)
+    assert (got[2] == 255).all() and all(torch.equal(got[i], torch.from_numpy(masks[i])) for i in (0, 1, 3))
+    (said,) = [r.getMessage() for r in caplog.records if "without seg.png" in r.getMessage()]
+    assert said.startswith("k2 and other samples without seg.png") and "all 255 (ignored)" in said
+
+
 def test_randaugment_and_mixup_are_refused_with_masks(jpeg_set):
     dm = ShardDataModule(
         train_urls=jpeg_set, image_size=16, num_workers=0, train_batches=1, train_preset="supervised",
