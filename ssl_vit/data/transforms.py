@@ -195,7 +195,7 @@ class ResizeCentreCrop:
     the resized image's size (not to `resize` on its own: a JPEG decoded at a draft scale has sides
     rounded up, so its aspect ratio, and with it the longer side after the resize, can differ by a
     pixel from the full-size mask's) and cropped with it. Where the crop is larger than the resized
-    image (`crop_pct` above 1), `v2.CenterCrop` pads with 0: the mask is cropped as its complement
+    image (`crop_pct` above 1), `v2.CenterCrop` pads with 0: there the mask is cropped as its complement
     (255 - class), so that its padding comes out as 255, ignored, rather than class 0."""
 
     def __init__(self, resize: int, size: int):
@@ -206,8 +206,11 @@ class ResizeCentreCrop:
 
     def pair(self, img: Image.Image, mask: Image.Image) -> tuple[Image.Image, Image.Image]:
         img = self.resize(img)
-        mask = ImageOps.invert(mask.resize(img.size, Image.Resampling.NEAREST))
-        return self.crop(img), ImageOps.invert(self.crop(mask))
+        mask = mask.resize(img.size, Image.Resampling.NEAREST)
+        height, width = self.crop.size
+        if img.width >= width and img.height >= height:
+            return self.crop(img), self.crop(mask)
+        return self.crop(img), ImageOps.invert(self.crop(ImageOps.invert(mask)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.resize.size}, {self.crop.size})"
