@@ -48,6 +48,7 @@ from ssl_vit.data.checks import (
 from ssl_vit.data.device_decode import device_transform, place_jpegs
 from ssl_vit.data.identity import changes, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
+from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import expand, manifest_url, read_manifest
@@ -91,7 +92,8 @@ class ShardDataModule(pl.LightningDataModule):
             read the tars and draw each crop box and flip from the JPEG's header (the same draws as
             `cpu`), and the batch is decoded, cropped, resized and flipped on the device it is moved to
             (`ssl_vit.data.device_decode`), which frees the workers' cores; other formats, CMYK JPEGs and
-            JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`).
+            JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`);
+            segmentation masks are cropped and flipped in the workers with the same box and flip.
             Random-resized-crop presets (`pretrain`, `supervised` without RandAugment) only;
             validation and test are decoded on the CPU.
         read_retries: a remote shard, manifest or shard check (http(s), fsspec, `pipe:`) that fails is
@@ -245,15 +247,22 @@ class ShardDataModule(pl.LightningDataModule):
     def _check_labels(self) -> None:
         """Labels the manifest counts beyond `num_classes` would fail the first training step (an index
         error in the loss): refused here, before anything runs. A sample whose label is beyond
-        the class count anyway is a corrupt sample: the stream skips and counts it."""
-        counts = (self.manifest or {}).get("class_counts") or {} if self._num_classes is not None else {}
-        beyond = sorted(int(label) for label in counts if int(label) >= self._num_classes)
-        if beyond:
-            raise UserError(
-                f"the shards' manifest counts labels up to {beyond[-1]}, beyond num_classes "
-                f"{self._num_classes}: set data.init_args.num_classes to at least {beyond[-1] + 1} (the "
-                "manifest's num_classes), or leave it unset"
-            )
+        the class count anyway is a corrupt sample: the stream skips and counts it. So are mask
+        classes (`mask_pixels`): a sample whose mask holds one beyond `num_classes` would be skipped,
+        and with a class count below the manifest's, most would."""
+        manifest = (self.manifest or {}) if self._num_classes is not None else {}
+        for what, counts in (
+            ("labels", manifest.get("class_counts")),
+            ("mask classes", manifest.get("mask_pixels")),
+        ):
+            values = [int(v) for v in counts or {} if int(v) != IGNORE_INDEX or what == "labels"]
+            beyond = sorted(v for v in values if v >= self._num_classes)
+            if beyond:
+                raise UserError(
+                    f"the shards' manifest counts {what} up to {beyond[-1]}, beyond num_classes "
+                    f"{self._num_classes}: set data.init_args.num_classes to at least {beyond[-1] + 1} (the "
+                    "manifest's num_classes), or leave it unset"
+                )
 
     @property
     def num_classes(self) -> int | None:

@@ -170,7 +170,9 @@ def test_shards_without_a_manifest_may_mix_samples_with_and_without_masks(tmp_pa
     assert said.startswith("k2 and other samples without seg.png") and "all 255 (ignored)" in said
 
 
-def test_randaugment_and_mixup_are_refused_with_masks(jpeg_set):
+def test_randaugment_mixup_and_too_few_classes_are_refused_with_masks(jpeg_set):
+    with pytest.raises(UserError, match="counts mask classes up to 10, beyond num_classes 8: set data.init"):
+        ShardDataModule(train_urls=jpeg_set, num_classes=8)  # every mask holds class 10 (background)
     dm = ShardDataModule(
         train_urls=jpeg_set, image_size=16, num_workers=0, train_batches=1, train_preset="supervised",
         randaugment="rand-m9-mstd0.5",
