@@ -19,15 +19,18 @@ def add_parser(subparsers) -> None:
         "convert",
         help="write OUTDIR/{split}-NNNNNN.tar shards and OUTDIR/{split}.json",
         description="An interrupted conversion (SIGTERM, Ctrl-C, a kill, a crash) keeps its finished shards: "
-        "the same command again continues from the next one; with other options it starts over.",
+        "the same command again continues from the next one; with other options it starts over. Sources "
+        "with segmentation masks (ade20k, voc, mosaic) store each sample's mask as its seg.png member "
+        '(uint8, one class index per pixel, 255 ignored) and mark the manifest "masks": true.',
     )
     convert.add_argument("source", metavar="SOURCE", help=SOURCES_HELP)
     convert.add_argument("outdir", metavar="OUTDIR")
     convert.add_argument(
         "--split",
         default="train",
-        help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits "
-        "and imagenet (train|val) and cifar (train|test)",
+        help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits, "
+        "imagenet and ade20k (train|val), cifar (train|test) and voc (its list in ImageSets/Segmentation: "
+        "train|val|trainval)",
     )
     convert.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     convert.add_argument(
@@ -46,6 +49,20 @@ def add_parser(subparsers) -> None:
         "re-encode them in --format; smaller images in that format are stored byte for byte",
     )
     convert.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
+    convert.add_argument(
+        "--grid",
+        type=int,
+        metavar="K",
+        help="mosaic:URLS only: K x K tiles per image, consecutive groups of K*K samples in the shards' "
+        "order (a last group of fewer is left out); the mask labels each tile's pixels with its class",
+    )
+    convert.add_argument(
+        "--background-threshold",
+        type=int,
+        metavar="T",
+        help="mosaic:URLS only: pixels whose grey level (the maximum of R, G and B) is below T (0-255) "
+        "get an extra class 'background', numbered after the tiles' classes",
+    )
     convert.add_argument(
         "--overwrite",
         action="store_true",
@@ -142,6 +159,8 @@ def _convert(args) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=args.progress,
+        grid=args.grid,
+        background_threshold=args.background_threshold,
     )
     print(
         f"wrote {manifest['num_samples']} samples ({manifest['skipped']} unreadable skipped) in "

@@ -11,10 +11,12 @@
 Training reads a resampled stream with a fixed number of batches per rank per epoch; validation and
 test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float
 [B,3,H,W] (normalised; the DataLoaders give uint8, converted on the device by `prepare_batch`),
-`label` int64 [B] (-1 where unlabelled), `key` list[str], `skipped` (bad samples the batch's worker
-dropped since its previous batch), during training `stream` (the position of the batch's worker, which
-makes the training DataLoader resumable mid-epoch: `EpochLoader`), and with mixup/cutmix/label
-smoothing also `target` float [B,K] (timm's soft targets).
+`label` int64 [B] (-1 where unlabelled), `key` list[str], `mask` uint8 [B,H,W] when the samples carry
+segmentation masks (`seg.png`: a class index per pixel of `image`, 255 ignored; cropped, flipped and
+resized with the image, nearest-neighbour; passed through untouched), `skipped` (bad samples the
+batch's worker dropped since its previous batch), during training `stream` (the position of the batch's
+worker, which makes the training DataLoader resumable mid-epoch: `EpochLoader`), and with
+mixup/cutmix/label smoothing also `target` float [B,K] (timm's soft targets).
 
 Remote shards and manifests are read with retries and a read timeout (`read_retries`,
 `read_timeout_s`: `ssl_vit.data.remote`); a DataLoader whose workers deliver no batch for
@@ -46,8 +48,9 @@ from ssl_vit.data.checks import (
 from ssl_vit.data.device_decode import device_transform, place_jpegs
 from ssl_vit.data.identity import changes, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
+from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
-from ssl_vit.data.transforms import EvalView, Preset, build_transform, normalize
+from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import expand, manifest_url, read_manifest
 from ssl_vit.errors import BadValue, UserError
 
@@ -89,7 +92,8 @@ class ShardDataModule(pl.LightningDataModule):
             read the tars and draw each crop box and flip from the JPEG's header (the same draws as
             `cpu`), and the batch is decoded, cropped, resized and flipped on the device it is moved to
             (`ssl_vit.data.device_decode`), which frees the workers' cores; other formats, CMYK JPEGs and
-            JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`).
+            JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`);
+            segmentation masks are cropped and flipped in the workers with the same box and flip.
             Random-resized-crop presets (`pretrain`, `supervised` without RandAugment) only;
             validation and test are decoded on the CPU.
         read_retries: a remote shard, manifest or shard check (http(s), fsspec, `pipe:`) that fails is
@@ -243,15 +247,22 @@ class ShardDataModule(pl.LightningDataModule):
     def _check_labels(self) -> None:
         """Labels the manifest counts beyond `num_classes` would fail the first training step (an index
         error in the loss): refused here, before anything runs. A sample whose label is beyond
-        the class count anyway is a corrupt sample: the stream skips and counts it."""
-        counts = (self.manifest or {}).get("class_counts") or {} if self._num_classes is not None else {}
-        beyond = sorted(int(label) for label in counts if int(label) >= self._num_classes)
-        if beyond:
-            raise UserError(
-                f"the shards' manifest counts labels up to {beyond[-1]}, beyond num_classes "
-                f"{self._num_classes}: set data.init_args.num_classes to at least {beyond[-1] + 1} (the "
-                "manifest's num_classes), or leave it unset"
-            )
+        the class count anyway is a corrupt sample: the stream skips and counts it. So are mask
+        classes (`mask_pixels`): a sample whose mask holds one beyond `num_classes` would be skipped,
+        and with a class count below the manifest's, most would."""
+        manifest = (self.manifest or {}) if self._num_classes is not None else {}
+        for what, counts in (
+            ("labels", manifest.get("class_counts")),
+            ("mask classes", manifest.get("mask_pixels")),
+        ):
+            values = [int(v) for v in counts or {} if int(v) != IGNORE_INDEX or what == "labels"]
+            beyond = sorted(v for v in values if v >= self._num_classes)
+            if beyond:
+                raise UserError(
+                    f"the shards' manifest counts {what} up to {beyond[-1]}, beyond num_classes "
+                    f"{self._num_classes}: set data.init_args.num_classes to at least {beyond[-1] + 1} (the "
+                    "manifest's num_classes), or leave it unset"
+                )
 
     @property
     def num_classes(self) -> int | None:
@@ -361,7 +372,19 @@ class ShardDataModule(pl.LightningDataModule):
             self._views[split] = "whole" if stored == [self.image_size, self.image_size] else "crop"
         return self._views[split]
 
+    def has_masks(self, split: str) -> bool:
+        """Whether the manifest of `split` says every sample carries a segmentation mask (`"masks":
+        true`, written by `ssl-vit data convert` from a source with masks): its batches then hold `mask`,
+        and a sample without one is skipped and counted. Shards without such a manifest give `mask`
+        when their samples have `seg.png` members."""
+        if split not in self._urls:
+            self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
+        return (self._manifest_of(self._urls[split][0]) or {}).get("masks") is True
+
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
+        masks = self.has_masks(split)
+        if masks and preset == "supervised" and self.randaugment:
+            raise UserError(f"{split}_urls: {RANDAUGMENT_AND_MASKS}")
         transform = (
             device_transform(self.image_size, self.crop_scale, self.draft)
             if (self.decode == "device" and preset != "eval")
@@ -389,6 +412,7 @@ class ShardDataModule(pl.LightningDataModule):
             shuffle_buffer=self.shuffle_buffer,
             segment_shards=self.segment_shards,
             num_classes=self.num_classes,
+            masks=masks,
             read_policy=self.read_policy,
         )
 
@@ -428,7 +452,8 @@ class ShardDataModule(pl.LightningDataModule):
 
     def prepare_batch(self, batch: dict) -> dict:
         """A batch as the DataLoaders give it (`image` uint8 [B,3,H,W]) -> as the model takes it
-        (`image` float32 [B,3,H,W], normalised with `mean`/`std`), on the batch's device.
+        (`image` float32 [B,3,H,W], normalised with `mean`/`std`), on the batch's device; every other
+        entry (`label`, `key`, `mask` uint8 [B,H,W]) passes through as it is.
 
         Lightning calls it after moving each batch to the device (`on_after_batch_transfer`); callers
         of the DataLoaders outside Lightning (feature extraction) call it themselves, after `.to(device)`.
@@ -447,6 +472,11 @@ class ShardDataModule(pl.LightningDataModule):
             self._train_loader.record(batch)
         if not any(self.mixup_args.values()) or not training:
             return batch
+        if "mask" in batch and (self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]):
+            raise UserError(
+                "mixup/cutmix blend images but not their segmentation masks (seg.png): set "
+                "data.init_args.mixup_alpha and cutmix_alpha to 0 for shards with masks"
+            )
         if not self.num_classes:
             raise UserError("mixup/cutmix/label_smoothing need num_classes: set data.init_args.num_classes")
         if not (self.mixup_args["mixup_alpha"] or self.mixup_args["cutmix_alpha"]):

@@ -9,6 +9,11 @@ and flip whichever side decodes it: exact resume, seeds and the crop distributio
 `decode`. The CPU path may decode at a JPEG draft scale; the device path always decodes the full
 image, so the two agree to within JPEG decoders' and resamplers' differences, not bit for bit.
 
+A sample's segmentation mask (`seg.png`) never goes to the device: the worker crops it with the same
+box and flips it with the same draw (NEAREST, `RandomResizedCrop.crop_mask`), and it joins the batch
+as `mask` uint8 [B, size, size] like on the CPU path; it is a few bytes per pixel and has no JPEG to
+decode.
+
 Per sample, the worker keeps the CPU path for what the device decoder does not take: other formats
 (PNG, WebP, npy) and JPEGs in CMYK/YCCK (nvJPEG has no CMYK output). A JPEG the device decoder
 refuses anyway (a corrupt body passes a header check) is decoded on the host from the same bytes with
@@ -41,7 +46,14 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from ssl_vit.data.transforms import HorizontalFlip, RandomResizedCrop, decode, to_uint8_tensor
+from ssl_vit.data.transforms import (
+    HorizontalFlip,
+    RandomResizedCrop,
+    decode,
+    flip,
+    mask_tensor,
+    to_uint8_tensor,
+)
 
 # JPEG colour modes the device decoder turns into RGB (grayscale is expanded as the CPU path does)
 DEVICE_MODES = ("RGB", "L")
@@ -65,13 +77,29 @@ class DeferredCrop:
         self.crop, self.flip = crop, flip
 
     def __call__(self, img: Image.Image) -> JpegCrop | torch.Tensor:
-        if img.format != "JPEG" or img.mode not in DEVICE_MODES:
+        if not on_device(img):
             return to_uint8_tensor(self.flip(self.crop(img)))
         box = self.crop.box(*img.size)  # the size comes from the header: nothing is decoded
         return JpegCrop(box, random.random() < self.flip.p)
 
+    def pair(self, img: Image.Image, mask: Image.Image) -> tuple[JpegCrop | torch.Tensor, torch.Tensor]:
+        """`self(img)` and the mask (mode L) cropped, resized and flipped with the same draws, in the
+        worker: uint8 [size, size]."""
+        if not on_device(img):
+            img, mask = self.flip.pair(*self.crop.pair(img, mask))
+            return to_uint8_tensor(img), mask_tensor(mask)
+        box = self.crop.box(*img.size)
+        flipped = random.random() < self.flip.p
+        mask = self.crop.crop_mask(mask, box)
+        return JpegCrop(box, flipped), mask_tensor(flip(mask) if flipped else mask)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.crop!r}, {self.flip!r})"
+
+
+def on_device(img: Image.Image) -> bool:
+    """Whether the device decodes this opened image (a JPEG in a mode it turns into RGB)."""
+    return img.format == "JPEG" and img.mode in DEVICE_MODES
 
 
 def device_transform(size: int, crop_scale: tuple[float, float], draft: bool) -> DeferredCrop:
@@ -125,12 +153,14 @@ def place_jpegs(batch: dict, size: int) -> dict:
 
 
 def _keep(batch: dict, keep: torch.Tensor) -> dict:
-    """The batch without the samples `keep` marks False, counted in `skipped`."""
+    """The batch without the samples `keep` marks False (their masks too), counted in `skipped`."""
     out = dict(batch)
     out["image"], out["label"] = (
         batch["image"][keep.to(batch["image"].device)],
         batch["label"][keep.to(batch["label"].device)],
     )
+    if "mask" in batch:
+        out["mask"] = batch["mask"][keep.to(batch["mask"].device)]
     out["key"] = [k for k, kept in zip(batch["key"], keep.tolist(), strict=True) if kept]
     out["skipped"] = batch.get("skipped", torch.tensor(0)) + int((~keep).sum())
     return out

@@ -1,5 +1,6 @@
-"""Raw samples -> what training uses: the label, the image, and the count of samples that are skipped
-because they cannot be used (never fatal, never silent)."""
+"""Raw samples -> what training uses: the label, the image, its segmentation mask (`seg.png`, see
+`ssl_vit.data.masks`), and the count of samples that are skipped because they cannot be used (never
+fatal, never silent)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import numpy as np
 from PIL import Image
 
 from ssl_vit.data.device_decode import JpegCrop
+from ssl_vit.data.masks import MASK_MEMBER, beyond_message, classes_beyond, decode_mask, size_mismatch
 from ssl_vit.data.tar_reader import IMAGE_MEMBERS
+from ssl_vit.errors import UserError
 
 log = logging.getLogger("ssl_vit.data")
 MAX_SKIPS_IN_A_ROW = 1000
@@ -43,11 +46,39 @@ def parse_label(sample: dict) -> int:
     return label
 
 
-def decode_image(sample: dict, transform: Callable[[Image.Image], T]) -> T:
+def read_mask(sample: dict, num_classes: int | None, required: bool) -> np.ndarray | None:
+    """The sample's `seg.png` as uint8 [H, W] class indices, or None when it has none and none is
+    `required` (its split's manifest says `"masks": true`). BadSample for a missing required mask, one
+    that does not decode or is not single-channel 8-bit, and one holding a class of `num_classes` or
+    more other than 255 (ignored)."""
+    data = sample.get(MASK_MEMBER)
+    if data is None:
+        if required:
+            raise BadSample(f"no {MASK_MEMBER} member, and its split's manifest says every sample has a mask")
+        return None
+    try:
+        mask = decode_mask(data)
+    except Exception as err:
+        raise BadSample(f"{MASK_MEMBER} does not decode ({type(err).__name__}: {err})") from None
+    if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
+        raise BadSample(f"{MASK_MEMBER} {beyond_message(beyond, num_classes)}")
+    return mask
+
+
+def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
+    """BadSample when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
+    if wrong := size_mismatch(image_size, mask):
+        raise BadSample(f"{MASK_MEMBER} {wrong}")
+
+
+def decode_image(sample: dict, transform: Callable[[Image.Image], T], mask: np.ndarray | None = None):
     """`transform` applied to the sample's first image member, opened but not decoded: the transform
     decodes it (see `ssl_vit.data.transforms.decode`), so that a crop can choose the JPEG draft scale.
     `npy` members are raw uint8 arrays. Anything the image bytes make PIL or numpy raise becomes a
-    BadSample."""
+    BadSample.
+
+    With `mask` (uint8 [H, W], `read_mask`): `(image, mask)` from `transform.pair`, which gives the mask
+    the image's crop, flip and resize; a mask whose size is not the image's is a BadSample."""
     ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
     if ext is None:
         raise BadSample(f"no image member (one of {', '.join(IMAGE_MEMBERS)}); members: {_members(sample)}")
@@ -56,11 +87,19 @@ def decode_image(sample: dict, transform: Callable[[Image.Image], T]) -> T:
             array = np.load(io.BytesIO(sample[ext]), allow_pickle=False)
             if array.dtype != np.uint8 or array.ndim not in (2, 3):
                 raise ValueError(f"npy image must be uint8 (H, W[, C]), got {array.dtype} {array.shape}")
-            return transform(Image.fromarray(array))
-        out = transform(Image.open(io.BytesIO(sample[ext])))
+            img = Image.fromarray(array)
+        else:
+            img = Image.open(io.BytesIO(sample[ext]))
+        if mask is None:
+            out = transform(img)
+        else:
+            check_mask_size(img.size, mask)
+            out, mask_out = transform.pair(img, Image.fromarray(mask))
         if isinstance(out, JpegCrop):
             out.data = sample[ext]  # decoded later, on the device
-        return out
+        return out if mask is None else (out, mask_out)
+    except (BadSample, UserError):
+        raise
     except Exception as err:
         raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
 

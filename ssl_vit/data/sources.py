@@ -7,6 +7,10 @@ holds a whole image folder in memory), or an image file's bytes read from a shar
 `ssl_vit.data.wds_source`). `label` is -1 for unlabelled images. Records are a list, or for `wds:` an
 iterable read lazily (a large set of shards is never held in memory).
 
+Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`; `Source.masks`) give each record a
+third element, its mask (`ssl_vit.data.segmentation_sources`), or a payload that composes image and
+mask (`ssl_vit.data.mosaic.Tiles`); their class names are the mask's classes.
+
 Each loader validates what it reads and raises `UserError` with a one-line message naming the file
 and what is wrong with it, before anything is written.
 """
@@ -17,12 +21,12 @@ import gzip
 import pickle
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data import imagenet
+from ssl_vit.data import imagenet, segmentation_sources
 from ssl_vit.errors import UserError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
@@ -34,8 +38,14 @@ SOURCES_HELP = (
     "wds:URLS (existing WebDataset shards, re-sharded: image jpg/jpeg/png/webp, label from cls or a json "
     "member's label/cls, keys kept), imagenet:DIR (ILSVRC-2012: DIR/train/nXXXXXXXX/*.JPEG; DIR/val in "
     "class folders or flat with LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt plus the "
-    "devkit's meta.mat in DIR)"
+    "devkit's meta.mat in DIR); with segmentation masks (stored as each sample's seg.png): ade20k:DIR "
+    "(ADEChallengeData2016: images/ and annotations/, --split train|val; 150 classes, its 0 'other' "
+    "ignored as 255), voc:DIR (VOCdevkit/VOC2012: ImageSets/Segmentation/SPLIT.txt, JPEGImages, "
+    "SegmentationClass; 21 classes, 255 borders kept), mosaic:URLS --grid K [--background-threshold T] "
+    "(K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with its "
+    "class: a dense task built from real images)"
 )
+MASK_SOURCES = ("ade20k", "voc", "mosaic")
 
 
 @dataclass
@@ -46,11 +56,22 @@ class Source:
     records: Iterable  # of (payload, label); payload: uint8 array (H, W[, 3]), image file path, or
     # `wds_source.ShardImage` / `wds_source.Broken`
     total: int | None  # the number of records, where known before reading them (progress, resume)
+    masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
+    manifest: dict = field(default_factory=dict)  # more to record in the manifest, complete once the
+    # records have been read to their end
+    options: dict = field(default_factory=dict)  # the source's own options (a rerun with others starts over)
 
 
-def open_source(spec: str, split: str) -> Source:
-    """Parse a SOURCE string and load its records for `split`."""
+def open_source(
+    spec: str, split: str, grid: int | None = None, background_threshold: int | None = None
+) -> Source:
+    """Parse a SOURCE string and load its records for `split`. `grid` and `background_threshold` are
+    the `mosaic:` source's options, refused with any other."""
     kind, _, arg = spec.partition(":")
+    options = {"grid": grid, "background_threshold": background_threshold}
+    given = [f"--{name.replace('_', '-')}" for name, value in options.items() if value is not None]
+    if kind != "mosaic" and given:
+        raise UserError(f"{', '.join(given)}: only for the mosaic:URLS source, not {spec!r}: leave it out")
     loaders = {
         "digits": _digits,
         "synthetic": _synthetic,
@@ -61,6 +82,9 @@ def open_source(spec: str, split: str) -> Source:
         "npz": _npz,
         "wds": _wds,
         "imagenet": imagenet.load,
+        "ade20k": segmentation_sources.ade20k,
+        "voc": segmentation_sources.voc,
+        "mosaic": lambda arg, split: _mosaic(arg, split, grid, background_threshold),
     }
     if kind not in loaders:
         raise UserError(f"unknown source {spec!r}: use one of {SOURCES_HELP}")
@@ -72,7 +96,16 @@ def open_source(spec: str, split: str) -> Source:
     total = len(records) if isinstance(records, list) else records.total
     if total == 0:
         raise UserError(f"source {spec!r} has no images for split {split!r}")
-    return Source(kind, spec, class_names, records, total)
+    return Source(
+        kind,
+        spec,
+        class_names,
+        records,
+        total,
+        masks=kind in MASK_SOURCES,
+        manifest=getattr(records, "manifest", {}),  # the mosaic's
+        options=options if kind == "mosaic" else {},
+    )
 
 
 def _wds(arg: str, split: str):
@@ -80,6 +113,12 @@ def _wds(arg: str, split: str):
     from ssl_vit.data import wds_source
 
     return wds_source.load(arg, split)
+
+
+def _mosaic(arg: str, split: str, grid: int | None, threshold: int | None):
+    from ssl_vit.data import mosaic  # imported here, as `wds_source` is (see `_wds`)
+
+    return mosaic.load(arg, split, grid, threshold)
 
 
 def _digits(_: str, split: str):

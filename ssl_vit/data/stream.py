@@ -1,5 +1,5 @@
 """The stream: shard URLs -> webdataset stages -> batches `{"image", "label", "key", "skipped",
-"unreadable"}`.
+"unreadable"}`, plus `"mask"` when the samples carry segmentation masks (`seg.png`).
 
 Two kinds of stream (every rank must run the same number of steps, or DDP hangs):
 
@@ -20,7 +20,9 @@ rebuilds its segment and skips the consumed samples before decoding them: resumi
 most one segment's raw bytes per worker, never decoding them again.
 
 Bad samples (undecodable image, missing image member, unparsable label or one beyond `num_classes`,
-unreadable shard) are skipped, logged with their key and shard, and counted; each batch carries in
+a mask that does not decode, does not match its image's size or holds a class beyond `num_classes`, a
+missing mask where the split's manifest says every sample has one, unreadable shard) are skipped,
+logged with their key and shard, and counted; each batch carries in
 `skipped` how many its worker dropped since its previous batch (and in `unreadable` the shards it could
 not open since then, by URL), so the count reaches the main process
 and can be logged as a metric (`ssl_vit.data.skip_log.LogSkippedSamples`). A stream that reads every
@@ -45,8 +47,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ssl_vit.data import samples
 from ssl_vit.data.device_decode import collate_jpegs
+from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
-from ssl_vit.data.samples import BadSample, SkipCounter, decode_image, parse_label
+from ssl_vit.data.samples import BadSample, SkipCounter, decode_image, parse_label, read_mask
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.errors import UserError
 
@@ -86,7 +89,9 @@ class ShardStream(IterableDataset):
     `epoch` and `resume` are set from the main process before each pass (see
     `ssl_vit.data.loaders.EpochLoader`).
     `classes` and `keys` keep only the samples with these labels and these `__key__`s. Remote shards
-    are read with `read_policy` (`ssl_vit.data.remote`: retries, read timeout).
+    are read with `read_policy` (`ssl_vit.data.remote`: retries, read timeout). A sample's `seg.png`
+    is read whenever it has one; with `masks` (its split's manifest says `"masks": true`) a sample
+    without one is a bad sample.
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class ShardStream(IterableDataset):
         classes: Sequence[int] | None = None,
         keys: Collection[str] | None = None,
         num_classes: int | None = None,
+        masks: bool = False,
         seed: int = 0,
         batches_per_epoch: int | None = None,
         shuffle_buffer: int = 1000,
@@ -114,6 +120,8 @@ class ShardStream(IterableDataset):
         self.classes = frozenset(classes) if classes is not None else None
         self.keys = frozenset(keys) if keys is not None else None
         self.num_classes = num_classes
+        self.masks = masks
+        self.said_filled = False  # whether this worker has said it filled in missing masks (`_masks`)
         self.seed = seed
         self.batches_per_epoch = batches_per_epoch
         self.shuffle_buffer = shuffle_buffer
@@ -259,19 +267,28 @@ class ShardStream(IterableDataset):
         return label
 
     def decode(self, sample: dict) -> dict:
-        """Raw sample (label parsed by `_labelled`) -> `{"__key__", "image", "label"}`. Raises BadSample
-        for an image that cannot be used."""
+        """Raw sample (label parsed by `_labelled`) -> `{"__key__", "image", "label"}`, and `"mask"`
+        uint8 [H, W] when it has a `seg.png`. Raises BadSample for an image or mask that cannot be
+        used."""
         try:
-            image = decode_image(sample, self.transform)
+            mask = read_mask(sample, self.num_classes, required=self.masks)
+            image = decode_image(sample, self.transform, mask)
         except BadSample as err:
             raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
-        return {"__key__": sample["__key__"], "image": image, "label": sample["__label__"]}
+        out = {"__key__": sample["__key__"], "label": sample["__label__"]}
+        if mask is None:
+            out["image"] = image
+        else:
+            out["image"], out["mask"] = image
+        return out
 
     def collate(self, samples_: list[dict]) -> dict:
-        """Samples -> batch: `image` [B,3,H,W] uint8, `label` [B] int64, `key` list[str]. The datamodule
-        turns `image` into normalised floats on the device (`ShardDataModule.prepare_batch`). JPEGs left
-        for the device (`decode="device"`) come as bytes and crop boxes instead (`device_decode`), and
-        `image` holds only the others."""
+        """Samples -> batch: `image` [B,3,H,W] uint8, `label` [B] int64, `key` list[str], and `mask`
+        [B,H,W] uint8 (pixel for pixel with `image`; 255 ignored) when the samples carry masks. The
+        datamodule turns `image` into normalised floats on the device (`ShardDataModule.prepare_batch`),
+        and leaves `mask` as it is. JPEGs left for the device (`decode="device"`) come as bytes and
+        crop boxes instead (`device_decode`), and `image` holds only the others; `mask` always holds
+        every sample's, cropped in the worker."""
         images, jpegs = collate_jpegs([s["image"] for s in samples_])
         batch = {
             "image": _stack(images) if images else torch.empty(0, 3, 0, 0, dtype=torch.uint8),
@@ -279,9 +296,27 @@ class ShardStream(IterableDataset):
             "key": [s["__key__"] for s in samples_],
             **jpegs,
         }
+        if any("mask" in s for s in samples_):
+            batch["mask"] = _stack(self._masks(samples_))
         if "__position__" in samples_[-1]:
             batch["last_position"] = samples_[-1]["__position__"]
         return batch
+
+    def _masks(self, samples_: list[dict]) -> list[torch.Tensor]:
+        """The batch's masks. A split whose manifest does not say `"masks": true` may mix samples with
+        and without `seg.png` (shards from other tools): those without get a mask of IGNORE_INDEX (no
+        pixel scored), said once per worker; with the manifest's word they are bad samples instead."""
+        shape = next(s["mask"].shape for s in samples_ if "mask" in s)
+        missing = [s["__key__"] for s in samples_ if "mask" not in s]
+        if missing and not self.said_filled:
+            self.said_filled = True
+            log.warning(
+                "%s and other samples without %s are read beside samples with one: their masks are all %d "
+                "(ignored); a manifest saying \"masks\": true would skip them as bad samples instead",
+                missing[0], MASK_MEMBER, IGNORE_INDEX,
+            )  # fmt: skip
+        ignored = torch.full(shape, IGNORE_INDEX, dtype=torch.uint8)
+        return [s.get("mask", ignored) for s in samples_]
 
 
 def _stack(images: list[torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,14 @@ Every preset decodes the image itself (its first step), because only the crop kn
 JPEG may be decoded (PIL draft mode). Images stay uint8 in the workers: conversion to float and
 normalisation run on whole batches on the device (`normalize`, called by
 `ShardDataModule.prepare_batch`), which also moves 4x fewer bytes from the workers to the device.
+
+A segmentation mask (a sample's `seg.png`: one class index per pixel) goes through the same steps with
+`Compose.pair`: each step applies its one random draw (crop box, flip) to the image and the mask, and
+resamples the mask with NEAREST, so that no class is invented between two others. The steps are this
+module's own classes rather than torchvision's `tv_tensors.Mask` route, which would decode before
+cropping (losing the JPEG draft decode), draw from torch's RNG instead of the draws every existing
+seed and resume depends on, and add the dispatch cost `Compose` avoids; an image without a mask takes
+exactly the path it took before.
 """
 
 from __future__ import annotations
@@ -24,16 +32,20 @@ from typing import Literal
 import numpy as np
 import torch
 import torchvision.transforms.v2 as v2
-from PIL import Image
+from PIL import Image, ImageOps
 from timm.data.auto_augment import rand_augment_transform
 
-from ssl_vit.errors import BadValue
+from ssl_vit.errors import BadValue, UserError
 
 Preset = Literal["pretrain", "supervised", "eval"]
 # How `eval` frames an image (`ShardDataModule.eval_view` chooses from the data): `whole` for images stored
 # at the model's resolution, `crop` (resize to image_size / crop_pct, centre crop) for larger ones.
 EvalView = Literal["whole", "crop"]
 DRAFT_SCALES = (8, 4, 2)  # the reductions a JPEG decoder does in the DCT (PIL `Image.draft`)
+RANDAUGMENT_AND_MASKS = (
+    "timm's RandAugment moves pixels with draws a segmentation mask (seg.png) cannot follow: for shards "
+    "with masks use train_preset 'pretrain', or 'supervised' without randaugment"
+)
 
 
 def build_transform(
@@ -55,11 +67,7 @@ def build_transform(
         raise BadValue(f"randaugment is part of the 'supervised' preset, not {preset!r}")
     if preset == "eval":
         resize = eval_resize(image_size, crop_pct)
-        steps = [
-            Decode(resize if draft else None),
-            v2.Resize(resize, antialias=True),
-            v2.CenterCrop(image_size),
-        ]
+        steps = [Decode(resize if draft else None), ResizeCentreCrop(resize, image_size)]
     else:
         steps = [RandomResizedCrop(image_size, scale=crop_scale, draft=draft), HorizontalFlip()]
     if randaugment:
@@ -73,7 +81,7 @@ def build_transform(
                 },
             )
         )
-    return Compose([*steps, to_uint8_tensor])
+    return Compose([*steps, ToTensor()])
 
 
 class Compose:
@@ -90,6 +98,16 @@ class Compose:
             img = step(img)
         return img
 
+    def pair(self, img: Image.Image, mask: Image.Image) -> tuple:
+        """An opened image and its mask (mode L, the image's size) -> (uint8 [3, H, W], uint8 [H, W]):
+        every step's `pair`, which draws once for both. A step without one (timm's RandAugment) is a
+        UserError: the mask would no longer match its image."""
+        for step in self.transforms:
+            if not hasattr(step, "pair"):
+                raise UserError(RANDAUGMENT_AND_MASKS)
+            img, mask = step.pair(img, mask)
+        return img, mask
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(map(repr, self.transforms))})"
 
@@ -102,10 +120,17 @@ class HorizontalFlip:
         self.p = p
 
     def __call__(self, img: Image.Image) -> Image.Image:
-        return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if random.random() < self.p else img
+        return flip(img) if random.random() < self.p else img
+
+    def pair(self, img: Image.Image, mask: Image.Image) -> tuple[Image.Image, Image.Image]:
+        return (flip(img), flip(mask)) if random.random() < self.p else (img, mask)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(p={self.p})"
+
+
+def flip(img: Image.Image) -> Image.Image:
+    return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
 
 
 def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
@@ -114,6 +139,24 @@ def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
     if img.mode != "RGB":
         img = img.convert("RGB")
     return torch.from_numpy(np.array(img)).permute(2, 0, 1)
+
+
+def mask_tensor(mask: Image.Image) -> torch.Tensor:
+    """Mode-L mask -> uint8 tensor [H, W] of class indices."""
+    return torch.from_numpy(np.array(mask))
+
+
+class ToTensor:
+    """The presets' last step: image -> `to_uint8_tensor`; with `pair`, the mask -> `mask_tensor`."""
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        return to_uint8_tensor(img)
+
+    def pair(self, img: Image.Image, mask: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_uint8_tensor(img), mask_tensor(mask)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
 def draft_scale(short_side: int, target: int) -> int:
@@ -141,6 +184,36 @@ class Decode:
     def __call__(self, img: Image.Image) -> Image.Image:
         scale = draft_scale(min(img.size), self.short_side) if self.short_side else 1
         return decode(img, scale)
+
+    def pair(self, img: Image.Image, mask: Image.Image) -> tuple[Image.Image, Image.Image]:
+        return self(img), mask
+
+
+class ResizeCentreCrop:
+    """The `eval` framing: shorter side to `resize` (torchvision's `v2.Resize`, antialiased), then the
+    centre `size` x `size` (`v2.CenterCrop`). With `pair`, the mask is resized with NEAREST to exactly
+    the resized image's size (not to `resize` on its own: a JPEG decoded at a draft scale has sides
+    rounded up, so its aspect ratio, and with it the longer side after the resize, can differ by a
+    pixel from the full-size mask's) and cropped with it. Where the crop is larger than the resized
+    image (`crop_pct` above 1), `v2.CenterCrop` pads with 0: there the mask is cropped as its complement
+    (255 - class), so that its padding comes out as 255, ignored, rather than class 0."""
+
+    def __init__(self, resize: int, size: int):
+        self.resize, self.crop = v2.Resize(resize, antialias=True), v2.CenterCrop(size)
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        return self.crop(self.resize(img))
+
+    def pair(self, img: Image.Image, mask: Image.Image) -> tuple[Image.Image, Image.Image]:
+        img = self.resize(img)
+        mask = mask.resize(img.size, Image.Resampling.NEAREST)
+        height, width = self.crop.size
+        if img.width >= width and img.height >= height:
+            return self.crop(img), self.crop(mask)
+        return self.crop(img), ImageOps.invert(self.crop(ImageOps.invert(mask)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.resize.size}, {self.crop.size})"
 
 
 class RandomResizedCrop:
@@ -188,12 +261,27 @@ class RandomResizedCrop:
         return (width - w) // 2, (height - h) // 2, w, h
 
     def __call__(self, img: Image.Image) -> Image.Image:
-        width, height = img.size  # from the header: nothing is decoded yet
-        left, top, w, h = self.box(width, height)
+        return self.crop_image(img, self.box(*img.size))  # the size from the header: nothing decoded yet
+
+    def pair(self, img: Image.Image, mask: Image.Image) -> tuple[Image.Image, Image.Image]:
+        box = self.box(*img.size)
+        return self.crop_image(img, box), self.crop_mask(mask, box)
+
+    def crop_image(self, img: Image.Image, box: tuple[int, int, int, int]) -> Image.Image:
+        """The opened image's `box` (full-size pixels) decoded and resized to (size, size), bilinear."""
+        width, height = img.size
+        left, top, w, h = box
         img = decode(img, draft_scale(min(w, h), self.size) if self.draft else 1)
         fx, fy = img.width / width, img.height / height
         box = (left * fx, top * fy, (left + w) * fx, (top + h) * fy)
         return img.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+
+    def crop_mask(self, mask: Image.Image, box: tuple[int, int, int, int]) -> Image.Image:
+        """The mask's `box` resized to (size, size) with NEAREST. PIL samples NEAREST and BILINEAR at
+        the same pixel centres of the box, so each mask pixel is the class under its image pixel."""
+        left, top, w, h = box
+        size, box = (self.size, self.size), (left, top, left + w, top + h)
+        return mask.resize(size, Image.Resampling.NEAREST, box=box)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, scale={self.scale}, draft={self.draft})"

@@ -77,11 +77,11 @@ def _record(sample: dict) -> tuple[ShardImage | Broken, int]:
     return ShardImage(sample["__key__"], sample[ext], where), label
 
 
-def load(arg: str, split: str) -> tuple[list[str] | None, ShardRecords]:
+def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None, ShardRecords]:
     """`(class_names or None for "from the labels seen", records)` of the shards URLS in `arg`; every
-    shard is checked to exist before anything is written."""
-    urls = expand(arg, "wds:URLS")
-    check_urls(urls, "wds:URLS")
+    shard is checked to exist before anything is written (messages name the source as `what`)."""
+    urls = expand(arg, what)
+    check_urls(urls, what)
     manifest = read_manifest(urls[0])
     if manifest is None:
         return None, ShardRecords(urls, None)

@@ -1,7 +1,8 @@
 """Source -> WebDataset shards plus a manifest (`ssl-vit data convert`).
 
 Shards are `OUTDIR/{split}-000000.tar ...`, each sample `KEY.png` or `KEY.jpg` plus `KEY.cls` (the
-label as ASCII digits, absent when unlabelled), written by `webdataset.TarWriter` with a fixed mtime
+label as ASCII digits, absent when unlabelled) and, from a source with masks, `KEY.seg.png` (its
+segmentation mask, `ssl_vit.data.masks`), written by `webdataset.TarWriter` with a fixed mtime
 so the same source gives byte-identical shards. Keys are `{source}-{split}-{index:08d}`, or for `wds:`
 the samples' own keys. Records are encoded by `--workers` processes (`ssl_vit.data.encode`). The
 manifest `OUTDIR/{split}.json` is described in data/README.md.
@@ -37,6 +38,7 @@ from pathlib import Path
 import webdataset as wds
 
 from ssl_vit.data.encode import encode_star
+from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.sources import Source, open_source
 from ssl_vit.errors import UserError
 
@@ -61,9 +63,12 @@ def convert(
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
+    grid: int | None = None,
+    background_threshold: int | None = None,
 ) -> dict:
     """Write the shards and manifest for SOURCE `spec`, images shrunk to `max_side` pixels on their
-    longer side where larger; returns the manifest."""
+    longer side where larger; returns the manifest. `grid` and `background_threshold` are the
+    `mosaic:` source's (`ssl_vit.data.mosaic`)."""
     check_split_name(split)
     if shard_size <= 0:
         raise UserError(f"--shard-size must be positive, got {shard_size}")
@@ -93,7 +98,7 @@ def convert(
             f"{outdir} already holds split {split!r} ({len(old)} files): pass --overwrite to replace it, "
             "or choose another OUTDIR or --split"
         )
-    source = open_source(spec, split)
+    source = open_source(spec, split, grid=grid, background_threshold=background_threshold)
     options = {
         "source": spec,
         "split": split,
@@ -102,6 +107,7 @@ def convert(
         "quality": quality,
         "max_side": max_side,
         "source_records": source.total,
+        **source.options,
     }
 
     outdir.mkdir(parents=True, exist_ok=True)
@@ -297,11 +303,18 @@ class _Shard:
         self.samples = 0
         self.class_counts: Counter = Counter()
         self.sizes: Counter = Counter()
+        self.mask_pixels: Counter = Counter()
 
-    def write(self, key: str, image_format: str, data: bytes, size: tuple[int, int], label: int) -> None:
+    def write(
+        self, key: str, image_format: str, data: bytes, size: tuple[int, int], label: int, mask: tuple | None
+    ) -> None:
+        """`mask`: None, or the encoder's `(PNG bytes, {class: pixels})`, stored as `KEY.seg.png`."""
         sample = {"__key__": key, image_format: data}
         if label >= 0:
             sample["cls"] = str(label)
+        if mask is not None:
+            sample[MASK_MEMBER] = mask[0]
+            self.mask_pixels.update(mask[1])
         self.tar.write(sample)
         self.samples += 1
         self.class_counts[label] += 1
@@ -325,6 +338,7 @@ class _Shard:
             "skipped": skipped,
             "class_counts": {str(k): v for k, v in self.class_counts.items()},
             "sizes": [[h, w, n] for (h, w), n in self.sizes.items()],
+            "mask_pixels": {str(k): v for k, v in self.mask_pixels.items()},
         }
 
 
@@ -337,8 +351,9 @@ def _write_shards(
     shards = list(finished)
     consumed = shards[-1]["records"] if shards else 0
     index = sum(entry["num_samples"] for entry in shards)  # samples written: the next key's number
+    mask_classes = len(source.class_names) if source.masks else None
     jobs = (
-        (record, image_format, options["quality"], options["max_side"])
+        (record, image_format, options["quality"], options["max_side"], mask_classes)
         for record in itertools.islice(source.records, consumed, None)
     )
     pool = multiprocessing.get_context("fork").Pool(workers, _worker_start) if workers > 1 else None
@@ -346,7 +361,7 @@ def _write_shards(
     shard, skipped = None, 0  # skipped: unreadable records since the last shard closed
     try:
         with _Progress(show, split, source.total, consumed) as progress:
-            for data, size, label, key in encoded:
+            for data, size, label, key, mask in encoded:
                 consumed += 1
                 progress.advance()
                 if data is None:
@@ -355,7 +370,9 @@ def _write_shards(
                     continue
                 if shard is None:
                     shard = _Shard(partial, f"{split}-{len(shards):06d}.tar")
-                shard.write(key or f"{source.name}-{split}-{index:08d}", image_format, data, size, label)
+                shard.write(
+                    key or f"{source.name}-{split}-{index:08d}", image_format, data, size, label, mask
+                )
                 index += 1
                 if shard.samples == shard_size:
                     shards.append(shard.close(consumed, skipped))
@@ -404,7 +421,7 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
     if class_names is None:  # from the labels written
         class_names = [str(c) for c in range(max(class_counts) + 1)]
     height, width = sizes.most_common(1)[0][0]
-    return {
+    manifest = {
         "version": MANIFEST_VERSION,
         "source": source.spec,
         "split": options["split"],
@@ -418,6 +435,17 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
         "class_counts": {str(k): v for k, v in sorted(class_counts.items())},
         "shards": [{"url": entry["url"], "num_samples": entry["num_samples"]} for entry in shards],
     }
+    if source.masks:  # every sample has a seg.png; its classes are class_names
+        pixels: Counter = Counter()
+        for entry in shards:
+            pixels.update({int(k): v for k, v in entry["mask_pixels"].items()})
+        manifest.update(
+            masks=True,
+            ignore_index=IGNORE_INDEX,
+            mask_pixels={str(k): v for k, v in sorted(pixels.items())},
+            **source.manifest,
+        )
+    return manifest
 
 
 class _Progress:
