@@ -181,7 +181,7 @@ def plot_differences(
     column per checkpoint, each cell coloured by the paired difference (green above the baseline, red
     below; pale within noise) and written out with its verdict."""
     names = list(differences)
-    fig = Figure(figsize=(1.3 * max(1, len(names)) + 3.2, 0.32 * len(columns) + 1.4))
+    fig = Figure(figsize=(max(5.5, 1.3 * len(names) + 3.2), 0.32 * len(columns) + 1.6))
     ax = fig.subplots()
     points = [100 * differences[name][column].mean for column in columns for name in names]
     limit = max([abs(v) for v in points] + [1.0])
@@ -202,7 +202,7 @@ def plot_differences(
     ax.xaxis.tick_top()
     ax.set_yticks(range(len(columns)), columns, fontsize=7)
     ax.set_title(
-        f"minus {baseline} (percentage points): bold beyond noise (paired interval), pale within noise",
+        f"minus {baseline}, percentage points\nbold: beyond noise (paired 95% interval); pale: within noise",
         fontsize=8,
     )
     return _saved(fig, path)

@@ -43,7 +43,7 @@ from ssl_vit.evaluation.plots import (
 )
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import Difference, Score, interval, paired_difference
-from ssl_vit.evaluation.suite import Suite, write_record
+from ssl_vit.evaluation.suite import Suite, dataset_backbone, write_record
 from ssl_vit.evaluation.tables import (
     COST,
     label_efficiency_protocols,
@@ -169,9 +169,11 @@ def attention_images(suite: Suite) -> torch.Tensor:
 
 
 def attention_curve(source: str, suite: Suite, images: torch.Tensor, replicate: int = 0) -> torch.Tensor:
-    """(L, H) mean attention distance (pixels) of every head of the checkpoint's backbone on `images`."""
+    """(L, H) mean attention distance (pixels) of every head of the checkpoint's backbone on `images` (the
+    first dataset's: at its image size, as `evaluate` read it)."""
     torch.manual_seed(suite.seed + replicate)  # `scratch` is the same random backbone `evaluate` drew
-    backbone, _ = load_backbone(source, suite.backbone)
+    backbone, config = load_backbone(source, suite.backbone)
+    backbone, _ = dataset_backbone(backbone, config, next(iter(suite.datasets.values())))
     backbone.eval()
     return attention_distance(backbone, images, batch_size=ATTENTION_IMAGES)
 

@@ -63,11 +63,12 @@ class Selection(NamedTuple):
 
 
 class TrainingSet(NamedTuple):
-    """What one label fraction of a trained protocol trains and chooses on."""
+    """What one label fraction of a trained protocol trains and chooses on, and for how long."""
 
     keys: list[str] | None  # training images (None: the whole train split, of the protocol's classes)
     selection: Selection | None  # None: one candidate, nothing to choose
     used: dict[str, Any]  # what results.json records of them
+    steps: int | None  # optimizer steps; None: the protocol's epochs
 
 
 @dataclass(config=STRICT)
@@ -78,7 +79,8 @@ class TrainedProtocol(Protocol):
 
     feature: Literal["cls", "mean"] = "cls"
     epochs: PositiveInt | None = None  # passes over the training (sub)set; 10 unless `steps` is given
-    steps: PositiveInt | None = None  # optimizer steps instead of epochs: the same for every fraction
+    # optimizer steps instead of epochs: one number for every label fraction, or one per fraction
+    steps: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] | None = None
     batch_size: PositiveInt | None = None  # None: the dataset's
     optimizer: OptimizerName = "sgd"
     momentum: Momentum | None = None  # sgd and lars: 0.9 unless given
@@ -100,6 +102,12 @@ class TrainedProtocol(Protocol):
     def candidates(self) -> list[str]:
         """The names of the candidates it trains and chooses among (one: nothing to choose)."""
         return ["only"]
+
+    def steps_for(self, fraction: float) -> int | None:
+        """The optimizer steps one label fraction trains for; None: `epochs` say."""
+        if isinstance(self.steps, list):
+            return self.steps[self.label_fractions.index(fraction)]
+        return self.steps
 
     def column(self, fraction: float) -> str:
         """The result column of one label fraction: the protocol's name for all labels, else e.g.
@@ -129,6 +137,11 @@ class TrainedProtocol(Protocol):
             )
         if self.steps is None and self.epochs is None:
             self.epochs = 10
+        if isinstance(self.steps, list) and len(self.steps) != len(self.label_fractions):
+            raise UserError(
+                f"{where}: steps {self.steps} gives {len(self.steps)} numbers for "
+                f"{len(self.label_fractions)} label_fractions: give one per fraction, or one number for all"
+            )
         if self.batch_size is None:
             self.batch_size = data.get("batch_size", DATA_BATCH_SIZE)
         if self.optimizer == "adamw":
@@ -281,7 +294,8 @@ def training_set(
         **used,
     }  # fmt: skip
     whole = fraction == 1 and selection is None
-    return TrainingSet(None if whole else [keys[i] for i in chosen.tolist()], selection, used)
+    keys = None if whole else [keys[i] for i in chosen.tolist()]
+    return TrainingSet(keys, selection, used, protocol.steps_for(fraction))
 
 
 # --- optimizers -----------------------------------------------------------------------------------------
@@ -328,10 +342,12 @@ class _Curve:
         self.points.append([step, round(loss, 5)])
 
 
-def train_streamed(model, protocol: TrainedProtocol, suite, features: FeatureCache, keys) -> dict[str, Any]:
-    """Train `model` on the suite's train split (only the samples `keys` when given) for the protocol's
-    epochs or steps, through its training transform; the test split is never read here. Returns the
-    optimizer steps taken, the last training loss and the loss curve."""
+def train_streamed(
+    model, protocol: TrainedProtocol, suite, features: FeatureCache, plan: TrainingSet
+) -> dict:
+    """Train `model` on the suite's train split (only the samples `plan.keys` when given) for the
+    protocol's epochs or the plan's steps, through its training transform; the test split is never read
+    here. Returns the optimizer steps taken, the last training loss and the loss curve."""
     import pytorch_lightning as pl
 
     start_from_scored_backbone(model, features)
@@ -339,7 +355,8 @@ def train_streamed(model, protocol: TrainedProtocol, suite, features: FeatureCac
     # An epoch of a labelled subset is its images in whole batches, at least one (the stream resamples a
     # subset smaller than a batch); with `steps`, one epoch of all the steps: the stream reads the whole
     # split to find a subset's images, and an epoch per batch would start its workers and read again.
-    batches = protocol.steps or max(1, len(keys or ()) // protocol.batch_size)
+    keys, steps = plan.keys, plan.steps
+    batches = steps or max(1, len(keys or ()) // protocol.batch_size)
     subset = {} if keys is None else dict(train_keys=keys, train_batches=batches)
     datamodule = ShardDataModule(
         train_urls=data["train_urls"],
@@ -351,10 +368,10 @@ def train_streamed(model, protocol: TrainedProtocol, suite, features: FeatureCac
     )
     # the manifests as the frozen protocols' data module read them: the same epoch size and eval view
     datamodule.manifests = features.datamodule.manifests
-    if protocol.steps is None:
+    if steps is None:
         length = dict(max_epochs=protocol.epochs)
     else:
-        length = dict(max_epochs=-1, max_steps=protocol.steps)
+        length = dict(max_epochs=-1, max_steps=steps)
     device = local_device()  # under torchrun, this rank's own GPU
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "auto",
@@ -367,7 +384,7 @@ def train_streamed(model, protocol: TrainedProtocol, suite, features: FeatureCac
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    total = protocol.steps or (batches * protocol.epochs if keys is not None else None)
+    total = steps or (batches * protocol.epochs if keys is not None else None)
     curve = _Curve(total)
     with progress.step(f"{protocol.name}: training", total, unit="steps") as advance:
         trainer.callbacks.append(_following(advance, curve))
@@ -395,10 +412,13 @@ def _following(advance: Callable[[int], None], curve: _Curve):
     return Following()
 
 
-def train_cached(model, protocol: TrainedProtocol, suite, features: FeatureCache, train: Features) -> dict:
+def train_cached(
+    model, protocol: TrainedProtocol, suite, features: FeatureCache, train: Features, steps: int | None
+) -> dict:
     """`train_streamed` for a frozen-backbone probe whose training transform is `eval`: its backbone
     would see exactly the images the cache holds features of, so the heads train on those features
-    (`train`: pooled or token features and their labels or masks) instead of a forward pass per step.
+    (`train`: pooled or token features and their labels or masks) instead of a forward pass per step,
+    for `steps` (None: the protocol's epochs).
     Same optimizer, schedule, batch size and epochs (an epoch: the training images in whole batches, at
     least one batch). Hand-written: a Lightning Trainer would add a DataLoader and device handling
     around a few hundred steps on tensors already in memory."""
@@ -407,7 +427,7 @@ def train_cached(model, protocol: TrainedProtocol, suite, features: FeatureCache
     model.to(device).train()
     targets = protocol.targets(train)
     size, count = protocol.batch_size, len(train.y)
-    steps = protocol.steps or protocol.epochs * max(1, count // size)
+    steps = steps or protocol.epochs * max(1, count // size)
     generator = torch.Generator().manual_seed(suite.seed)
     # Consecutive shuffles of the training images, cut into batches (a set smaller than a batch repeats).
     order = torch.cat([torch.randperm(count, generator=generator) for _ in range(-(-steps * size // count))])

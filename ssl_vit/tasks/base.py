@@ -27,7 +27,7 @@ RGB = tuple[float, float, float]
 COST_KEY = "ssl_vit_cost"
 # What a training step computes on; the batch's other entries (sample keys, skip counts) are bookkeeping
 # that changes every step and would make a compiled step recompile.
-STEP_INPUTS = ("image", "label", "target")
+STEP_INPUTS = ("image", "label", "target", "mask")
 
 
 def step_inputs(batch: dict) -> dict[str, Tensor]:

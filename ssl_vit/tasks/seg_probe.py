@@ -87,10 +87,15 @@ class LinearSegProbe(FrozenProbe):
         h, w = self.backbone.grid_size
         return torch.stack([head(tokens).transpose(1, 2).unflatten(2, (h, w)) for head in self.heads])
 
-    def head_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        """One head's (B, K, h, w) class map against masks (B, Hm, Wm): cross-entropy per pixel of the
-        logits upsampled to the mask, pixels of 255 ignored."""
-        return F.cross_entropy(upsample(outputs, targets.shape[-2:]), targets.long(), ignore_index=IGNORE)
+    def forward_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Every head's (H, B, K, h, w) class map against masks (B, Hm, Wm): the sum over heads of each
+        head's cross-entropy per pixel of its logits upsampled to the mask, pixels of 255 ignored. All
+        heads in one upsampling and one cross-entropy (each head has the same labelled pixels, so the mean
+        over all of them is the mean of the heads' means)."""
+        heads = outputs.shape[0]
+        logits = upsample(outputs.flatten(0, 1), targets.shape[-2:])  # (H B, K, Hm, Wm)
+        labels = targets.long().repeat(heads, 1, 1)
+        return heads * F.cross_entropy(logits, labels, ignore_index=IGNORE)
 
 
 __all__ = ["LinearSegProbe", "PatchFeature", "upsample"]

@@ -126,3 +126,26 @@ def test_a_token_cache_larger_than_memory_allows_is_refused_before_its_pass(digi
     assert "caching the tokens of the 300 images of train_urls takes" in proc.stderr
     assert "an augmentation other than 'eval'" in proc.stderr
     assert not out.exists()
+
+
+def test_the_folded_pooling_is_the_attention_of_projected_keys_and_values():
+    """The pooling folds the query into the key matrix and applies the value matrix after pooling; it
+    must equal the textbook form (every token projected to keys and values, scaled dot-product
+    attention per head, the queries' outputs averaged), outputs and gradients alike."""
+    import torch.nn.functional as F
+
+    from ssl_vit.tasks.attentive_probe import AttentivePooling
+
+    torch.manual_seed(0)
+    pool = AttentivePooling(width=12, heads=3, queries=2)
+    tokens = torch.randn(5, 7, 12, requires_grad=True)
+    b, t, d, h = 5, 7, 12, 3
+    q = pool.latent.view(1, 2, h, d // h).transpose(1, 2).expand(b, -1, -1, -1)  # (B, h, Q, d/h)
+    k = pool.k(tokens).view(b, t, h, d // h).transpose(1, 2)  # (B, h, T, d/h)
+    v = pool.v(tokens).view(b, t, h, d // h).transpose(1, 2)
+    expected = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, 2, d).mean(1)
+    found = pool(tokens)
+    assert torch.allclose(found, expected, atol=1e-6)
+    grads = torch.autograd.grad(found.square().sum(), [tokens, pool.latent, pool.k.weight, pool.v.weight])
+    wanted = torch.autograd.grad(expected.square().sum(), [tokens, pool.latent, pool.k.weight, pool.v.weight])
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, wanted))

@@ -83,10 +83,12 @@ def test_label_subset_is_class_balanced_seeded_and_nested():
         ({**FINETUNE, "augmentation": "supervised", "randaugment": "strong"}, ["randaugment is 'strong'"]),
         ({**FINETUNE, "feature": "lastk"}, ["feature is 'lastk'", "'cls' or 'mean'"]),
         ({**LINEAR, "batch_norm": 1}, ["batch_norm is 1", "valid boolean"]),
+        ({"name": "ft", "kind": "finetune", "steps": [5, 10]}, ["steps [5, 10] gives 2 numbers for 1"]),
     ],
     ids=["unknown-key", "key-of-another-kind", "optimizer", "negative-lr", "lr-as-text", "epochs-type",
          "lrs-item", "lrs-repeat", "fraction-range", "momentum-for-adamw", "betas-for-lars",
-         "epochs-and-steps", "augmentation", "mixup-preset", "randaugment", "feature", "flag-type"],
+         "epochs-and-steps", "augmentation", "mixup-preset", "randaugment", "feature", "flag-type",
+         "steps-per-fraction"],
 )  # fmt: skip
 def test_protocol_key_mistakes_are_one_line_and_write_nothing(protocol, words, digits_shards, tmp_path, cli):
     suite = write_suite(tmp_path / "suite.yaml", digits_shards, [protocol])
@@ -232,3 +234,18 @@ def test_compare_with_label_fractions_writes_a_row_per_fraction_and_the_picture(
         )
     with Image.open(out / "label_efficiency.png") as picture:
         assert picture.format == "PNG" and picture.size == (1100, 440)  # two panels
+
+
+@pytest.mark.slow
+def test_steps_may_differ_per_label_fraction_and_every_column_records_its_loss_curve(
+    digits_shards, tmp_path, cli
+):
+    """`steps: [3, 5]` with `label_fractions: [0.1, 0.5]`: the 10% column trains 3 steps, the 50% one 5,
+    each recording its training loss at every step (fewer steps than the curve's points)."""
+    ft = {"name": "ft", "kind": "finetune", "steps": [3, 5], "label_fractions": [0.1, 0.5], "batch_size": 16}
+    record = evaluate(cli, write_suite(tmp_path / "suite.yaml", digits_shards, [ft]), tmp_path / "out")
+    for column, steps in (("ft_10pct", 3), ("ft_50pct", 5)):
+        detail = record["details"][column]
+        assert detail["optimizer_steps"] == steps
+        assert [step for step, _ in detail["loss_curve"]] == list(range(1, steps + 1))
+        assert detail["loss_curve"][-1][1] == pytest.approx(detail["train_loss"], rel=1e-4)

@@ -81,7 +81,7 @@ class FineTuneProtocol(TrainedProtocol):
                 optimizer=optimizer(self, lr),
                 lr_scheduler=schedule(self),
             )
-            found.append(train_streamed(model, self, suite, features, plan.keys))
+            found.append(train_streamed(model, self, suite, features, plan))
             if plan.selection is not None:
                 selected.append(statistics([model], self, features, *plan.selection))
             models.append(model.cpu())  # one candidate on the device at a time

@@ -65,10 +65,10 @@ class ProbeProtocol(TrainedProtocol):
         model = self.build(features, source, config)
         kind = self.cached_kind()
         if kind is None:
-            found = train_streamed(model, self, suite, features, plan.keys)
+            found = train_streamed(model, self, suite, features, plan)
         else:
             train = restrict(features.get("train", kind), self.classes, plan.keys)
-            found = train_cached(model, self, suite, features, train)
+            found = train_cached(model, self, suite, features, train, plan.steps)
         # The head is chosen on the selection images; only then is the test split read, and only the
         # chosen head scores it.
         head = 0
