@@ -22,6 +22,7 @@ import struct
 import sys
 
 SOCKET_ENV = "SSL_VIT_CLI_SOCKET"  # the server's socket, for this script
+PRELUDE_ENV = "SSL_VIT_CLI_PRELUDE"  # Python the command's process runs first (a test's hook), if set
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -72,7 +73,8 @@ def main() -> None:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     env, path = dict(os.environ), os.environ[SOCKET_ENV]
-    conn, pid = request(path, sys.argv[1:], cwd=os.getcwd(), env=env, fds=fds, session=True)
+    prelude = env.pop(PRELUDE_ENV, "")  # a test's hook for the commands a script or torchrun starts
+    conn, pid = request(path, sys.argv[1:], cwd=os.getcwd(), env=env, fds=fds, session=True, prelude=prelude)
     for number in pending:
         forward(number, None)
     status = answer(conn)["status"]

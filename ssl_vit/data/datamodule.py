@@ -49,6 +49,7 @@ from ssl_vit.data.device_decode import device_transform, place_jpegs
 from ssl_vit.data.identity import changes, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
 from ssl_vit.data.masks import IGNORE_INDEX
+from ssl_vit.data.samples import MAX_IMAGE_PIXELS
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import expand, manifest_url, read_manifest
@@ -106,6 +107,13 @@ class ShardDataModule(pl.LightningDataModule):
         loader_timeout_s: with DataLoader workers, no batch for this long ends the run with one line
             naming the split's shards; by default twice the longest a shard read can take before it
             gives up (every try timing out: 782 s with the defaults above).
+        require_labels: skip and count samples without a label (-1), as every sample whose label is not
+            a class. Set by itself when the fit's task trains on labels (its `NEEDS_LABELS`: supervised
+            pretraining, fine-tuning, linear probing) and by evaluation's labelled passes; a
+            self-supervised task reads unlabelled samples.
+        max_image_pixels: an image of more pixels (width x height, from its header) is skipped and
+            counted without being decoded; null: no limit. The default is PIL's own warning threshold
+            (89.5 Mpx), beyond which PIL decodes with a warning; PIL refuses twice as many anyway.
     """
 
     def __init__(
@@ -138,6 +146,8 @@ class ShardDataModule(pl.LightningDataModule):
         read_timeout_s: float = 60.0,
         loader_timeout_s: float | None = None,
         on_data_change: Literal["warn", "refuse"] = "warn",
+        require_labels: bool = False,
+        max_image_pixels: int | None = MAX_IMAGE_PIXELS,
     ):
         super().__init__()
         # No save_hyperparameters: the CLI logs the whole config (data included) to W&B, and Lightning
@@ -146,7 +156,7 @@ class ShardDataModule(pl.LightningDataModule):
             {
                 "batch_size": batch_size, "image_size": image_size, "num_workers": num_workers,
                 "segment_shards": segment_shards, "train_batches": train_batches, "num_classes": num_classes,
-                "seed": seed,
+                "seed": seed, "max_image_pixels": max_image_pixels,
             }
         )  # fmt: skip
         check_seconds({"loader_timeout_s": loader_timeout_s})
@@ -208,6 +218,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.manifests: dict[str, dict | None] = {}
         self._views: dict[str, EvalView] = {}
         self.on_data_change = on_data_change
+        self.require_labels, self.max_image_pixels = require_labels, max_image_pixels
         self._mixup: Mixup | None = None
         self._check_labels()
 
@@ -413,8 +424,15 @@ class ShardDataModule(pl.LightningDataModule):
             segment_shards=self.segment_shards,
             num_classes=self.num_classes,
             masks=masks,
+            require_labels=self.require_labels or self._task_needs_labels(),
+            max_image_pixels=self.max_image_pixels,
             read_policy=self.read_policy,
         )
+
+    def _task_needs_labels(self) -> bool:
+        """Whether the task of the fit this data module serves trains or scores on labels."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return bool(getattr(module, "NEEDS_LABELS", False))
 
     def _start_epoch(self) -> tuple[int, ResumePlan | None]:
         """The epoch of the training pass about to start and, once after a resume, where each worker

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -71,14 +72,26 @@ def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
         raise BadSample(f"{MASK_MEMBER} {wrong}")
 
 
-def decode_image(sample: dict, transform: Callable[[Image.Image], T], mask: np.ndarray | None = None):
+# PIL's own limit (`Image.MAX_IMAGE_PIXELS`, 1024^3 / 4 / 3): beyond it PIL warns and decodes, and
+# refuses only at twice as many. `max_image_pixels` of the data module skips an image above its limit from
+# the header, before any pixel is decoded: one 144 Mpx image would otherwise take 0.5 GB in a worker.
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+def decode_image(
+    sample: dict,
+    transform: Callable[[Image.Image], T],
+    mask: np.ndarray | None = None,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
+):
     """`transform` applied to the sample's first image member, opened but not decoded: the transform
     decodes it (see `ssl_vit.data.transforms.decode`), so that a crop can choose the JPEG draft scale.
     `npy` members are raw uint8 arrays. Anything the image bytes make PIL or numpy raise becomes a
     BadSample.
 
     With `mask` (uint8 [H, W], `read_mask`): `(image, mask)` from `transform.pair`, which gives the mask
-    the image's crop, flip and resize; a mask whose size is not the image's is a BadSample."""
+    the image's crop, flip and resize; a mask whose size is not the image's is a BadSample. An image of
+    more than `max_pixels` pixels (None: no limit) is a BadSample, read from its header only."""
     ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
     if ext is None:
         raise BadSample(f"no image member (one of {', '.join(IMAGE_MEMBERS)}); members: {_members(sample)}")
@@ -89,7 +102,14 @@ def decode_image(sample: dict, transform: Callable[[Image.Image], T], mask: np.n
                 raise ValueError(f"npy image must be uint8 (H, W[, C]), got {array.dtype} {array.shape}")
             img = Image.fromarray(array)
         else:
-            img = Image.open(io.BytesIO(sample[ext]))
+            with warnings.catch_warnings():  # PIL's warning on size: `max_pixels` decides here
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(sample[ext]))
+        if max_pixels is not None and img.width * img.height > max_pixels:
+            raise BadSample(
+                f"{ext} is {img.width}x{img.height} ({img.width * img.height:,} pixels), more than "
+                f"max_image_pixels {max_pixels:,}: skipped without decoding"
+            )
         if mask is None:
             out = transform(img)
         else:

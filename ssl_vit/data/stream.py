@@ -49,7 +49,14 @@ from ssl_vit.data import samples
 from ssl_vit.data.device_decode import collate_jpegs
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
-from ssl_vit.data.samples import BadSample, SkipCounter, decode_image, parse_label, read_mask
+from ssl_vit.data.samples import (
+    MAX_IMAGE_PIXELS,
+    BadSample,
+    SkipCounter,
+    decode_image,
+    parse_label,
+    read_mask,
+)
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.errors import UserError
 
@@ -91,7 +98,8 @@ class ShardStream(IterableDataset):
     `classes` and `keys` keep only the samples with these labels and these `__key__`s. Remote shards
     are read with `read_policy` (`ssl_vit.data.remote`: retries, read timeout). A sample's `seg.png`
     is read whenever it has one; with `masks` (its split's manifest says `"masks": true`) a sample
-    without one is a bad sample.
+    without one is a bad sample. With `require_labels` (a task that trains or scores on labels) so is a
+    sample without a label (-1). An image of more than `max_image_pixels` is one too, from its header.
     """
 
     def __init__(
@@ -106,6 +114,8 @@ class ShardStream(IterableDataset):
         keys: Collection[str] | None = None,
         num_classes: int | None = None,
         masks: bool = False,
+        require_labels: bool = False,
+        max_image_pixels: int | None = MAX_IMAGE_PIXELS,
         seed: int = 0,
         batches_per_epoch: int | None = None,
         shuffle_buffer: int = 1000,
@@ -121,6 +131,7 @@ class ShardStream(IterableDataset):
         self.keys = frozenset(keys) if keys is not None else None
         self.num_classes = num_classes
         self.masks = masks
+        self.require_labels, self.max_image_pixels = require_labels, max_image_pixels
         self.said_filled = False  # whether this worker has said it filled in missing masks (`_masks`)
         self.seed = seed
         self.batches_per_epoch = batches_per_epoch
@@ -262,6 +273,8 @@ class ShardStream(IterableDataset):
             label = parse_label(sample)
             if self.num_classes is not None and label >= self.num_classes:
                 raise BadSample(f"label {label} is beyond num_classes {self.num_classes}")
+            if self.require_labels and label < 0:
+                raise BadSample("no label, and the task trains or scores on labels")
         except BadSample as err:
             raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
         return label
@@ -272,7 +285,7 @@ class ShardStream(IterableDataset):
         used."""
         try:
             mask = read_mask(sample, self.num_classes, required=self.masks)
-            image = decode_image(sample, self.transform, mask)
+            image = decode_image(sample, self.transform, mask, self.max_image_pixels)
         except BadSample as err:
             raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
         out = {"__key__": sample["__key__"], "label": sample["__label__"]}

@@ -25,7 +25,7 @@ from ssl_vit.models.vit import TokenKind, ViT, ViTConfig
 # ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
 DATA_KEYS = (
     "image_size", "batch_size", "num_workers", "mean", "std", "eval_crop_pct", "num_classes", "seed",
-    "read_retries", "read_timeout_s", "loader_timeout_s",
+    "read_retries", "read_timeout_s", "loader_timeout_s", "max_image_pixels",
 )  # fmt: skip
 LAST_K = 4  # the blocks `lastk` and `patches_lastk` read (DINO's linear evaluation: the last 4)
 CACHE_SHARE = 0.5  # the share of free memory a split's token cache may take
@@ -53,9 +53,19 @@ class FeatureCache:
             train_urls=data["train_urls"],
             val_urls=data.get("val_urls"),
             test_urls=data["test_urls"],
+            train_batches=1,  # exact passes only: no training epoch to size from a manifest
             **datamodule_args(data),
         )
         self._cache: dict[str, dict[str, Features]] = {}
+
+    @staticmethod
+    def manifest_count(data: dict[str, Any]) -> int | None:
+        """The training images of a data block as its manifest counts them; None without a manifest."""
+        from ssl_vit.data import ShardDataModule
+
+        # train_batches: the count is asked for, not an epoch sized from it
+        datamodule = ShardDataModule(train_urls=data["train_urls"], train_batches=1, **datamodule_args(data))
+        return datamodule.samples_in("train")
 
     def get(self, split: str, feature: str) -> Features:
         if feature not in self.kinds:
@@ -76,6 +86,12 @@ class FeatureCache:
     def labels(self, split: str) -> torch.Tensor:
         """Labels of a split: they do not depend on the feature, so the split's one pass serves."""
         return self.get(split, self.kinds[0]).y
+
+    def unlabelled(self) -> dict[str, int]:
+        """Per split read so far, its images without a label (-1), where it has some: every
+        classification protocol leaves them out."""
+        counts = {split: int((self.labels(split) < 0).sum()) for split in self._cache}
+        return {split: n for split, n in counts.items() if n}
 
     def num_classes(self) -> int:
         found = self.datamodule.num_classes

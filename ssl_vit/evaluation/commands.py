@@ -55,14 +55,16 @@ def add_parsers(subparsers) -> None:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation import progress
-    from ssl_vit.evaluation.suite import evaluate, load_suite
-    from ssl_vit.evaluation.training import grid_edge_notes
+    from ssl_vit.evaluation.suite import check_inputs, evaluate, load_suite
+    from ssl_vit.evaluation.training import grid_edge_notes, unlabelled_notes
 
+    suite = load_suite(args.suite)
+    check_inputs({args.checkpoint: [args.checkpoint]}, suite)
     with progress.job("evaluate", 1):
         progress.run(0, args.checkpoint)
-        record = evaluate(args.checkpoint, load_suite(args.suite), args.out, overwrite=args.overwrite).record
+        record = evaluate(args.checkpoint, suite, args.out, overwrite=args.overwrite).record
     print(json.dumps(record["results"], indent=2))
-    for note in grid_edge_notes([record]):
+    for note in grid_edge_notes([record]) + unlabelled_notes([record]):
         print(f"ssl-vit: note: {note}", file=sys.stderr)
     print(f"wrote {args.out}/results.json")
     return 0
@@ -103,6 +105,23 @@ def parse_checkpoints(items: list[str], scratch: int, baseline: str | None = Non
     return checkpoints
 
 
+def repeated_checkpoints(checkpoints: dict[str, list[str]]) -> list[str]:
+    """One line per checkpoint given more than once (scratch aside: its runs are distinct draws): it is
+    evaluated each time, and rows of it are not independent."""
+    places: dict[str, list[str]] = {}
+    for name, sources in checkpoints.items():
+        for i, source in enumerate(sources):
+            if source != "scratch":
+                where = name if len(sources) == 1 else f"{name}/{i + 1}"
+                places.setdefault(str(Path(source)), []).append(where)
+    return [
+        f"{source} is given {len(names)} times ({', '.join(names)}): it is evaluated each time, and its "
+        "rows are one checkpoint, not independent runs"
+        for source, names in places.items()
+        if len(names) > 1
+    ]
+
+
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -111,6 +130,8 @@ def _compare(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation.verdicts import load_claims
 
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
+    for line in repeated_checkpoints(checkpoints):
+        print(f"ssl-vit: warning: {line}", file=sys.stderr)
     suite = load_suite(args.suite)
     claims = load_claims(args.claims, suite, list(checkpoints)) if args.claims else None
     rows = compare(checkpoints, suite, args.out, args.baseline, args.overwrite, claims)

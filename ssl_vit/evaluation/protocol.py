@@ -63,6 +63,7 @@ class Protocol:
 
     KIND: ClassVar[str] = ""  # the `kind:` value that selects the class (`register`)
     TITLE: ClassVar[str] = ""  # the kind in words, as verdicts name it ("few-shot")
+    TARGET: ClassVar[str] = "label"  # what it is scored on: image labels, or a segmentation's `mask`
 
     def columns(self) -> list[str]:
         """Its result columns, in the order the report shows them."""
@@ -89,6 +90,10 @@ class Protocol:
         """`fewshot_mean_5shot (few-shot, mean patch token)`: a column and what it rests on."""
         classes = f", classes {_classes(self.classes)}" if self.classes else ""
         return f"{column} ({self.TITLE}, {FEATURES[self.feature]}{classes})"
+
+    def needs_epoch_size(self) -> bool:
+        """Whether it trains for epochs of the whole train split, whose size only a manifest knows."""
+        return False
 
     def settle(self, data: dict[str, Any], backbone: ViTConfig, where: str) -> None:
         """Fill the defaults that depend on other keys, on the dataset block `data` or on the suite's

@@ -43,7 +43,7 @@ from ssl_vit.evaluation.plots import (
 )
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import Difference, Score, interval, paired_difference
-from ssl_vit.evaluation.suite import Suite, dataset_backbone, write_record
+from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, write_record
 from ssl_vit.evaluation.tables import (
     COST,
     label_efficiency_protocols,
@@ -53,7 +53,7 @@ from ssl_vit.evaluation.tables import (
     write_csv,
     write_label_efficiency,
 )
-from ssl_vit.evaluation.training import grid_edge_notes
+from ssl_vit.evaluation.training import grid_edge_notes, unlabelled_notes
 from ssl_vit.evaluation.verdicts import Claim, baseline_text, claims_text
 from ssl_vit.outdir import check_out, staged
 
@@ -85,6 +85,7 @@ def compare(
     Returns the rows written; under torchrun the runs are spread over the ranks (`ranks.py`) and only
     rank 0 writes and returns them (None on the others); every rank checks out_dir alike."""
     out = check_out(out_dir, overwrite)
+    check_inputs(checkpoints, suite)
     outcomes = evaluate_checkpoints(checkpoints, suite)
     if outcomes is None:
         return None
@@ -136,7 +137,7 @@ def write_comparison(
     differences = paired(rows, columns, baseline, suite) if baseline else None
     write_csv(rows, columns, out / "results.csv")
     records = [run.record for runs in outcomes.values() for run in runs if not isinstance(run, Failed)]
-    notes = "".join(f"- {note}\n" for note in grid_edge_notes(records))
+    notes = "".join(f"- {note}\n" for note in grid_edge_notes(records) + unlabelled_notes(records))
     table = markdown_table(rows, columns, suite, baseline, differences)
     (out / "results.md").write_text(table + (f"\nNotes:\n\n{notes}" if notes else ""))
     if claims:

@@ -92,6 +92,7 @@ class Suite:
 
 def load_suite(path: str | Path) -> Suite:
     """Parse and check a suite file; every problem is a one-line UserError naming the fix."""
+    refuse_url(str(path), "suite")
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
@@ -139,6 +140,40 @@ def load_suite(path: str | Path) -> Suite:
     if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
         raise UserError(f"{path}: resamples is {resamples!r}: it should be an integer of at least 100")
     return Suite(backbone, datasets, protocols, str(path), seed, resamples)
+
+
+def refuse_url(text: str, what: str) -> None:
+    """One line for a suite or claims file given as a URL: they are read from local files (a URL would
+    reach `Path` as `http:/...`, a file that does not exist)."""
+    if "://" in text or text.startswith("pipe:"):
+        raise UserError(f"{what} {text} is a URL: give a local file (fetch it first, e.g. with curl -o FILE)")
+
+
+def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
+    """What `evaluate` and `compare` check before evaluating anything, so that a mistake in the last
+    input stops the command at once rather than after the first ones' evaluations: every checkpoint
+    loads and fits the suite's backbone (`load_backbone`: it exists, is intact, its architecture matches
+    or converts), every dataset's shards are there or reachable, and a trained protocol that sizes its
+    epochs from a manifest has one. One line naming the row or the dataset and the fix."""
+    from ssl_vit.data.checks import check_shard_urls, read_policy
+
+    for name, sources in checkpoints.items():
+        for source in dict.fromkeys(sources):
+            if source != "scratch":
+                try:
+                    load_backbone(source, suite.backbone)
+                except UserError as err:
+                    raise UserError(f"{name}: {err}") from None
+    for name, data in suite.datasets.items():
+        urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
+        check_shard_urls(None, urls, read_policy(data))
+        sized = [p for p in suite.protocols if p.dataset == name and p.needs_epoch_size()]
+        if sized and FeatureCache.manifest_count(data) is None:
+            raise UserError(
+                f"{suite.path}: protocol {sized[0].name!r}: train_urls of {name} have no manifest to size an "
+                "epoch by: give the protocol steps (optimizer steps instead of epochs), or shards written by "
+                "`ssl-vit data convert`"
+            )
 
 
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
@@ -258,6 +293,8 @@ def evaluate(
         "protocols": [asdict(p) for p in suite.protocols],
         # how the eval transform framed each split (whole image or resize + centre crop), from its manifest
         "eval_view": {name: cache.eval_views() for name, cache in features.items()},
+        # images without a label (-1), left out of every classification protocol on their dataset
+        "unlabelled": unlabelled(suite, features),
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }
@@ -265,6 +302,13 @@ def evaluate(
         with staged(out_dir) as temp:
             write_record(record, temp)
     return Evaluation(record, scores)
+
+
+def unlabelled(suite: Suite, features: dict[str, FeatureCache]) -> dict[str, dict[str, int]]:
+    """Per dataset a classification protocol read, the images of each split it read without a label."""
+    classified = {p.dataset for p in suite.protocols if p.TARGET == "label"}
+    found = {name: cache.unlabelled() for name, cache in features.items() if name in classified}
+    return {name: counts for name, counts in found.items() if counts}
 
 
 def dataset_backbone(backbone, config: ViTConfig, data: dict[str, Any]) -> tuple[Any, ViTConfig]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 import torch
 from pydantic import Field
@@ -103,6 +103,15 @@ class TrainedProtocol(Protocol):
         """The names of the candidates it trains and chooses among (one: nothing to choose)."""
         return ["only"]
 
+    def needs_epoch_size(self) -> bool:
+        # a fraction below 1 trains on its own images, whose count it knows; steps need no epoch
+        return self.steps is None and 1.0 in self.label_fractions and self.cached_kind() is None
+
+    def cached_kind(self) -> str | None:
+        """The cache's feature kind it trains on (a frozen-backbone probe with the `eval` augmentation);
+        None when it trains on the stream."""
+        return None
+
     def steps_for(self, fraction: float) -> int | None:
         """The optimizer steps one label fraction trains for; None: `epochs` say."""
         if isinstance(self.steps, list):
@@ -170,8 +179,6 @@ class TrainedProtocol(Protocol):
             raise UserError(f"{where}: label_fractions {self.label_fractions} repeat a fraction")
 
     # --- what it is scored on: classification by default (a segmentation overrides these) ---
-
-    TARGET: ClassVar[str] = "label"  # the batch entry it trains and is scored on
 
     def targets(self, found: Features) -> Tensor:
         """The targets of cached samples: (N,) labels."""
@@ -357,7 +364,9 @@ def train_streamed(
     # split to find a subset's images, and an epoch per batch would start its workers and read again.
     keys, steps = plan.keys, plan.steps
     batches = steps or max(1, len(keys or ()) // protocol.batch_size)
-    subset = {} if keys is None else dict(train_keys=keys, train_batches=batches)
+    subset = {} if keys is None else dict(train_keys=keys)
+    if keys is not None or steps:  # an epoch of its own size: the manifest's count is not needed
+        subset["train_batches"] = batches
     datamodule = ShardDataModule(
         train_urls=data["train_urls"],
         classes=protocol.classes,
@@ -474,7 +483,7 @@ def statistics(
     for model in models:
         model.eval()
     if cached is not None:
-        found = restrict(features.get(split, cached), protocol.classes, keys)
+        found = restrict(features.get(split, cached), protocol.classes, keys, protocol.TARGET == "label")
         parts = []
         size = protocol.batch_size
         with torch.inference_mode():
@@ -494,6 +503,7 @@ def _streamed_statistics(models, protocol, features: FeatureCache, split, keys, 
         classes=protocol.classes,
         train_keys=keys if split == "train" else None,
         train_batches=1,  # an exact pass: no training epoch to size from the manifest
+        require_labels=protocol.TARGET == "label",  # unlabelled images have no right answer: left out
         **datamodule_args(data),
     )
     datamodule.manifests = features.datamodule.manifests
@@ -525,10 +535,16 @@ def _outputs(models: list, inputs: Tensor, head: int | None, cached: bool) -> Te
     return outputs if head is None else outputs[head : head + 1]
 
 
-def restrict(found: Features, classes: list[int] | None, keys: list[str] | None = None) -> Features:
-    """The samples of `found` whose label is among `classes` (all when None) and, when given, whose key is
-    among `keys`."""
+def restrict(
+    found: Features, classes: list[int] | None, keys: list[str] | None = None, labelled: bool = True
+) -> Features:
+    """The samples of `found` whose label is among `classes` (all when None), when given whose key is
+    among `keys`, and with `labelled` whose label is a class at all: an unlabelled image (-1) has no
+    right or wrong answer, so every classification leaves it out (`FeatureCache.unlabelled` counts
+    them)."""
     keep = class_mask(found.y, classes)
+    if labelled:
+        keep &= found.y >= 0
     if keys is not None:
         wanted = set(keys)
         keep &= torch.tensor([key in wanted for key in found.keys], dtype=torch.bool)
@@ -601,4 +617,19 @@ def grid_edge_notes(records: list[dict]) -> list[str]:
         f"{len(values)} of {runs[column]} run(s); a better one may lie {direction[edge]} it: extend the "
         f"protocol's {axis}s"
         for (column, axis, edge), values in edges.items()
+    ]
+
+
+def unlabelled_notes(records: list[dict]) -> list[str]:
+    """One line per dataset and split whose images without a label (-1) the classification protocols left
+    out, in any of `records` (results.json records of one suite)."""
+    found: dict[tuple[str, str], set[int]] = {}
+    for record in records:
+        for dataset, counts in record.get("unlabelled", {}).items():
+            for split, count in counts.items():
+                found.setdefault((dataset, split), set()).add(count)
+    return [
+        f"{dataset}: {'/'.join(map(str, sorted(counts)))} {split} image(s) without a label were left out of "
+        "every classification protocol (give them labels, or drop them from the shards)"
+        for (dataset, split), counts in found.items()
     ]

@@ -35,7 +35,7 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.stats import LEVEL, Difference, contrast
-from ssl_vit.evaluation.suite import Suite
+from ssl_vit.evaluation.suite import Suite, refuse_url
 
 READING = {"win": "holds beyond noise", "noise": "within noise", "loss": "reversed"}
 Names = Annotated[list[str], Field(min_length=1)]
@@ -64,6 +64,7 @@ class Claim:
 def load_claims(path: str | Path, suite: Suite, names: list[str]) -> list[Claim]:
     """Parse and check a claims file against the suite's columns and the comparison's row `names`;
     every problem is one line naming the claim, the key and the fix."""
+    refuse_url(str(path), "claims file")
     path = Path(path)
     if not path.is_file():
         raise UserError(

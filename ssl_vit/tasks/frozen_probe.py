@@ -34,6 +34,7 @@ class FrozenProbe(BackboneTask):
     """
 
     TARGET = "label"
+    NEEDS_LABELS = True  # the data module skips and counts unlabelled samples (label -1)
 
     def __init__(
         self,

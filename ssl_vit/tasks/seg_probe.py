@@ -50,6 +50,7 @@ class LinearSegProbe(FrozenProbe):
     """
 
     TARGET = "mask"
+    NEEDS_LABELS = False  # masks, not image labels
 
     def __init__(
         self,

@@ -32,6 +32,8 @@ class SupervisedPretraining(BackboneTask):
             for sigmoid, so the initial sigmoid loss is small (big_vision's `head_bias_init`).
     """
 
+    NEEDS_LABELS = True  # the data module skips and counts unlabelled samples (label -1)
+
     def __init__(
         self,
         backbone: ViTConfig,

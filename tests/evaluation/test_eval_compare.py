@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import yaml
 from PIL import Image
 
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.commands import parse_checkpoints
+from ssl_vit.evaluation.commands import parse_checkpoints, repeated_checkpoints
 from ssl_vit.evaluation.suite import load_suite
 from ssl_vit.evaluation.training import grid_edge_notes
 from ssl_vit.models.vit import ViTConfig
@@ -37,9 +38,9 @@ def setup(digits_shards, tmp_path_factory):
         "mpp": save(MaskedPatchPretraining(config, preset="vit_mpp"), root / "mpp.ckpt"),
         "sup": save(SupervisedPretraining(config, num_classes=10), root / "sup.ckpt"),
     }
-    broken = root / "broken.ckpt"
-    broken.write_bytes(b"this is not a checkpoint")
-    ckpts["broken"] = str(broken)
+    # loads like any other; its evaluation fails (`FAIL_BROKEN`): one row's failure, the others kept
+    shutil.copy(ckpts["mpp"], root / "broken.ckpt")
+    ckpts["broken"] = str(root / "broken.ckpt")
     suite = {
         "backbone": BACKBONE,
         "data": {
@@ -60,6 +61,18 @@ def setup(digits_shards, tmp_path_factory):
     return root, ckpts
 
 
+# An evaluation that raises, for the checkpoint named broken.ckpt only, in the command's own process.
+FAIL_BROKEN = """
+from ssl_vit.evaluation import ranks
+real = ranks.evaluate
+def evaluate(source, *args, **kwargs):
+    if source.endswith("broken.ckpt"):
+        raise RuntimeError("injected failure")
+    return real(source, *args, **kwargs)
+ranks.evaluate = evaluate
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup, cli):
@@ -74,6 +87,7 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
         "--out",
         str(out),
         check=False,
+        prelude=FAIL_BROKEN,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]  # one checkpoint failed
     for name in (
@@ -93,7 +107,7 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
     for name in ("mpp", "sup", "scratch"):
         assert rows[name]["error"] == ""
         assert all(0.0 <= float(rows[name][c]) <= 1.0 for c in columns), rows[name]
-    assert "not a checkpoint" in rows["broken"]["error"] and rows["broken"]["knn"] == ""
+    assert rows["broken"]["error"] == "RuntimeError: injected failure" and rows["broken"]["knn"] == ""
     table = (out / "results.md").read_text()
     # Every column marks its best: in bold when clear, else the tied rows.
     assert "| broken | failed:" in table and table.count("**") // 2 + table.count("(tie)") >= len(columns)
@@ -316,3 +330,70 @@ def test_compare_argument_mistakes_are_one_line_and_write_nothing(arguments, mes
     proc = cli("compare", *arguments, "--suite", str(tmp_path / "s.yaml"), "--out", str(out), check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("problem", ["missing", "not-a-checkpoint", "architecture", "shard"])
+def test_compare_checks_every_input_before_evaluating_any(problem, setup, tmp_path, cli):
+    """A mistake in the last input stops compare at once, in one line naming it: nothing evaluated (no
+    progress line), nothing written."""
+    root, ckpts = setup
+    suite = yaml.safe_load((root / "suite.yaml").read_text())
+    second, words = ckpts["sup"], None
+    if problem == "missing":
+        second, words = str(tmp_path / "nowhere.ckpt"), "b: "
+    elif problem == "not-a-checkpoint":
+        (tmp_path / "junk.ckpt").write_bytes(b"this is not a checkpoint")
+        second, words = str(tmp_path / "junk.ckpt"), "b: "
+    elif problem == "architecture":
+        config = ViTConfig(**{**BACKBONE, "width": 64})
+        second, words = save(SupervisedPretraining(config, num_classes=10), tmp_path / "wide.ckpt"), "b: "
+    else:
+        suite["data"]["test_urls"] = str(tmp_path / "gone-{000000..000001}.tar")
+        words = "test_urls: shard"
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    proc = cli("compare", f"a={ckpts['mpp']}", f"b={second}", "--suite", str(tmp_path / "suite.yaml"),
+               "--out", str(out), check=False)  # fmt: skip
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("ssl-vit: error: ") and words in proc.stderr, proc.stderr
+    assert "features of" not in proc.stdout and not out.exists()
+
+
+def test_a_checkpoint_given_twice_is_a_warning_and_a_url_suite_is_one_line(setup, tmp_path, cli):
+    root, ckpts = setup
+    parsed = parse_checkpoints([f"a={ckpts['sup']}", f"b={ckpts['mpp']},{ckpts['sup']}"], scratch=2)
+    assert repeated_checkpoints(parsed) == [
+        f"{ckpts['sup']} is given 2 times (a, b/2): it is evaluated each time, and its rows are one "
+        "checkpoint, not independent runs"
+    ]
+    proc = cli("compare", f"a={ckpts['sup']}", "--suite", "http://example.org/suite.yaml", "--out",
+               str(tmp_path / "out"), check=False)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr == (
+        "ssl-vit: error: suite http://example.org/suite.yaml is a URL: give a local file (fetch it first, "
+        "e.g. with curl -o FILE)\n"
+    )
+
+
+def test_a_trained_protocol_over_shards_without_a_manifest_asks_for_steps(
+    setup, digits_shards, tmp_path, cli
+):
+    """Shards without a manifest cannot size an epoch: the suite's protocol is asked for `steps` (not
+    the data module's train_batches, which a suite does not take), before anything runs."""
+    for shard in ("train-000000.tar", "val-000000.tar"):
+        shutil.copy(digits_shards / shard, tmp_path / shard.replace("-", "_"))  # no SPLIT-NNNNNN name
+    suite = yaml.safe_load((setup[0] / "suite.yaml").read_text())
+    suite["data"].update(
+        train_urls=str(tmp_path / "train_000000.tar"), test_urls=str(tmp_path / "val_000000.tar")
+    )
+    suite["protocols"] = [{"name": "linear", "kind": "linear_probe", "epochs": 1, "lrs": [0.1]}]
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    proc = cli("evaluate", "scratch", "--suite", str(tmp_path / "suite.yaml"), "--out", str(tmp_path / "out"),
+               check=False)  # fmt: skip
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert (
+        "protocol 'linear': train_urls of data have no manifest to size an epoch by: give the protocol "
+        "steps" in proc.stderr
+    )
+    suite["protocols"][0] = {"name": "linear", "kind": "linear_probe", "steps": 2, "lrs": [0.1]}
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    cli("evaluate", "scratch", "--suite", str(tmp_path / "suite.yaml"), "--out", str(tmp_path / "out"))

@@ -9,6 +9,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
+from cli_client import PRELUDE_ENV
 from cli_helpers import free_port, run_cli, torchrun, torchrun_env
 
 from ssl_vit.models.vit import ViTConfig
@@ -25,12 +26,25 @@ def save(model, path) -> str:
     return str(path)
 
 
+# The evaluation of the checkpoint named broken.ckpt raises (it loads like the others: the inputs are
+# checked before anything is evaluated), in each command's own process.
+FAIL_BROKEN = """
+from ssl_vit.evaluation import ranks
+real = ranks.evaluate
+def evaluate(source, *args, **kwargs):
+    if source.endswith("broken.ckpt"):
+        raise RuntimeError("injected failure")
+    return real(source, *args, **kwargs)
+ranks.evaluate = evaluate
+"""
+
+
 def ssl_vit(args: list[str], ranks: int) -> subprocess.CompletedProcess:
     """`ssl-vit ARGS` alone or as `ranks` processes through torchrun; one thread each, so both see the same
     arithmetic."""
     if ranks == 1:
-        return run_cli(*args, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, check=False)
-    env = torchrun_env()
+        return run_cli(*args, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, check=False, prelude=FAIL_BROKEN)
+    env = {**torchrun_env(), PRELUDE_ENV: FAIL_BROKEN}
     launch = torchrun("--nnodes", "1", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
                       "--master_port", str(free_port()))  # fmt: skip
     return subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -41,11 +55,9 @@ def ssl_vit(args: list[str], ranks: int) -> subprocess.CompletedProcess:
 def test_two_ranks_share_the_checkpoints_and_write_the_same_table(digits_shards, tmp_path):
     torch.manual_seed(0)
     config = ViTConfig(**BACKBONE)
-    broken = tmp_path / "broken.ckpt"
-    broken.write_bytes(b"this is not a checkpoint")
     checkpoints = {
         "mpp": save(MaskedPatchPretraining(config, preset="vit_mpp"), tmp_path / "mpp.ckpt"),
-        "broken": str(broken),
+        "broken": save(MaskedPatchPretraining(config, preset="vit_mpp"), tmp_path / "broken.ckpt"),
         "sup": save(SupervisedPretraining(config, num_classes=10), tmp_path / "sup.ckpt"),
     }
     data = {"train_urls": str(digits_shards / "val-00000{0..1}.tar"),

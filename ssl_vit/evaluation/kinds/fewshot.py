@@ -11,6 +11,7 @@ from pydantic.dataclasses import dataclass
 from ssl_vit.evaluation.fewshot import fewshot_correct
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Positive, PositiveInt, Protocol, register
 from ssl_vit.evaluation.stats import Score
+from ssl_vit.evaluation.training import restrict
 
 
 @register
@@ -35,7 +36,8 @@ class FewShotProtocol(Protocol):
         return tuple(self.seeds)
 
     def run(self, features, source, config, suite) -> Outcome:
-        train, test = features.get("train", self.feature), features.get("test", self.feature)
+        train = restrict(features.get("train", self.feature), self.classes)
+        test = restrict(features.get("test", self.feature), self.classes)
         correct = fewshot_correct(
             train.x, train.y, test.x, test.y,
             shots=tuple(self.shots), seeds=tuple(self.seeds), ridge=self.ridge, classes=self.classes,

@@ -67,7 +67,7 @@ class ProbeProtocol(TrainedProtocol):
         if kind is None:
             found = train_streamed(model, self, suite, features, plan)
         else:
-            train = restrict(features.get("train", kind), self.classes, plan.keys)
+            train = restrict(features.get("train", kind), self.classes, plan.keys, self.TARGET == "label")
             found = train_cached(model, self, suite, features, train, plan.steps)
         # The head is chosen on the selection images; only then is the test split read, and only the
         # chosen head scores it.
