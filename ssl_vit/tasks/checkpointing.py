@@ -19,8 +19,6 @@ from __future__ import annotations
 import errno
 import os
 import pickle
-import re
-import secrets
 import shutil
 import sys
 import tempfile
@@ -36,12 +34,12 @@ from lightning_fabric.utilities.rank_zero import rank_zero_only
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from ssl_vit.atomic import TEMP_NAME, Staged
 from ssl_vit.checkpoints import integrity
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError
 
-TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")
 # Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
 # links (EPERM on FAT/some FUSE, ENOTSUP), a file at the link limit (EMLINK).
 NO_HARD_LINK = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
@@ -303,31 +301,25 @@ class LastLinkCheckpoint(ModelCheckpoint):
 
 def link_atomically(source: str, target: str) -> None:
     """`target` becomes a hard link to `source` (a copy where hard links are impossible), atomically."""
-    directory = os.path.dirname(os.path.abspath(target))
     if os.path.exists(target) and os.path.samefile(source, target):
         # Lightning relinks at epoch/validation end without a new checkpoint; and rename(2) of one hard
         # link onto another of the same file does nothing, which would leave the temporary name behind.
         return
-    temp = _temp_path(target)
-    try:
+    with Staged(target) as staged:
         try:
-            os.link(source, temp)
+            os.link(source, staged.path)
         except OSError as err:
             if err.errno not in NO_HARD_LINK:
                 raise
             with suppress(FileNotFoundError):
-                os.unlink(temp)
-            with open(source, "rb") as src, _create(temp) as dst:
+                os.unlink(staged.path)
+            with open(source, "rb") as src, open(staged.create(), "wb", closefd=False) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
                 dst.flush()
-                os.fsync(dst.fileno())
-        os.replace(temp, target)
-    finally:
-        # Gone after the rename; left after a failure, or after a race made `target` another link of
-        # `source` (rename(2) between two links of one file does nothing).
-        with suppress(FileNotFoundError):
-            os.unlink(temp)
-    _fsync_directory(directory)
+                staged.sync()
+        # After a race that made `target` another link of `source`, the rename does nothing and the
+        # temporary name is removed at exit.
+        staged.replace()
 
 
 def remove_stale_temp_files(directory: str) -> list[str]:
@@ -342,26 +334,19 @@ def remove_stale_temp_files(directory: str) -> list[str]:
 
 
 def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
-    directory = os.path.dirname(os.path.abspath(target))
-    temp = _temp_path(target)  # same directory, so same filesystem: os.replace is a rename
-    try:
-        with _create(temp) as f:
-            recording = _Recording(f)
-            try:
-                write(recording)
-                f.flush()
-                os.fsync(f.fileno())  # the data is on disk before the name points at it
-            except Exception as err:
-                full = recording.error or (err if isinstance(err, OSError) else None)
-                if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
-                    # torch's zip writer reports a failed write as "unexpected pos": say what it was.
-                    raise OSError(full.errno, os.strerror(full.errno), target) from err
-                raise
-        os.replace(temp, target)
-    finally:
-        with suppress(FileNotFoundError):  # a failed save leaves the previous checkpoint untouched
-            os.unlink(temp)
-    _fsync_directory(directory)  # and the rename itself survives a power loss
+    with Staged(target) as staged, open(staged.create(), "wb", closefd=False) as f:
+        recording = _Recording(f)
+        try:
+            write(recording)
+            f.flush()
+            staged.sync()
+        except Exception as err:
+            full = recording.error or (err if isinstance(err, OSError) else None)
+            if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
+                # torch's zip writer reports a failed write as "unexpected pos": say what it was.
+                raise OSError(full.errno, os.strerror(full.errno), target) from err
+            raise
+        staged.replace()  # a failed save leaves the previous checkpoint untouched
 
 
 class _Recording:
@@ -382,30 +367,6 @@ class _Recording:
         self.file.flush()
 
 
-def _create(path: str):
-    # O_EXCL: never write through an existing name; mode 0o666 & ~umask, like the file Lightning writes
-    # (tempfile.mkstemp would make it 0o600).
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
-
-
-def _temp_path(target: str) -> str:
-    directory, name = os.path.split(os.path.abspath(target))
-    return os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # platforms without directory handles (Windows): the rename is done, nothing to sync
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (FUSE, NFS) refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def _local(path: _PATH) -> str:
     text = str(path)
     return text.removeprefix("file://") if text.startswith("file://") else text
@@ -416,23 +377,7 @@ def _first_line(err: Exception) -> str:
     return lines[0][:200] if lines else type(err).__name__
 
 
-__all__ = [
-    "LastLinkCheckpoint", "SafeCheckpointIO", "link_atomically", "load_checkpoint", "refused",
-    "remove_stale_temp_files", "with_safe_io",
-]  # fmt: skip
-
-
-# --- --ckpt_path: which checkpoint a job resumes, checked before Lightning reads it -------------------
-
-
-def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint `--ckpt_path` makes this job continue from: for `last`, `resumable(checkpoint_dir)`
-    (as `LastLinkCheckpoint` resolves it for Lightning); a local path as it is; None otherwise."""
-    if not ckpt_path:
-        return None
-    if str(ckpt_path) == "last":
-        return resumable(checkpoint_dir)
-    return Path(ckpt_path) if "://" not in str(ckpt_path) else None
+# --- `last`: which checkpoint of a run directory a job resumes -----------------------------------------
 
 
 def resumable(checkpoint_dir: Path) -> Path | None:
@@ -495,18 +440,6 @@ def _warn_once(message: str) -> None:
     _warned.add(message)
 
 
-def refuse_used_run_dir(checkpoint_dir: Path) -> None:
-    """A fit that starts afresh would write its checkpoints under the same names as the ones already in
-    `checkpoint_dir` (`step{step:07d}.ckpt`, `last.ckpt`): refused, before anything is written."""
-    found = newest(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else None
-    if found is not None:
-        raise UserError(
-            f"{checkpoint_dir} already holds checkpoints of an earlier run ({found.name}), which a fresh "
-            "start would overwrite: resume it with --ckpt_path last, or give another "
-            "--trainer.default_root_dir"
-        )
-
-
 def checkpoint_step(path: Path) -> int | None:
     """The optimizer step a Lightning checkpoint was saved at (read lazily: tensors stay on disk)."""
     try:
@@ -515,51 +448,7 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
-# --ckpt_path values Lightning resolves itself (a checkpoint of the run, the model registry).
-CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
-
-
-def local_ckpt_path(value) -> str | None:
-    """`value` when it names a local checkpoint file for `--ckpt_path`; None for none, a keyword Lightning
-    resolves itself (last, best, ...) or a URL."""
-    value = str(value) if value is not None else ""
-    if not value or value.lower() in CKPT_KEYWORDS or value.lower().startswith("registry:") or "://" in value:
-        return None
-    return value
-
-
-def check_ckpt_path(path: str | Path) -> dict:
-    """The Lightning checkpoint `path`, its tensors memory-mapped; a one-line UserError unless it is one
-    that loads with weights only.
-
-    For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
-    hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
-    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
-    path = Path(path)
-    fix = (
-        "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
-        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
-    )
-    if not path.exists():
-        raise UserError(f"--ckpt_path {path} does not exist: {fix}")
-    if not path.is_file():
-        raise UserError(f"--ckpt_path {path} is not a file: {fix}")
-    # Before torch reads it: a damaged checkpoint would load silently (torch checks no CRC). A file
-    # without checksums (another tool's, torch's legacy format) goes on to torch.load unchecked.
-    integrity.check(path, DAMAGED_FIX, name=f"--ckpt_path {path}")
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
-        raise UserError(
-            f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
-        ) from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
-    if not checkpoint["state_dict"]:
-        raise UserError(f"--ckpt_path {path} holds no weights (its state_dict is empty): {fix}")
-    if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
-        raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
-    return checkpoint
+__all__ = [
+    "LastLinkCheckpoint", "SafeCheckpointIO", "checkpoint_step", "link_atomically", "load_checkpoint",
+    "newest", "refused", "remove_stale_temp_files", "resumable", "with_safe_io",
+]  # fmt: skip
