@@ -4,7 +4,8 @@
   loads with `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
 - `LastLinkCheckpoint` makes `last.ckpt` a hard link to the newest checkpoint: no second write. With
   `save_top_k: 1` (the default) it keeps the previous checkpoint too, so that one damaged file (the newest
-  and `last.ckpt` are one file) never leaves the run without an intact state to resume.
+  and `last.ckpt` are one file) never leaves the run without an intact state to resume. It saves the
+  final state first of all the end-of-training hooks, so a callback that fails there cannot lose it.
 - Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
   refused in one line, and `--ckpt_path last` resumes from the newest checkpoint that verifies.
 - A remote checkpoint (http(s), fsspec) is downloaded with retries and a read timeout
@@ -32,7 +33,7 @@ from lightning_fabric.plugins import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from ssl_vit.atomic import TEMP_NAME, Staged
 from ssl_vit.checkpoints import integrity
@@ -206,6 +207,9 @@ class LastLinkCheckpoint(ModelCheckpoint):
         if stage == "fit" and trainer.is_global_zero and _is_local_file_protocol(self.dirpath):
             # Only a fit owns its checkpoint directory (a validate may run beside a fit that is saving).
             remove_stale_temp_files(_local(self.dirpath))
+        if stage == "fit" and not any(getattr(c, "checkpoint", None) is self for c in trainer.callbacks):
+            # A new list: Lightning is iterating over the current one to call this hook.
+            trainer.callbacks = [_SaveFinalFirst(self), *trainer.callbacks]
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -258,15 +262,20 @@ class LastLinkCheckpoint(ModelCheckpoint):
             self._linked_as = None
 
     def on_train_end(self, trainer, pl_module) -> None:
-        # With step- or time-based saving, Lightning saves nothing at the end of training and writes
-        # last.ckpt there only if nothing was saved at all: the steps after the last periodic save would
-        # be missing from last.ckpt. The final state is saved here (periodic checkpoint + last).
+        self.save_final(trainer)  # done already, first of the end-of-training hooks (`_SaveFinalFirst`)
+        super().on_train_end(trainer, pl_module)
+
+    def save_final(self, trainer) -> None:
+        """The state at the end of training (periodic checkpoint + last), unless saved at this step.
+
+        With step- or time-based saving, Lightning saves nothing at the end of training and writes
+        last.ckpt there only if nothing was saved at all: the steps after the last periodic save would
+        be missing from last.ckpt."""
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             candidates = self._monitor_candidates(trainer)
             if self.monitor is None and self.save_top_k != 0:
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-        super().on_train_end(trainer, pl_module)
 
     def _last_path(self, trainer) -> str:
         """The name _save_last_checkpoint will give the link (Lightning's version counter included)."""
@@ -297,6 +306,19 @@ class LastLinkCheckpoint(ModelCheckpoint):
                 return
             link_atomically(filepath, linkpath)
         trainer.strategy.barrier()
+
+
+class _SaveFinalFirst(Callback):
+    """The final save of a `LastLinkCheckpoint`, as the first `on_train_end` hook of the trainer (its
+    setup puts it first). Lightning calls every checkpoint callback's hooks after all other callbacks'
+    (`_reorder_callbacks`): an end-of-training callback that failed (a monitor's last evaluation) would
+    otherwise end the fit before the steps since the last periodic save were saved."""
+
+    def __init__(self, checkpoint: LastLinkCheckpoint) -> None:
+        self.checkpoint = checkpoint
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.checkpoint.save_final(trainer)
 
 
 def link_atomically(source: str, target: str) -> None:
