@@ -43,7 +43,6 @@ from ssl_vit.tasks.checkpointing import (
     DAMAGED_FIX,
     LastLinkCheckpoint,
     checkpoint_step,
-    newest,
     resumable,
     with_safe_io,
 )
@@ -407,7 +406,7 @@ def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | No
 def refuse_used_run_dir(checkpoint_dir: Path) -> None:
     """A fit that starts afresh would write its checkpoints under the same names as the ones already in
     `checkpoint_dir` (`step{step:07d}.ckpt`, `last.ckpt`): refused, before anything is written."""
-    found = newest(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else None
+    found = min(checkpoint_dir.glob("*.ckpt"), default=None) if checkpoint_dir.is_dir() else None
     if found is not None:
         raise UserError(
             f"{checkpoint_dir} already holds checkpoints of an earlier run ({found.name}), which a fresh "

@@ -107,6 +107,18 @@ def test_last_resumes_the_newest_checkpoint_that_verifies(tmp_path, capsys):
         resumable(tmp_path)
 
 
+def test_last_is_chosen_by_the_step_a_file_records_not_by_its_modification_time(tmp_path, capsys):
+    for step in (4, 8, 12):
+        save(tmp_path / f"step{step:07d}.ckpt", step)
+    os.utime(tmp_path / "step0000008.ckpt", (4e9, 4e9))  # written under a clock 60 years ahead
+    assert resumable(tmp_path) == tmp_path / "step0000012.ckpt"
+    truncate(tmp_path / "step0000012.ckpt")  # its step unreadable: passed over, and named
+    assert resumable(tmp_path) == tmp_path / "step0000008.ckpt"
+    assert (
+        f"{tmp_path / 'step0000012.ckpt'} is damaged (its zip directory is missing" in capsys.readouterr().err
+    )
+
+
 # --- through the CLI -----------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 fit into a used directory, a resume whose last.ckpt is gone, a start that fails on bad input, and a
 checkpoint resumed under the config of another model."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -60,6 +61,33 @@ def test_ckpt_path_last_without_last_ckpt_resumes_the_newest_checkpoint(digits_s
     assert f"Restored all states from the checkpoint at {step}" in proc.stdout + proc.stderr
     assert step.stat().st_mtime_ns == written and global_step(step) == 1  # not trained again from step 0
     assert global_step(run / "checkpoints/last.ckpt") == 2
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_resumes_the_highest_step_whatever_the_clock_said(digits_shards, tmp_path):
+    """last.ckpt missing and an older step file with a modification time ahead of the newest's (written
+    on a node whose clock was ahead, or restored from a copy): the intact highest step is resumed."""
+    run = tmp_path / "run"
+    every_step = ("--checkpoint.every_n_train_steps", "1", "--data.init_args.train_batches", "2")
+    run_cli(*fit_args(digits_shards, run, *every_step), cwd=ROOT)
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "last.ckpt",
+        "step0000001.ckpt",
+        "step0000002.ckpt",
+    ]
+    (checkpoints / "last.ckpt").unlink()
+    ahead = (checkpoints / "step0000002.ckpt").stat().st_mtime + 86400
+    os.utime(checkpoints / "step0000001.ckpt", (ahead, ahead))
+    proc = run_cli(
+        *fit_args(digits_shards, run, *every_step, "--ckpt_path", "last", "--trainer.max_epochs", "2"),
+        cwd=ROOT,
+    )
+    assert (
+        f"Restored all states from the checkpoint at {checkpoints / 'step0000002.ckpt'}"
+        in proc.stdout + proc.stderr
+    )
+    assert global_step(checkpoints / "last.ckpt") == 4  # steps 3 and 4 on top of step 2, none repeated
 
 
 @pytest.mark.slow

@@ -18,8 +18,10 @@ Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so nei
 from __future__ import annotations
 
 import errno
+import math
 import os
 import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -403,16 +405,19 @@ def _first_line(err: Exception) -> str:
 
 
 def resumable(checkpoint_dir: Path) -> Path | None:
-    """What `--ckpt_path last` resumes: the newest `last*.ckpt` (as Lightning picks it), else (deleted,
-    or never linked) the newest checkpoint of the directory; a damaged one (`integrity.damage`) is
-    passed over for the next newest, with one warning naming both. None when the directory holds no
-    checkpoint (the job starts afresh); a `DamagedCheckpoint` when it holds only damaged ones."""
+    """What `--ckpt_path last` resumes: the checkpoint of the directory whose recorded step is the
+    highest (`last*.ckpt` first among equals: it is a link to the newest); a damaged one
+    (`integrity.damage`) is passed over for the next, with one warning naming both. None when the
+    directory holds no checkpoint (the job starts afresh); a `DamagedCheckpoint` when it holds only
+    damaged ones.
+
+    By the step the file records, not by modification time (as Lightning picks among `last*.ckpt`): a
+    file written under a clock that was ahead (another node's, a copy's) would be resumed over a later
+    step, and the steps between lost without a word."""
     if not checkpoint_dir.is_dir():
         return None
-    candidates = by_age(checkpoint_dir.glob("last*.ckpt"))
-    candidates += [p for p in by_age(checkpoint_dir.glob("*.ckpt")) if p not in candidates]
     damaged: list[tuple[Path, str]] = []
-    for path in candidates:
+    for path in sorted(checkpoint_dir.glob("*.ckpt"), key=_resume_order):
         if path.is_symlink() and not path.exists():  # a link whose checkpoint was deleted or moved
             damaged.append((path, f"a link to {os.readlink(path)}, which does not exist"))
             continue
@@ -440,15 +445,16 @@ def resumable(checkpoint_dir: Path) -> Path | None:
     return None
 
 
-def by_age(paths) -> list[Path]:
-    """`paths`, the most recently written first (Lightning picks the newest `last*.ckpt` by mtime)."""
-    return sorted(paths, key=lambda p: p.lstat().st_mtime, reverse=True)  # lstat: a dangling link too
-
-
-def newest(paths) -> Path | None:
-    """The most recently written of `paths` (as Lightning picks among `last*.ckpt`); None if none."""
-    found = by_age(paths)
-    return found[0] if found else None
+def _resume_order(path: Path) -> tuple:
+    """Highest recorded step first, `last*.ckpt` first among equals. A file whose step cannot be read
+    (damaged, or a dangling link) is placed by its name (`last*.ckpt` first of all, `stepN.ckpt` at N):
+    it is passed over all the same, and the warning then names it where it belongs."""
+    last = path.name.startswith("last")
+    step = checkpoint_step(path)
+    if step is None:
+        named = re.fullmatch(r"step(\d+)\.ckpt", path.name)
+        step = math.inf if last else int(named[1]) if named else -1
+    return (-step, not last, path.name)
 
 
 _warned: set[str] = set()
@@ -472,5 +478,5 @@ def checkpoint_step(path: Path) -> int | None:
 
 __all__ = [
     "LastLinkCheckpoint", "SafeCheckpointIO", "checkpoint_step", "link_atomically", "load_checkpoint",
-    "newest", "refused", "remove_stale_temp_files", "resumable", "with_safe_io",
+    "refused", "remove_stale_temp_files", "resumable", "with_safe_io",
 ]  # fmt: skip
