@@ -24,6 +24,7 @@ import copy
 import difflib
 import importlib
 import re
+import shutil
 import sys
 from argparse import ArgumentError
 from pathlib import Path
@@ -51,7 +52,7 @@ from ssl_vit.tasks.health import HealthMonitor
 from ssl_vit.tasks.nonfinite import NonFiniteGuard
 from ssl_vit.tasks.preemption import Preemption
 from ssl_vit.tasks.resume import RandomState
-from ssl_vit.tasks.run_lock import RunLock, job_leader
+from ssl_vit.tasks.run_lock import LOCK_NAME, RunLock, job_leader
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
 
@@ -168,7 +169,9 @@ class SslVitCLI(LightningCLI):
             # The first thing done with the run directory, before the checkpoint below is read and
             # before the used-directory check, config.yaml, W&B and checkpoints: one fit at a time.
             # Only the job's rank 0 (every rank of a torchrun/srun job runs this command).
-            self._held.enter_context(RunLock(root))
+            if self._held.enter_context(RunLock(root)).made_run_dir:
+                # Unwound before the lock is released (and the emptied directory with it).
+                self._held.push(self._remove_if_failed)
         given = check_ckpt_choice(self.config.subcommand, config.get("ckpt_path"))
         if given == "scratch":  # validate/test of the freshly initialised model, asked for by name
             config.ckpt_path = given = None
@@ -196,6 +199,28 @@ class SslVitCLI(LightningCLI):
             refuse_overridden_options(self.argv, before, config, path)
             if self.config.subcommand == "fit":  # validate/test evaluate the checkpoint's model
                 refuse_contradicting_config(before, config, path)
+
+    def _remove_if_failed(self, failed: type | None, *_) -> None:
+        """After a fit that made its run directory failed before its first training step: what it wrote
+        there (config.yaml, W&B's folder and run id) is removed, so that the directory is left as the
+        fit found it: absent. A fit that trained keeps everything, its checkpoints and the W&B run that
+        shows how it ended (a collapse, a non-finite stop) included."""
+        config = self.config[self.config.subcommand]
+        trainer = getattr(self, "trainer", None)
+        trained = trainer is not None and trainer.global_step > 0
+        saved = any(checkpoint_dir(config).glob("*.ckpt"))  # at step 0 too: SIGTERM in the sanity check
+        if failed is None or trained or saved:
+            return
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and wandb.run is not None:  # finished first: it writes nothing after
+            wandb.finish(exit_code=1)
+        for path in Path(config.trainer.default_root_dir or DEFAULT_ROOT).iterdir():
+            if path.name == LOCK_NAME:  # the lock's to remove, when it is released
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]

@@ -114,3 +114,52 @@ def test_resume_refuses_a_config_whose_model_the_checkpoint_contradicts(digits_s
         )
         error_line(proc, "--ckpt_path", "preset mae (checkpoint: vit_mpp)", "--model.init_args.init_from")
         assert listing(tmp_path) == before and stamps(tmp_path) == written
+
+
+@pytest.mark.slow
+def test_a_wandb_folder_that_cannot_be_written_is_one_line_and_the_checkpoints_stay(
+    digits_shards, run, tmp_path
+):
+    # `wandb` made a regular file: W&B cannot create its run folder in it, for root too (a chmod'ed
+    # read-only directory would not stop root, who runs these tests in containers).
+    shutil.rmtree(run / "wandb")
+    (run / "wandb").write_text("")
+    resume = fit_args(digits_shards, run, "--ckpt_path", "last", "--trainer.max_epochs", "2")
+    before, written = listing(tmp_path), stamps(tmp_path)
+    proc = run_cli(*resume, cwd=tmp_path, check=False)
+    error_line(proc, f"W&B cannot write its run in {run / 'wandb'} (NotADirectoryError", "WANDB_DIR=DIR",
+               "--trainer.logger false")  # fmt: skip
+    assert listing(tmp_path) == before and stamps(tmp_path) == written  # checkpoints, config as they were
+    # What the line suggests works: W&B's own directory setting.
+    elsewhere = tmp_path / "wandb_dir"
+    elsewhere.mkdir()
+    run_cli(*resume, cwd=tmp_path, env={"WANDB_DIR": str(elsewhere)})
+    assert global_step(run / "checkpoints/last.ckpt") == 2
+    assert len(list((elsewhere / "wandb").glob("offline-run-*"))) == 1
+
+
+# A callback of the user's that fails as training starts, defined in the command's process.
+FAILS_AT_THE_START = """
+import sys, types
+import pytorch_lightning as pl
+
+class FailsAtTheStart(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        raise RuntimeError("the start-of-training callback failed")
+
+sys.modules["run_dir_safety_test"] = types.SimpleNamespace(FailsAtTheStart=FailsAtTheStart)
+"""
+
+
+@pytest.mark.slow
+def test_a_fit_failing_before_its_first_step_removes_the_run_directory_it_made(digits_shards, tmp_path):
+    """After W&B started and config.yaml was written: the run directory (and the parent the fit made)
+    is gone, W&B's folder and run id with it, once the command has ended."""
+    run = tmp_path / "new" / "run"
+    args = fit_args(digits_shards, run, "--trainer.callbacks+=run_dir_safety_test.FailsAtTheStart")
+    proc = run_cli(*args, cwd=tmp_path, check=False, prelude=FAILS_AT_THE_START)
+    assert proc.returncode != 0 and "the start-of-training callback failed" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert "W&B: offline run in" in proc.stderr  # W&B had started
+    assert listing(tmp_path) == []

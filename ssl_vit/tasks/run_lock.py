@@ -94,6 +94,11 @@ class RunLock:
         self._created: list[Path] = []
         self._locks: bool | None = True  # what lockf said on the last file looked at (None: no locks)
 
+    @property
+    def made_run_dir(self) -> bool:
+        """Whether taking the lock made the run directory (it did not exist before)."""
+        return self.run_dir in self._created
+
     def __enter__(self) -> RunLock:
         self.acquire()
         return self
