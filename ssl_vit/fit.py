@@ -506,7 +506,7 @@ _KINDS = (  # (kind, pattern), the more specific first
     ("unknown", re.compile(r"unrecognized arguments: --?([^\s=]+)")),
     ("no_class", re.compile(r"module '([^']+)' has no attribute '([^']+)'")),
     ("no_file", re.compile(r"Expected a path but (\S+) either not accessible or invalid")),
-    ("no_file", re.compile(r"File does not exist: '([^']+)'")),
+    ("no_file", re.compile(r"(?:File|Path) does not exist: '([^']+)'")),
     ("no_module", re.compile(r"No module named '([^']+)'")),
     ("required", re.compile(r"the following arguments are required: (.*)")),
     ("no_value", re.compile(r"argument --(\S+): expected one argument")),
