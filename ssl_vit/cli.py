@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             # directory's lock released, and SLURM's requeue signal (SIGUSR1, whose default action would
             # end the job unsaved and never requeued) is kept for the training to act on when it starts.
             with raises(signal.SIGTERM, Terminated), recorded(signal.SIGUSR1):
-                from ssl_vit.fit import run  # Lightning and every task: only for these commands
+                from ssl_vit.fit import SslVitCLI  # Lightning and every task: only for these commands
 
-                run(argv)
+                SslVitCLI(argv)
             return 0
         args = build_parser().parse_args(argv)
         # Ctrl-C and a scheduler's SIGTERM end a command by exceptions, so that what it cleans up on the way

@@ -57,11 +57,6 @@ from ssl_vit.tasks.run_lock import LOCK_NAME, RunLock, job_leader
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
 
 
-def run(argv: list[str]) -> None:
-    """Build and run the LightningCLI for `fit/validate/test ARGS`."""
-    SslVitCLI(argv)
-
-
 class SaveAndLogConfig(SaveConfigCallback):
     """config.yaml in the run directory (Lightning's), and the whole resolved config, data and
     trainer included, in the W&B run's config under `cli`."""
@@ -192,9 +187,17 @@ class SslVitCLI(LightningCLI):
         config.ckpt_path = str(path)
         try:
             super()._parse_ckpt_path()
+        except ArgumentError as err:  # the model the checkpoint records, refused by this version's parser
+            what = config_error(str(err), [self.config.subcommand], self._parser(self.config.subcommand), err)
+            raise unparsable_model(path, what) from None
         finally:
             config = self.config[self.config.subcommand]
             config.ckpt_path = given
+        unknown = config.model.get("dict_kwargs") if config.get("model") else None
+        if unknown:  # hyperparameters the class does not take: its constructor would raise a TypeError
+            raise unparsable_model(
+                path, f"{', '.join(sorted(unknown))}: no such option of {config.model.class_path}"
+            )
         if before is not None:
             refuse_overridden_options(self.argv, before, config, path)
             if self.config.subcommand == "fit":  # validate/test evaluate the checkpoint's model
@@ -280,6 +283,14 @@ class SslVitCLI(LightningCLI):
         if not trainer.loggers:  # --trainer.logger false: the LR monitor has nowhere to log, and raises
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
         return trainer
+
+
+def unparsable_model(path, what: str) -> UserError:
+    """The line for a `--ckpt_path` whose recorded model (its hyperparameters) this version cannot build."""
+    return UserError(
+        f"--ckpt_path {path}: the model its hyperparameters describe does not parse here ({what}); give a "
+        "checkpoint this version of ssl-vit wrote"
+    )
 
 
 def check_optimizer(config) -> None:

@@ -6,6 +6,7 @@ Through the CLI, as users run it."""
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import run_cli
 from test_errors import listing
 
@@ -93,3 +94,28 @@ def test_help_and_print_config_stay_as_they_are(tmp_path):
     assert "class_path: ssl_vit.tasks.MaskedPatchPretraining" in printed.stdout
     assert "batch_size: 3" in printed.stdout
     assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "hparams, words",
+    [({"mask_ratoi": 0.5}, "mask_ratoi: no such option of ssl_vit.tasks.MaskedPatchPretraining"),
+     ({"mask_ratio": "abc"}, "model.init_args.mask_ratio: 'abc' is not a float")],
+    ids=["unknown-key", "wrong-type"],
+)  # fmt: skip
+def test_a_checkpoint_whose_model_does_not_parse_is_one_line(tmp_path, hparams, words):
+    """What LightningCLI rebuilds the model from: the checkpoint's hyperparameters, parsed over the config."""
+    ckpt = tmp_path / "other.ckpt"
+    hyper = {"_class_path": "ssl_vit.tasks.MaskedPatchPretraining", **hparams}
+    torch.save(
+        {"state_dict": {"backbone.w": torch.zeros(2)}, "global_step": 1, "hyper_parameters": hyper}, ckpt
+    )
+    before = listing(tmp_path)
+    proc = run_cli("fit", "--config", RECIPE, "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
+                   str(tmp_path / "run"), cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == (
+        f"ssl-vit: error: --ckpt_path {ckpt}: the model its hyperparameters describe does not parse here "
+        f"({words}); give a checkpoint this version of ssl-vit wrote"
+    )
+    assert listing(tmp_path) == before
