@@ -11,6 +11,7 @@ papers' FLOP figures. Element-wise ops (norms, GELU) are not counted.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NamedTuple
 
 from ssl_vit.errors import UserError
@@ -73,7 +74,16 @@ def mae_cost(
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("info", help="parameters and GFLOPs of the ViT variants and of MAE")
+    parser = subparsers.add_parser(
+        "info", help="parameters and GFLOPs of the ViT variants and of MAE, or what a checkpoint holds"
+    )
+    parser.add_argument(
+        "checkpoint",
+        nargs="?",
+        metavar="CKPT",
+        help="a checkpoint file or exported folder to describe instead: its kind, its backbone, and the "
+        "checksum that verified its bytes (or that none did)",
+    )
     parser.add_argument("--img-size", type=int, default=224, help="input resolution (default 224)")
     parser.add_argument(
         "--variants", nargs="+", metavar="VARIANT", help="default: Ti/16 S/16 B/16 ... R50+B/16"
@@ -104,7 +114,47 @@ def _check_mae(args: argparse.Namespace, patches: int) -> None:
         raise UserError(f"--decoder-depth {args.decoder_depth}: give at least 1 block, e.g. MAE's 8")
 
 
+def describe(source: str) -> list[str]:
+    """What the checkpoint `source` holds, in a few lines: its kind, its backbone and parameter count,
+    and what verified its bytes (a damaged one is refused in one line by the loader)."""
+    from ssl_vit.checkpoints.load import architecture, read_weights
+
+    if source == "scratch" or source.startswith("timm:"):
+        raise UserError(f"info {source}: info describes a checkpoint file or an exported folder")
+    weights = read_weights(source)
+    path = Path(source)
+    kind = (
+        "a folder in timm's local Hub layout (model.safetensors)"
+        if path.is_dir()
+        else "safetensors weights"
+        if path.suffix == ".safetensors"
+        else "a Lightning checkpoint"
+        if weights.hparams
+        else "a torch file of weights"
+    )
+    lines = [f"{source}: {kind}"]
+    config = weights.config
+    if config is None:
+        lines.append("backbone: its shapes match no paper variant (heads unknown)")
+    else:
+        dims = architecture(config)
+        shape = ", ".join(f"{key} {dims[key]}" for key in ("width", "depth", "heads", "mlp_dim"))
+        lines.append(f"backbone: {config.variant} ({shape}), {config.img_size} px, {config.pooling} pooling")
+    lines.append(f"parameters: {sum(t.numel() for t in weights.backbone.values()) / 1e6:.2f} M (backbone)")
+    if weights.verified:
+        lines.append(f"verified by {weights.verified}")
+    else:
+        lines.append(
+            "not verified: it carries no checksum (not written by ssl-vit export or torch's zip format); "
+            "its bytes load as they are"
+        )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        print("\n".join(describe(args.checkpoint)))
+        return 0
     from rich.console import Console
     from rich.table import Table
 

@@ -3,6 +3,7 @@ that a restarted job continues, and where the tasks' pictures go."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import uuid
@@ -13,6 +14,8 @@ from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torchvision.utils import save_image
+
+from ssl_vit.errors import UserError
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -38,6 +41,9 @@ class WandbLogger(LightningWandbLogger):
       afresh (`continue_run` false) starts a new run.
     - W&B's own step is the step Lightning logs at (`logging_step`; Lightning shows it only as
       `trainer/global_step`), so that the rewind point and every chart's x axis are the same number.
+    - W&B's folder (`wandb/`) is in `save_dir`, or in W&B's own setting `WANDB_DIR` where that is set
+      (Lightning passes `save_dir` to `wandb.init` as its `dir`, which would override it); config.yaml
+      and the run id stay in `save_dir`. A folder W&B cannot write is one line naming it and the fixes.
     """
 
     def __init__(
@@ -81,6 +87,8 @@ class WandbLogger(LightningWandbLogger):
             **resume,
             **kwargs,
         )
+        if os.environ.get("WANDB_DIR"):
+            self._wandb_init["dir"] = os.environ["WANDB_DIR"]
         # Lightning passes `anonymous` to wandb.init even when unset, and W&B warns on every run that
         # the setting is deprecated
         if self._wandb_init.get("anonymous") is None:
@@ -92,7 +100,17 @@ class WandbLogger(LightningWandbLogger):
             # W&B looks for a git repository from its directory as it starts, and warns that the
             # directory does not exist when the run directory is not made yet
             self._id_to_save[0].parent.mkdir(parents=True, exist_ok=True)
-        run = super().experiment
+        try:
+            run = super().experiment
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's: the CLI's line for a full disk
+                raise
+            folder = Path(self._wandb_init.get("dir") or ".") / "wandb"
+            raise UserError(
+                f"W&B cannot write its run in {folder} ({type(err).__name__}: {err.strerror or err}): "
+                "make it a directory this user can write, give W&B another one (WANDB_DIR=DIR), or run "
+                "without W&B (--trainer.logger false)"
+            ) from None
         if self._id_to_save is not None and rank_zero_only.rank == 0:  # only rank 0 creates the run
             id_file, run_id = self._id_to_save
             id_file.write_text(run_id + "\n")

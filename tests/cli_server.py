@@ -150,6 +150,7 @@ def serve(path: str) -> None:
     import ssl_vit.cli  # noqa: F401
     import ssl_vit.data.datamodule  # noqa: F401
     import ssl_vit.evaluation.commands  # noqa: F401
+    import ssl_vit.fit  # noqa: F401
     import ssl_vit.tasks  # noqa: F401
 
     MEDIA_ROOT = tempfile.mkdtemp(prefix="ssl-vit-cli-media-")

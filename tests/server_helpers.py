@@ -77,8 +77,8 @@ http {{
 
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
-    """GET (with `Range: bytes=N-`) and HEAD of the files under the server's `root`; the server's
-    `faults` decide which requests fail and how."""
+    """GET (with `Range: bytes=N-` or `bytes=N-M`) and HEAD of the files under the server's `root`;
+    the server's `faults` decide which requests fail and how."""
 
     protocol_version = "HTTP/1.0"  # one request per connection: a fault never spills into the next
 
@@ -104,8 +104,8 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         if fault == "stall":  # nothing at all, until the test ends
             server.released.wait(300)
             return
-        if fault == "503":
-            self.send_error(503, "Service Unavailable (on purpose)")
+        if fault is not None and fault.isdigit():  # an error status: "503", "403", ...
+            self.send_error(int(fault), "(on purpose)")
             return
         path = server.root / self.path.lstrip("/").split("?")[0]
         if not path.is_file():
@@ -113,19 +113,21 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
             return
         data = path.read_bytes()
         start = 0
+        end = len(data)
         wanted = self.headers.get("Range", "")
-        if wanted.startswith("bytes=") and wanted.endswith("-") and server.ranges:
-            start = int(wanted[len("bytes=") : -1])
+        if wanted.startswith("bytes=") and server.ranges:  # bytes=N- or bytes=N-M
+            first, _, last = wanted[len("bytes=") :].partition("-")
+            start, end = int(first), int(last) + 1 if last else len(data)
             self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
         else:
             self.send_response(200)
-        self.send_header("Content-Length", str(len(data) - start))
+        self.send_header("Content-Length", str(end - start))
         self.send_header("Last-Modified", email.utils.formatdate(path.stat().st_mtime, usegmt=True))
         self.end_headers()
         if head:
             return
-        body = data[start:]
+        body = data[start:end]
         if fault in ("half", "stall_body"):
             self.wfile.write(body[: len(body) // 2])
             self.wfile.flush()
@@ -138,7 +140,7 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
 class FaultyServer:
     """A threaded HTTP server on 127.0.0.1 serving `root`, which fails on purpose: `fail(part, fault,
     nth)` makes the `nth` GET (a set of them; None: every one) whose path contains `part` fail with
-    `fault`: "503" (an error status), "half" (half the body, then the connection closes), "stall"
+    `fault`: an error status ("503", "403", ...), "half" (half the body, then the connection closes), "stall"
     (nothing at all until the test ends), "stall_body" (half the body, then nothing); `then` runs after
     the faulty response. `ranges=False` makes it ignore Range headers, as some servers do. `requests`
     lists (method, path, fault) of every request in order."""

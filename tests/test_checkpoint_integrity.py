@@ -18,7 +18,8 @@ from test_run_dir_safety import stamps
 
 from ssl_vit.checkpoints import integrity, read_weights
 from ssl_vit.errors import UserError
-from ssl_vit.tasks.checkpointing import SafeCheckpointIO, check_ckpt_path, load_checkpoint, resumable
+from ssl_vit.fit import check_ckpt_path
+from ssl_vit.tasks.checkpointing import SafeCheckpointIO, load_checkpoint, resumable
 from ssl_vit.tasks.run_lock import LOCK_NAME
 
 ENV = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
@@ -104,6 +105,18 @@ def test_last_resumes_the_newest_checkpoint_that_verifies(tmp_path, capsys):
         truncate(tmp_path / f"step{step:07d}.ckpt")
     with pytest.raises(integrity.DamagedCheckpoint, match=f"no other checkpoint in {tmp_path} verifies"):
         resumable(tmp_path)
+
+
+def test_last_is_chosen_by_the_step_a_file_records_not_by_its_modification_time(tmp_path, capsys):
+    for step in (4, 8, 12):
+        save(tmp_path / f"step{step:07d}.ckpt", step)
+    os.utime(tmp_path / "step0000008.ckpt", (4e9, 4e9))  # written under a clock 60 years ahead
+    assert resumable(tmp_path) == tmp_path / "step0000012.ckpt"
+    truncate(tmp_path / "step0000012.ckpt")  # its step unreadable: passed over, and named
+    assert resumable(tmp_path) == tmp_path / "step0000008.ckpt"
+    assert (
+        f"{tmp_path / 'step0000012.ckpt'} is damaged (its zip directory is missing" in capsys.readouterr().err
+    )
 
 
 # --- through the CLI -----------------------------------------------------------------------------------

@@ -98,6 +98,42 @@ def test_a_resume_on_changed_shards_says_it_is_not_exact_or_refuses(shards, tmp_
     assert steps_of(run / "checkpoints/last.ckpt") == 12
 
 
+def reverse_samples(shard: Path) -> None:
+    """Rewrite `shard` with its samples in reverse order, byte for byte the same members: same size."""
+    data = shard.read_bytes()
+    with tarfile.open(shard) as tar:
+        members = tar.getmembers()
+    samples: dict[str, list[bytes]] = {}
+    for m in members:  # a member's bytes: its headers (pax ones included) to the end of its padded data
+        end = m.offset_data + -(-m.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        samples.setdefault(Path(m.name).stem, []).append(data[m.offset : end])
+    body = b"".join(b"".join(parts) for parts in reversed(samples.values()))
+    shard.write_bytes(body + data[len(body) :])
+    assert len(shard.read_bytes()) == len(data)
+
+
+@pytest.mark.slow
+def test_a_resume_on_shards_reordered_at_the_same_size_says_it_is_not_exact_or_refuses(shards, tmp_path):
+    run, record = tmp_path / "run", tmp_path / "steps.jsonl"
+    run_cli(*fit_args(shards, run, record, epochs=1), cwd=ROOT, env=ENV)
+    sizes = {p.name: p.stat().st_size for p in shards.glob("train-*.tar")}
+    for name in ("train-000001.tar", "train-000002.tar", "train-000003.tar"):
+        reverse_samples(shards / name)
+    assert {p.name: p.stat().st_size for p in shards.glob("train-*.tar")} == sizes
+    what = "3 shard(s) rewritten with other contents of the same size (train-000001.tar, train-000002.tar, "
+    args = fit_args(shards, run, record, "--ckpt_path", "last", epochs=2)
+    before = {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    proc = run_cli(*args, "--data.init_args.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [line for line in lines(proc.stderr) if line.startswith("ssl-vit: error:")]
+    assert what in line and "--data.init_args.on_data_change warn" in line
+    assert {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    proc = run_cli(*args, cwd=ROOT, env=ENV)
+    (warning,) = [line for line in lines(proc.stderr) if "the training data differ" in line]
+    assert what in warning and "not exact" in warning
+    assert steps_of(run / "checkpoints/last.ckpt") == 12
+
+
 # --- shards that disappear mid-run ----------------------------------------------------------------------
 
 

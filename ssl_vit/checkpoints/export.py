@@ -8,6 +8,9 @@
 - `hf`: a folder (`config.json`, `model.safetensors`) in timm's local Hub layout, written by timm's
   `save_for_hf`: `timm.create_model("local-dir:OUT", pretrained=True)`.
 
+Either carries, in its .safetensors metadata, the SHA-256 of its config and tensors (a folder's, of its
+config.json too), which ssl-vit's loader checks: a file damaged on disk or in a copy is refused.
+
 Legend: D width, K classes.
 """
 
@@ -24,7 +27,15 @@ from safetensors.torch import save_file
 from timm.models import get_pretrained_cfg, save_for_hf
 from torch import Tensor, nn
 
-from ssl_vit.checkpoints.load import Weights, WeightsKind, architecture, config_metadata, read_weights
+from ssl_vit.checkpoints.load import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Weights,
+    WeightsKind,
+    architecture,
+    export_metadata,
+    read_weights,
+)
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig, parse_variant
 
@@ -75,19 +86,19 @@ def export(source: str, out: str, fmt: Format, with_head: bool, weights: Weights
         raise UserError(f"cannot write in {target.parent} ({err.strerror}); give a writable OUT") from None
     try:
         written = staging / target.name
+        state = _contiguous(model.state_dict())
         if fmt == "timm":
-            save_file(_contiguous(model.state_dict()), written, metadata=config_metadata(weights.config))
+            save_file(state, written, metadata=export_metadata(weights.config, state))
         else:
             data = {k: tuple(v) for k, v in (("mean", mean), ("std", std)) if v is not None}
             # The carrier's tag (e.g. `dino`) would name weights these are not.
             config = dict(pretrained_cfg=dict(tag="ssl_vit"))
             save_for_hf(model, str(written), config, safe_serialization=True, data_config=data)
-            # timm writes no metadata; rewritten with the ViTConfig so `load_backbone(OUT)` rebuilds it.
-            save_file(
-                _contiguous(model.state_dict()),
-                written / "model.safetensors",
-                metadata=config_metadata(weights.config),
-            )
+            # timm writes no metadata; rewritten with the ViTConfig so `load_backbone(OUT)` rebuilds it,
+            # and the SHA-256s the loader checks (of config.json too).
+            config_json = (written / CONFIG_FILE).read_bytes()
+            metadata = export_metadata(weights.config, state, config_json)
+            save_file(state, written / WEIGHTS_FILE, metadata=metadata)
         _default_permissions(written)
         written.rename(target)
     finally:

@@ -74,6 +74,16 @@ def check(path: str | os.PathLike, fix: str, name: str | None = None) -> None:
         raise DamagedCheckpoint(name or path, why, fix)
 
 
+def has_checksums(path: str | os.PathLike) -> bool:
+    """Whether `damage` has checksums to verify in `path` (a zip archive whose records carry CRC-32s):
+    only its directory is read."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(r.CRC for r in archive.infolist() if r.file_size)
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def unreadable(name: str | os.PathLike, err: OSError) -> UserError:
     return UserError(
         f"{name} cannot be read ({type(err).__name__}: {err.strerror or err}): give a checkpoint file this "
@@ -126,4 +136,4 @@ def _why(message: str, size: int) -> str:
     return message[:200]
 
 
-__all__ = ["DamagedCheckpoint", "check", "damage", "unreadable"]
+__all__ = ["DamagedCheckpoint", "check", "damage", "has_checksums", "unreadable"]

@@ -15,12 +15,16 @@ paper variant of that width and depth (`VARIANTS`); a classifier `head.*` is ign
 caller gives wins (the shapes must fit it).
 
 Loading is safe: `torch.load(weights_only=True)` or safetensors, never unrestricted unpickling; a torch
-file's CRC-32s are checked first (`integrity`), so a damaged checkpoint is refused, not loaded.
+file's CRC-32s are checked first (`integrity`), and so is the SHA-256 `ssl-vit export` writes into the
+metadata of its .safetensors (of the backbone config and every tensor; an exported folder's also of its
+config.json): a damaged checkpoint is refused, not loaded. Files without either load as they are
+(`Weights.verified` None).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import re
@@ -42,6 +46,11 @@ METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safete
 # activation checkpointing may differ (position embeddings are resampled in 2-D, ViT paper sec 3.2).
 ARCHITECTURE = ("width", "depth", "heads", "mlp_dim", "pooling", "hybrid", "patch_size")
 WEIGHTS_FILE = "model.safetensors"  # in an exported folder (timm's name for a local Hub model)
+CONFIG_FILE = "config.json"  # beside it, timm's pretrained config
+# In an exported .safetensors' metadata: the SHA-256 of its config and tensors (`weights_digest`), and in
+# an exported folder's, of its config.json.
+DIGEST_KEY, CONFIG_DIGEST_KEY = "ssl_vit.sha256", "ssl_vit.config_json_sha256"
+EXPORTED_DAMAGED_FIX = "export it again from its checkpoint, or restore it from a copy"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 # Which backbone of a Lightning checkpoint: the trained one, or the EMA teacher of I-JEPA / data2vec 2.0
 # (`MaskedPatchPretraining.teacher`), each under its prefix with timm's key names.
@@ -56,6 +65,7 @@ class Weights(NamedTuple):
     config: ViTConfig | None  # saved by ssl-vit, else inferred from the shapes (None: not inferable)
     rest: dict[str, Tensor]  # the other tensors under their own names (a task's heads, MAE's decoder)
     hparams: dict  # a Lightning checkpoint's hyperparameters; {} for other files
+    verified: str | None = None  # the checksum that vouched for the bytes read; None: the file had none
 
 
 def load_backbone(
@@ -129,7 +139,7 @@ def read_weights(source: str, weights: WeightsKind = "student") -> Weights:
     if path.suffix == ".safetensors":
         if weights == "teacher":
             raise _no_teacher(source)
-        return _read_safetensors(path)
+        return _read_safetensors(path, source)
     return _read_torch(path, weights)
 
 
@@ -155,8 +165,9 @@ def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
     if not isinstance(checkpoint, dict):
         raise UserError(f"{path} holds a {type(checkpoint).__name__}, not a dict of weights; give {SOURCES}")
     lightning = checkpoint.get("state_dict")
+    verified = "the CRC-32 of every record" if integrity.has_checksums(path) else None
     if isinstance(lightning, dict) and any(str(k).startswith("backbone.") for k in lightning):
-        return _lightning_weights(path, checkpoint, weights)
+        return _lightning_weights(path, checkpoint, weights)._replace(verified=verified)
     if weights == "teacher":
         raise _no_teacher(path)
     state = checkpoint.get("model", checkpoint)  # facebookresearch/mae (and DeiT) nest it under `model`
@@ -165,7 +176,7 @@ def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
             f"{path} is neither a Lightning checkpoint with backbone.* weights nor a state dict of timm "
             f"names; give {SOURCES}"
         )
-    return _timm_weights(clean_state_dict(state), None)
+    return _timm_weights(clean_state_dict(state), None)._replace(verified=verified)
 
 
 def _lightning_weights(path: Path, checkpoint: dict, weights: WeightsKind = "student") -> Weights:
@@ -189,7 +200,7 @@ def _timm_weights(state: dict[str, Tensor], saved: ViTConfig | None) -> Weights:
     return Weights(backbone, saved or infer_config(backbone), rest, {})
 
 
-def _read_safetensors(path: Path) -> Weights:
+def _read_safetensors(path: Path, source: str) -> Weights:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -198,9 +209,10 @@ def _read_safetensors(path: Path) -> Weights:
             metadata = f.metadata() or {}
     except (SafetensorError, OSError) as err:
         raise UserError(f"{path} is not a readable .safetensors file ({err}); give {SOURCES}") from None
+    verified = _verify_export(path, source, state, metadata)
     saved = metadata.get(METADATA_KEY)
     if not saved:
-        return _timm_weights(state, None)
+        return _timm_weights(state, None)._replace(verified=verified)
     try:
         values = json.loads(saved)
     except ValueError as err:
@@ -208,7 +220,46 @@ def _read_safetensors(path: Path) -> Weights:
             f"{path}: metadata {METADATA_KEY!r} is not JSON ({err}): re-export the file with ssl-vit, or "
             "drop that metadata and set the backbone in the suite"
         ) from None
-    return _timm_weights(state, ViTConfig.from_dict(values, f"{path}: metadata {METADATA_KEY!r}"))
+    config = ViTConfig.from_dict(values, f"{path}: metadata {METADATA_KEY!r}")
+    return _timm_weights(state, config)._replace(verified=verified)
+
+
+def _verify_export(path: Path, source: str, state: dict[str, Tensor], metadata: dict) -> str | None:
+    """The SHA-256s `ssl-vit export` wrote into `metadata` checked against what was read: what they
+    vouch for, None when there are none (another tool's file); `integrity.DamagedCheckpoint` (named as
+    the user gave it, `source`) when one does not match. safetensors checks no checksum of its own."""
+    recorded = metadata.get(DIGEST_KEY)
+    if recorded is None:
+        return None
+    if weights_digest(metadata, state) != recorded:
+        why = f"{path.name}'s tensors do not match the SHA-256 ssl-vit export wrote into it"
+        raise integrity.DamagedCheckpoint(source, why, EXPORTED_DAMAGED_FIX)
+    config_recorded = metadata.get(CONFIG_DIGEST_KEY)
+    if config_recorded is None:
+        return "the SHA-256 ssl-vit export wrote into it"
+    try:
+        config_bytes = (path.parent / CONFIG_FILE).read_bytes()
+    except OSError as err:
+        raise integrity.DamagedCheckpoint(
+            source, f"its {CONFIG_FILE} cannot be read ({err.strerror})", EXPORTED_DAMAGED_FIX
+        ) from None
+    if hashlib.sha256(config_bytes).hexdigest() != config_recorded:
+        why = f"its {CONFIG_FILE} does not match the SHA-256 ssl-vit export wrote"
+        raise integrity.DamagedCheckpoint(source, why, EXPORTED_DAMAGED_FIX)
+    return f"the SHA-256s ssl-vit export wrote of {path.name} and {CONFIG_FILE}"
+
+
+def weights_digest(metadata: dict[str, str], state: dict[str, Tensor]) -> str:
+    """The SHA-256 an exported .safetensors carries (`DIGEST_KEY`): of its backbone config (the
+    metadata `METADATA_KEY`) and of every tensor, name, dtype, shape and bytes, in name order. Over the
+    tensors, not the file: the digest goes into the file's own header, before safetensors lays out the
+    data after it."""
+    digest = hashlib.sha256(metadata.get(METADATA_KEY, "").encode())
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def infer_config(state: dict[str, Tensor]) -> ViTConfig | None:
@@ -374,3 +425,13 @@ def config_of_timm_model(model, name: str) -> ViTConfig:
 def config_metadata(config: ViTConfig) -> dict[str, str]:
     """safetensors metadata that lets `load_backbone` rebuild the backbone of an exported file."""
     return {METADATA_KEY: json.dumps(asdict(config))}
+
+
+def export_metadata(config: ViTConfig, state: dict[str, Tensor], config_json: bytes | None = None) -> dict:
+    """The metadata of a .safetensors `ssl-vit export` writes: the backbone config and the SHA-256s the
+    loader checks (`weights_digest`; of an exported folder's `config_json` too)."""
+    metadata = config_metadata(config)
+    metadata[DIGEST_KEY] = weights_digest(metadata, state)
+    if config_json is not None:
+        metadata[CONFIG_DIGEST_KEY] = hashlib.sha256(config_json).hexdigest()
+    return metadata

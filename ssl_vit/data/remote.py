@@ -5,10 +5,12 @@ each try, gives up on a read that gets no byte for a while, and continues where 
 - `ReadPolicy`: how hard (`retries` after the first failure of one fetch, `timeout_s` without a byte);
   `ShardDataModule`'s `read_retries` and `read_timeout_s`, and `SafeCheckpointIO`'s for checkpoints.
 - `open_url` / `read_url` / `probe`: a stream, the whole content, whether it exists. A URL that does not
-  exist (HTTP 404 or 410, no such object) is `Missing` at once, never retried: that is an answer. Any
-  other failure (5xx, 408, 429, a timeout, a refused or dropped connection, a command that exits
-  non-zero) is tried again; after the last try it is `ReadFailed`, whose message names the URL, what
-  went wrong and how many tries were made.
+  exist (HTTP 404 or 410, no such object) is `Missing` at once, never retried: that is an answer. A
+  server's passing trouble (5xx but those that mean "never": 501, 505, ...; 408, 429, a timeout, a
+  refused or dropped connection, a command that exits non-zero) is tried again; after the last try it
+  is `ReadFailed`, whose message names the URL, what went wrong and how many tries were made; any other
+  status (403, 501, ...) is `ReadFailed` at once. `probe` asks with HEAD, and where HEAD is refused
+  (403, 405, 501: presigned URLs, servers without HEAD) with a one-byte ranged GET.
 - `url_opener`: the stage that opens shards in a stream, webdataset's `url_opener` with a policy.
 
 A fetch that breaks off after some bytes continues at the next byte rather than starting again: an
@@ -127,7 +129,17 @@ def probe(url: str, policy: ReadPolicy = DEFAULT) -> None:
     if scheme in ("http", "https"):
 
         def head() -> None:
-            request = urllib.request.Request(url, method="HEAD")
+            try:
+                request = urllib.request.Request(url, method="HEAD")
+                with urllib.request.urlopen(request, timeout=policy.timeout_s):
+                    return
+            except urllib.error.HTTPError as err:
+                if err.code not in HEAD_REFUSED:
+                    raise
+            # Presigned S3 and GCS URLs sign the method, so HEAD is refused (403) where GET is allowed;
+            # some servers have no HEAD (405, 501). One byte of a GET tells (200: a server that ignores
+            # ranges; the body is not read).
+            request = urllib.request.Request(url, headers={"Range": "bytes=0-0"})
             with urllib.request.urlopen(request, timeout=policy.timeout_s):
                 pass
 
@@ -166,6 +178,12 @@ def url_opener(
 
 # What a failure means: the URL names nothing, try again, or give up at once.
 MISSING, RETRY, FATAL = "missing", "retry", "fatal"
+# HTTP statuses that no retry mends, though 5xx: the server does not implement the method or protocol
+# (501, 505), or is set up so that it never can answer (506, 508, 510, 511). Other 5xx are a server's
+# passing trouble (500, 502-504, and the 52x of proxies in front of one).
+PERMANENT_5XX = {501, 505, 506, 508, 510, 511}
+# A HEAD answered with these may still be a GET that works: `probe` asks for one byte instead.
+HEAD_REFUSED = {403, 405, 501}
 
 
 def _tried(url: str, policy: ReadPolicy, attempt: Callable[[], object], verdict: Callable) -> object:
@@ -216,7 +234,8 @@ def _http_verdict(err: Exception) -> str:
     if isinstance(err, urllib.error.HTTPError):
         if err.code in (404, 410):
             return MISSING
-        return RETRY if err.code >= 500 or err.code in (408, 425, 429) else FATAL
+        transient = err.code >= 500 and err.code not in PERMANENT_5XX
+        return RETRY if transient or err.code in (408, 425, 429) else FATAL
     if isinstance(err, _Changed):
         return FATAL
     if isinstance(err, urllib.error.URLError) and isinstance(err.reason, ssl.SSLCertVerificationError):

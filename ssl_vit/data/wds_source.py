@@ -8,12 +8,17 @@ training reads it (`cls`, ASCII digits, or a `json` member's `label` or `cls` fi
 unlabelled, -1). A sample without an image member or with a label that does not parse, and a shard
 that cannot be read or breaks off, become `Broken` records, which the writer skips and counts.
 
+A key is written as a relative name inside the shard: `..` and `.` components and a leading `/` are
+dropped (`member_key`), so that no member of a shard written here names a place outside the folder it
+is extracted in (`tar -x`); a warning counts the keys that changed.
+
 Class names come from an ssl-vit manifest next to the shards (`{split}.json`) when there is one, else
 from the labels seen (`"0"` ... `"K-1"`); the same manifest gives the sample count for the progress ETA.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -24,6 +29,7 @@ from ssl_vit.data.samples import BadSample, parse_label
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.data.urls import check_urls, expand, read_manifest
 
+log = logging.getLogger("ssl_vit.data")
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 
 
@@ -57,12 +63,27 @@ class ShardRecords:
             failures.append(" ".join(str(a) for a in exn.args if a is not None))
             return True
 
+        renamed: list[str] = []  # "KEY -> NAME" of the keys that were paths outside their shard
         for sample in wds.DataPipeline(wds.SimpleShardList(self.urls), *tar_samples(failed)):
             while failures:
                 yield Broken(failures.pop(0)), -1
-            yield _record(sample)
+            key = member_key(sample["__key__"])
+            if key != sample["__key__"]:
+                renamed.append(f"{sample['__key__']!r} -> {key!r}")
+            yield _record({**sample, "__key__": key})
         while failures:
             yield Broken(failures.pop(0)), -1
+        if renamed:
+            log.warning(
+                "%d sample key(s) named a place outside their shard, written as relative names (%s%s)",
+                len(renamed), renamed[0], ", ..." if len(renamed) > 1 else "",
+            )  # fmt: skip
+
+
+def member_key(key: str) -> str:
+    """`key` as a relative member name: without `..`, `.` and empty components (a leading `/`);
+    backslashes count as separators. Empty when nothing is left (the writer then numbers the sample)."""
+    return "/".join(part for part in key.replace("\\", "/").split("/") if part not in ("", ".", ".."))
 
 
 def _record(sample: dict) -> tuple[ShardImage | Broken, int]:

@@ -14,7 +14,11 @@ is too costly (sec 4.1 "Metrics"); big_vision runs its `fewshot_lsr` evaluator e
 
 from __future__ import annotations
 
+import logging
+
 import pytorch_lightning as pl
+import torch
+from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from ssl_vit.errors import BadValue, UserError
@@ -23,6 +27,8 @@ from ssl_vit.evaluation.fewshot import fewshot_accuracy
 from ssl_vit.models.vit import FeatureKind, ViTConfig
 from ssl_vit.tasks.base import off_the_clock
 from ssl_vit.tracking import logging_step
+
+log = logging.getLogger("ssl_vit")
 
 
 class FewShotMonitor(pl.Callback):
@@ -39,6 +45,11 @@ class FewShotMonitor(pl.Callback):
         feature: which frozen feature (`ssl_vit.evaluation.features`).
         image_size: evaluation resolution; by default the backbone's.
         batch_size: images per forward pass.
+
+    A shot count the labelled set cannot fill (a class with fewer training images than the shots) is
+    skipped with a one-line warning, the others are logged; a set the probe cannot run on at all (one
+    class, no test image of its classes) skips the probe with such a line: a live signal never stops a
+    run, nor loses its end.
 
     Every rank extracts its share of both sets and all ranks get the same scores; rank zero logs them.
     The scores go straight to the loggers (`pl_module.log` is not allowed in `on_train_end`), so they
@@ -65,6 +76,7 @@ class FewShotMonitor(pl.Callback):
         self.shots, self.seeds, self.ridge, self.classes = tuple(shots), tuple(seeds), ridge, classes
         self.feature, self.image_size, self.batch_size = feature, image_size, batch_size
         self._last_step: int | None = None
+        self._warned: set[str] = set()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Built here, not in __init__: the process group exists by now, so the exact passes below are
@@ -135,13 +147,51 @@ class FewShotMonitor(pl.Callback):
             )
             for split in ("train", "val")
         )
+        shots = self._shots_possible(train.y, test.y, trainer)
+        if not shots:
+            return
         accuracy = fewshot_accuracy(
-            train.x, train.y, test.x, test.y, self.shots, self.seeds, self.ridge, self.classes
+            train.x, train.y, test.x, test.y, shots, self.seeds, self.ridge, self.classes
         )
         if trainer.is_global_zero:
             metrics = {f"fewshot/{shots}shot": mean for shots, (mean, _) in accuracy.items()}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=logging_step(trainer))
+
+    def _shots_possible(self, train_y: Tensor, test_y: Tensor, trainer: pl.Trainer) -> tuple[int, ...]:
+        """The shot counts of `self.shots` the labelled set can fill (train_y: (n,), test_y: (m,) labels,
+        -1 unlabelled), as `fewshot_accuracy` chooses its classes; a warning, once, for those it cannot
+        (which `fewshot_accuracy` would raise for)."""
+        train_y, test_y = train_y.cpu(), test_y.cpu()
+        labelled = train_y[train_y >= 0]
+        classes = labelled.unique() if self.classes is None else torch.tensor(sorted(set(self.classes)))
+        counts = {int(c): int((labelled == c).sum()) for c in classes}
+        tested = torch.isin(test_y, classes).any()
+        if len(counts) < 2 or not tested:
+            what = (
+                f"{len(counts)} class(es)"
+                if len(counts) < 2
+                else f"no test image of classes {sorted(counts)}"
+            )
+            self._warn(
+                f"its labelled set has {what}: skipped (give it 2 or more classes to tell apart)", trainer
+            )
+            return ()
+        fewest = min(counts, key=counts.get)
+        possible = tuple(k for k in self.shots if k <= counts[fewest])
+        if len(possible) < len(self.shots):
+            skipped = ", ".join(f"{k}-shot" for k in self.shots if k not in possible)
+            self._warn(
+                f"class {fewest} has {counts[fewest]} training images, too few for {skipped}: skipped (give "
+                f"shots of at most {counts[fewest]}, or train_urls with more images of each class)",
+                trainer,
+            )
+        return possible
+
+    def _warn(self, message: str, trainer: pl.Trainer) -> None:
+        if message not in self._warned and trainer.is_global_zero:
+            log.warning("ssl-vit: warning: FewShotMonitor: %s", message)
+        self._warned.add(message)
 
 
 def _unsharded_backbone(pl_module: pl.LightningModule):

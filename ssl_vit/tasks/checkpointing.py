@@ -4,7 +4,8 @@
   loads with `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
 - `LastLinkCheckpoint` makes `last.ckpt` a hard link to the newest checkpoint: no second write. With
   `save_top_k: 1` (the default) it keeps the previous checkpoint too, so that one damaged file (the newest
-  and `last.ckpt` are one file) never leaves the run without an intact state to resume.
+  and `last.ckpt` are one file) never leaves the run without an intact state to resume. It saves the
+  final state first of all the end-of-training hooks, so a callback that fails there cannot lose it.
 - Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
   refused in one line, and `--ckpt_path last` resumes from the newest checkpoint that verifies.
 - A remote checkpoint (http(s), fsspec) is downloaded with retries and a read timeout
@@ -17,10 +18,10 @@ Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so nei
 from __future__ import annotations
 
 import errno
+import math
 import os
 import pickle
 import re
-import secrets
 import shutil
 import sys
 import tempfile
@@ -34,14 +35,14 @@ from lightning_fabric.plugins import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
+from ssl_vit.atomic import TEMP_NAME, Staged
 from ssl_vit.checkpoints import integrity
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError
 
-TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")
 # Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
 # links (EPERM on FAT/some FUSE, ENOTSUP), a file at the link limit (EMLINK).
 NO_HARD_LINK = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
@@ -208,6 +209,9 @@ class LastLinkCheckpoint(ModelCheckpoint):
         if stage == "fit" and trainer.is_global_zero and _is_local_file_protocol(self.dirpath):
             # Only a fit owns its checkpoint directory (a validate may run beside a fit that is saving).
             remove_stale_temp_files(_local(self.dirpath))
+        if stage == "fit" and not any(getattr(c, "checkpoint", None) is self for c in trainer.callbacks):
+            # A new list: Lightning is iterating over the current one to call this hook.
+            trainer.callbacks = [_SaveFinalFirst(self), *trainer.callbacks]
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -260,15 +264,20 @@ class LastLinkCheckpoint(ModelCheckpoint):
             self._linked_as = None
 
     def on_train_end(self, trainer, pl_module) -> None:
-        # With step- or time-based saving, Lightning saves nothing at the end of training and writes
-        # last.ckpt there only if nothing was saved at all: the steps after the last periodic save would
-        # be missing from last.ckpt. The final state is saved here (periodic checkpoint + last).
+        self.save_final(trainer)  # done already, first of the end-of-training hooks (`_SaveFinalFirst`)
+        super().on_train_end(trainer, pl_module)
+
+    def save_final(self, trainer) -> None:
+        """The state at the end of training (periodic checkpoint + last), unless saved at this step.
+
+        With step- or time-based saving, Lightning saves nothing at the end of training and writes
+        last.ckpt there only if nothing was saved at all: the steps after the last periodic save would
+        be missing from last.ckpt."""
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             candidates = self._monitor_candidates(trainer)
             if self.monitor is None and self.save_top_k != 0:
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-        super().on_train_end(trainer, pl_module)
 
     def _last_path(self, trainer) -> str:
         """The name _save_last_checkpoint will give the link (Lightning's version counter included)."""
@@ -301,33 +310,40 @@ class LastLinkCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier()
 
 
+class _SaveFinalFirst(Callback):
+    """The final save of a `LastLinkCheckpoint`, as the first `on_train_end` hook of the trainer (its
+    setup puts it first). Lightning calls every checkpoint callback's hooks after all other callbacks'
+    (`_reorder_callbacks`): an end-of-training callback that failed (a monitor's last evaluation) would
+    otherwise end the fit before the steps since the last periodic save were saved."""
+
+    def __init__(self, checkpoint: LastLinkCheckpoint) -> None:
+        self.checkpoint = checkpoint
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.checkpoint.save_final(trainer)
+
+
 def link_atomically(source: str, target: str) -> None:
     """`target` becomes a hard link to `source` (a copy where hard links are impossible), atomically."""
-    directory = os.path.dirname(os.path.abspath(target))
     if os.path.exists(target) and os.path.samefile(source, target):
         # Lightning relinks at epoch/validation end without a new checkpoint; and rename(2) of one hard
         # link onto another of the same file does nothing, which would leave the temporary name behind.
         return
-    temp = _temp_path(target)
-    try:
+    with Staged(target) as staged:
         try:
-            os.link(source, temp)
+            os.link(source, staged.path)
         except OSError as err:
             if err.errno not in NO_HARD_LINK:
                 raise
             with suppress(FileNotFoundError):
-                os.unlink(temp)
-            with open(source, "rb") as src, _create(temp) as dst:
+                os.unlink(staged.path)
+            with open(source, "rb") as src, open(staged.create(), "wb", closefd=False) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
                 dst.flush()
-                os.fsync(dst.fileno())
-        os.replace(temp, target)
-    finally:
-        # Gone after the rename; left after a failure, or after a race made `target` another link of
-        # `source` (rename(2) between two links of one file does nothing).
-        with suppress(FileNotFoundError):
-            os.unlink(temp)
-    _fsync_directory(directory)
+                staged.sync()
+        # After a race that made `target` another link of `source`, the rename does nothing and the
+        # temporary name is removed at exit.
+        staged.replace()
 
 
 def remove_stale_temp_files(directory: str) -> list[str]:
@@ -342,26 +358,19 @@ def remove_stale_temp_files(directory: str) -> list[str]:
 
 
 def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
-    directory = os.path.dirname(os.path.abspath(target))
-    temp = _temp_path(target)  # same directory, so same filesystem: os.replace is a rename
-    try:
-        with _create(temp) as f:
-            recording = _Recording(f)
-            try:
-                write(recording)
-                f.flush()
-                os.fsync(f.fileno())  # the data is on disk before the name points at it
-            except Exception as err:
-                full = recording.error or (err if isinstance(err, OSError) else None)
-                if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
-                    # torch's zip writer reports a failed write as "unexpected pos": say what it was.
-                    raise OSError(full.errno, os.strerror(full.errno), target) from err
-                raise
-        os.replace(temp, target)
-    finally:
-        with suppress(FileNotFoundError):  # a failed save leaves the previous checkpoint untouched
-            os.unlink(temp)
-    _fsync_directory(directory)  # and the rename itself survives a power loss
+    with Staged(target) as staged, open(staged.create(), "wb", closefd=False) as f:
+        recording = _Recording(f)
+        try:
+            write(recording)
+            f.flush()
+            staged.sync()
+        except Exception as err:
+            full = recording.error or (err if isinstance(err, OSError) else None)
+            if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
+                # torch's zip writer reports a failed write as "unexpected pos": say what it was.
+                raise OSError(full.errno, os.strerror(full.errno), target) from err
+            raise
+        staged.replace()  # a failed save leaves the previous checkpoint untouched
 
 
 class _Recording:
@@ -382,30 +391,6 @@ class _Recording:
         self.file.flush()
 
 
-def _create(path: str):
-    # O_EXCL: never write through an existing name; mode 0o666 & ~umask, like the file Lightning writes
-    # (tempfile.mkstemp would make it 0o600).
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
-
-
-def _temp_path(target: str) -> str:
-    directory, name = os.path.split(os.path.abspath(target))
-    return os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # platforms without directory handles (Windows): the rename is done, nothing to sync
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (FUSE, NFS) refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def _local(path: _PATH) -> str:
     text = str(path)
     return text.removeprefix("file://") if text.startswith("file://") else text
@@ -416,36 +401,23 @@ def _first_line(err: Exception) -> str:
     return lines[0][:200] if lines else type(err).__name__
 
 
-__all__ = [
-    "LastLinkCheckpoint", "SafeCheckpointIO", "link_atomically", "load_checkpoint", "refused",
-    "remove_stale_temp_files", "with_safe_io",
-]  # fmt: skip
-
-
-# --- --ckpt_path: which checkpoint a job resumes, checked before Lightning reads it -------------------
-
-
-def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint `--ckpt_path` makes this job continue from: for `last`, `resumable(checkpoint_dir)`
-    (as `LastLinkCheckpoint` resolves it for Lightning); a local path as it is; None otherwise."""
-    if not ckpt_path:
-        return None
-    if str(ckpt_path) == "last":
-        return resumable(checkpoint_dir)
-    return Path(ckpt_path) if "://" not in str(ckpt_path) else None
+# --- `last`: which checkpoint of a run directory a job resumes -----------------------------------------
 
 
 def resumable(checkpoint_dir: Path) -> Path | None:
-    """What `--ckpt_path last` resumes: the newest `last*.ckpt` (as Lightning picks it), else (deleted,
-    or never linked) the newest checkpoint of the directory; a damaged one (`integrity.damage`) is
-    passed over for the next newest, with one warning naming both. None when the directory holds no
-    checkpoint (the job starts afresh); a `DamagedCheckpoint` when it holds only damaged ones."""
+    """What `--ckpt_path last` resumes: the checkpoint of the directory whose recorded step is the
+    highest (`last*.ckpt` first among equals: it is a link to the newest); a damaged one
+    (`integrity.damage`) is passed over for the next, with one warning naming both. None when the
+    directory holds no checkpoint (the job starts afresh); a `DamagedCheckpoint` when it holds only
+    damaged ones.
+
+    By the step the file records, not by modification time (as Lightning picks among `last*.ckpt`): a
+    file written under a clock that was ahead (another node's, a copy's) would be resumed over a later
+    step, and the steps between lost without a word."""
     if not checkpoint_dir.is_dir():
         return None
-    candidates = by_age(checkpoint_dir.glob("last*.ckpt"))
-    candidates += [p for p in by_age(checkpoint_dir.glob("*.ckpt")) if p not in candidates]
     damaged: list[tuple[Path, str]] = []
-    for path in candidates:
+    for path in sorted(checkpoint_dir.glob("*.ckpt"), key=_resume_order):
         if path.is_symlink() and not path.exists():  # a link whose checkpoint was deleted or moved
             damaged.append((path, f"a link to {os.readlink(path)}, which does not exist"))
             continue
@@ -473,15 +445,16 @@ def resumable(checkpoint_dir: Path) -> Path | None:
     return None
 
 
-def by_age(paths) -> list[Path]:
-    """`paths`, the most recently written first (Lightning picks the newest `last*.ckpt` by mtime)."""
-    return sorted(paths, key=lambda p: p.lstat().st_mtime, reverse=True)  # lstat: a dangling link too
-
-
-def newest(paths) -> Path | None:
-    """The most recently written of `paths` (as Lightning picks among `last*.ckpt`); None if none."""
-    found = by_age(paths)
-    return found[0] if found else None
+def _resume_order(path: Path) -> tuple:
+    """Highest recorded step first, `last*.ckpt` first among equals. A file whose step cannot be read
+    (damaged, or a dangling link) is placed by its name (`last*.ckpt` first of all, `stepN.ckpt` at N):
+    it is passed over all the same, and the warning then names it where it belongs."""
+    last = path.name.startswith("last")
+    step = checkpoint_step(path)
+    if step is None:
+        named = re.fullmatch(r"step(\d+)\.ckpt", path.name)
+        step = math.inf if last else int(named[1]) if named else -1
+    return (-step, not last, path.name)
 
 
 _warned: set[str] = set()
@@ -495,18 +468,6 @@ def _warn_once(message: str) -> None:
     _warned.add(message)
 
 
-def refuse_used_run_dir(checkpoint_dir: Path) -> None:
-    """A fit that starts afresh would write its checkpoints under the same names as the ones already in
-    `checkpoint_dir` (`step{step:07d}.ckpt`, `last.ckpt`): refused, before anything is written."""
-    found = newest(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else None
-    if found is not None:
-        raise UserError(
-            f"{checkpoint_dir} already holds checkpoints of an earlier run ({found.name}), which a fresh "
-            "start would overwrite: resume it with --ckpt_path last, or give another "
-            "--trainer.default_root_dir"
-        )
-
-
 def checkpoint_step(path: Path) -> int | None:
     """The optimizer step a Lightning checkpoint was saved at (read lazily: tensors stay on disk)."""
     try:
@@ -515,51 +476,7 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
-# --ckpt_path values Lightning resolves itself (a checkpoint of the run, the model registry).
-CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
-
-
-def local_ckpt_path(value) -> str | None:
-    """`value` when it names a local checkpoint file for `--ckpt_path`; None for none, a keyword Lightning
-    resolves itself (last, best, ...) or a URL."""
-    value = str(value) if value is not None else ""
-    if not value or value.lower() in CKPT_KEYWORDS or value.lower().startswith("registry:") or "://" in value:
-        return None
-    return value
-
-
-def check_ckpt_path(path: str | Path) -> dict:
-    """The Lightning checkpoint `path`, its tensors memory-mapped; a one-line UserError unless it is one
-    that loads with weights only.
-
-    For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
-    hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
-    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
-    path = Path(path)
-    fix = (
-        "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
-        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
-    )
-    if not path.exists():
-        raise UserError(f"--ckpt_path {path} does not exist: {fix}")
-    if not path.is_file():
-        raise UserError(f"--ckpt_path {path} is not a file: {fix}")
-    # Before torch reads it: a damaged checkpoint would load silently (torch checks no CRC). A file
-    # without checksums (another tool's, torch's legacy format) goes on to torch.load unchecked.
-    integrity.check(path, DAMAGED_FIX, name=f"--ckpt_path {path}")
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
-        raise UserError(
-            f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
-        ) from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
-    if not checkpoint["state_dict"]:
-        raise UserError(f"--ckpt_path {path} holds no weights (its state_dict is empty): {fix}")
-    if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
-        raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
-    return checkpoint
+__all__ = [
+    "LastLinkCheckpoint", "SafeCheckpointIO", "checkpoint_step", "link_atomically", "load_checkpoint",
+    "refused", "remove_stale_temp_files", "resumable", "with_safe_io",
+]  # fmt: skip

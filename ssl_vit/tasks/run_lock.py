@@ -37,15 +37,15 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import socket
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ssl_vit.atomic import Staged
 from ssl_vit.errors import UserError
 
 LOCK_NAME = "fit.lock"
@@ -93,6 +93,11 @@ class RunLock:
         self._fd: int | None = None
         self._created: list[Path] = []
         self._locks: bool | None = True  # what lockf said on the last file looked at (None: no locks)
+
+    @property
+    def made_run_dir(self) -> bool:
+        """Whether taking the lock made the run directory (it did not exist before)."""
+        return self.run_dir in self._created
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -199,35 +204,26 @@ class RunLock:
         """Put a new lock file of this process in place, locked before it appears: linked if there is
         none (`replace` None; False if another process made one first), else renamed over the stale
         file open as `replace`, whose lock this process holds while it does so."""
-        temp = self.run_dir / f".{LOCK_NAME}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
+        with Staged(self.path, mode=0o644) as staged:
+            fd = staged.create()
             record = {
                 "host": HOST,
                 "pid": os.getpid(),
                 "since": datetime.now(timezone.utc).isoformat("T", "seconds"),
             }
             os.write(fd, (json.dumps(record) + "\n").encode())
-            os.fsync(fd)
+            staged.sync()
             _try_lock(fd)
             if replace is None:
-                try:
-                    os.link(temp, self.path)
-                except FileExistsError:
-                    if os.fstat(fd).st_nlink != 2:  # NFS: a retried link that had succeeded says EEXIST
-                        return False
+                if not staged.link():
+                    return False
             elif not _same_file(replace, self.path):
                 return False
             else:
-                os.replace(temp, self.path)
-            self._fd, fd = fd, None
+                staged.replace()
+            self._fd = staged.keep()
             _holding.append(self)
             return True
-        finally:
-            with suppress(FileNotFoundError):
-                os.unlink(temp)
-            if fd is not None:
-                os.close(fd)
 
     def _held(self, holder: dict | None, unverifiable: str | None = None) -> UserError:
         who = _describe(holder) if holder else "another ssl-vit fit (starting)"

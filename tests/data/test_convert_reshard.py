@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -133,6 +134,29 @@ def test_wds_skips_and_counts_corrupt_samples(cli, tmp_path):
     manifest = json.loads((tmp_path / "out" / "train.json").read_text())
     assert manifest["skipped"] == 3 and manifest["class_names"] == ["0", "1", "2"]
     assert manifest["class_counts"] == {"-1": 1, "1": 1, "2": 1}
+
+
+def test_wds_keys_that_name_places_outside_the_shard_are_written_as_relative_names(cli, tmp_path):
+    """Member names with `..` or a leading `/` are copied as relative names: `tar -x` of a shard written
+    here never writes outside its folder. A warning counts them; the samples and labels are kept."""
+    rng = np.random.default_rng(0)
+    names = ["../../escape/s0", "/etc/s1", "./ok/./s2", "s3"]
+    with tarfile.open(tmp_path / "in-000000.tar", "w") as tar:
+        for label, name in enumerate(names):
+            for ext, data in (("jpg", jpeg(rng, 8, 8)), ("cls", str(label).encode())):
+                info = tarfile.TarInfo(f"{name}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    source, out = f"wds:{tmp_path / 'in-000000.tar'}", str(tmp_path / "out")
+    proc = cli("data", "convert", source, out, "--format", "jpg", "--no-progress")
+    assert "3 sample key(s) named a place outside their shard, written as relative names " \
+        "('../../escape/s0' -> 'escape/s0', ...)" in proc.stderr, proc.stderr  # fmt: skip
+    with tarfile.open(tmp_path / "out" / "train-000000.tar") as tar:
+        written = tar.getnames()
+    assert written == [
+        f"{key}.{ext}" for key in ("escape/s0", "etc/s1", "ok/s2", "s3") for ext in ("cls", "jpg")
+    ]
+    assert [int(s["cls"]) for s in samples(tmp_path / "out")] == [0, 1, 2, 3]
 
 
 def test_wds_shards_that_do_not_exist_are_one_line_errors(cli, tmp_path):

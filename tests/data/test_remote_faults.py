@@ -142,6 +142,38 @@ def test_evaluate_stops_with_one_line_when_the_workers_deliver_nothing(faulty_ht
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("status", ["403", "405", "501"])
+def test_evaluate_reads_shards_whose_server_refuses_head(faulty_http, digits_shards, tmp_path, status):
+    """Presigned S3/GCS URLs answer HEAD with 403 (the signature is for GET), some servers have no HEAD
+    (405, 501): the start-up check asks for one byte with a ranged GET instead, once per shard, and
+    the shards are read; no retry of a status no retry mends."""
+    base = serve(faulty_http, digits_shards)
+    faulty_http.fail(".tar", status, method="HEAD")
+    suite = write_suite(tmp_path / "suite.yaml", base, num_workers=0)
+    proc = evaluate(suite, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed" not in proc.stderr, proc.stderr[-3000:]  # no retry line
+    tars = sorted({path for _, path, _ in faulty_http.requests if path.endswith(".tar")})
+    assert len(tars) == 9
+    for path in tars:
+        assert faulty_http.count(path, "HEAD") == 1  # refused once, not retried
+    assert json.loads((tmp_path / "out/results.json").read_text())["results"]
+
+
+def test_a_status_no_retry_mends_is_one_line_at_once(faulty_http, digits_shards, tmp_path):
+    """A shard whose server answers 501 to HEAD and to GET: one line naming it, after one request of
+    each (the retries are for a server's passing trouble, 503 and the like)."""
+    base = serve(faulty_http, digits_shards)
+    for method in ("HEAD", "GET"):
+        faulty_http.fail("train-000002.tar", "501", method=method)
+    suite = write_suite(tmp_path / "suite.yaml", base)
+    proc = evaluate(suite, tmp_path / "out")
+    one_line_failure(proc, f"shard {base}/train-000002.tar is unreachable (HTTP 501")
+    assert "try 2 of" not in proc.stderr
+    assert faulty_http.count("train-000002.tar", "HEAD") == faulty_http.count("train-000002.tar", "GET") == 1
+    assert not (tmp_path / "out").exists()
+
+
 # --- fit ------------------------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager, suppress
 import numpy as np
 import pytest
 import webdataset as wds
+from cli_helpers import run_cli
 from data_helpers import image_bytes, write_shards
 from webdataset.tariterators import base_plus_ext, group_by_keys
 
@@ -679,3 +680,49 @@ def test_a_broken_gzip_shard_drops_the_sample_in_progress(seed_shards):
     )
     samples, errors = reader_samples(gzip.compress(plain[: cut + 100], mtime=0))
     assert len(samples) == 4 and len(errors) == 1 and isinstance(errors[0], GzipTarError)
+
+
+# -- link members -------------------------------------------------------------------------------------
+
+
+def link(name: str, target: str, kind: bytes, fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info.tobuf(fmt, "utf-8", "surrogateescape")
+
+
+def linked_shard() -> bytes:
+    """Three samples (png + cls): the second with a symbolic link besides its image, the third with a
+    hard link as its image; the long link target is written in a GNU long-link header."""
+    rng = np.random.default_rng(0)
+    target = "/etc/" + "x" * 120  # longer than the 100 bytes of the header's link field
+    return b"".join([
+        member("s0.png", image_bytes(rng)), member("s0.cls", b"0"),
+        member("s1.png", image_bytes(rng)), link("s1.txt", target, tarfile.SYMTYPE), member("s1.cls", b"1"),
+        link("s2.png", "s0.png", tarfile.LNKTYPE), member("s2.cls", b"2"),
+        member("s3.png", image_bytes(rng)), member("s3.cls", b"3"),
+        END,
+    ])  # fmt: skip
+
+
+def test_link_members_are_counted_and_their_samples_skipped():
+    """A link's data is not in the shard (a symbolic one may point anywhere on the reader's machine):
+    its sample is skipped, and counted, once per link, naming it; the other samples are read."""
+    samples, errors = reader_samples(linked_shard())
+    assert [s["__key__"] for s in samples] == ["s0", "s3"]
+    assert [str(e.args[0]) for e in errors] == [
+        f"s1.txt: a symbolic link to {'/etc/' + 'x' * 120!r}, not a file (its sample is dropped)",
+        "s2.png: a hard link to 's0.png', not a file (its sample is dropped)",
+    ]
+    assert [name for name, _ in tar_files(io.BytesIO(linked_shard()))] == [  # without a callback: as before
+        "s0.png", "s0.cls", "s1.png", "s1.cls", "s2.cls", "s3.png", "s3.cls",
+    ]  # fmt: skip
+
+
+def test_data_inspect_counts_link_members(tmp_path):
+    (tmp_path / "links-000000.tar").write_bytes(linked_shard())
+    proc = run_cli("data", "inspect", str(tmp_path / "links-000000.tar"), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith(str(tmp_path)))
+    assert row.split()[1:3] == ["2", "2"]  # 2 good samples, 2 bad: the samples of the links
+    assert "s1.txt: a symbolic link to '/etc/xxx" in proc.stdout and "s2.png: a hard link" in proc.stdout

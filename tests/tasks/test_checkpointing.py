@@ -22,10 +22,11 @@ from pytorch_lightning import Trainer
 from pytorch_lightning.demos.boring_classes import BoringModel
 from test_fit_cli import quickstart_overrides
 
+from ssl_vit.atomic import TEMP_NAME
 from ssl_vit.cli import main
 from ssl_vit.errors import UserError
 from ssl_vit.tasks import checkpointing
-from ssl_vit.tasks.checkpointing import TEMP_NAME, LastLinkCheckpoint, SafeCheckpointIO
+from ssl_vit.tasks.checkpointing import LastLinkCheckpoint, SafeCheckpointIO
 
 pytest_plugins = ["server_helpers"]  # the `nginx` fixture
 
