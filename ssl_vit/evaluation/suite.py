@@ -162,8 +162,8 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
             if source != "scratch":
                 try:
                     load_backbone(source, suite.backbone)
-                except UserError as err:
-                    raise UserError(f"{name}: {err}") from None
+                except UserError as err:  # a compare row's name first (`evaluate`'s names the source)
+                    raise UserError(str(err) if name == source else f"{name}: {err}") from None
     for name, data in suite.datasets.items():
         urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
         check_shard_urls(None, urls, read_policy(data))
