@@ -56,10 +56,11 @@ quickstart: $(STAMP)
 # The study: Fashion-MNIST (Debian's dataset-fashion-mnist, or FASHION_MNIST=DIR) -> shards -> ViT-paper
 # MPP, MAE and SimMIM on all 60,000 training images without labels and supervised on the labels of
 # classes 0-4, each at one equal budget (1,200 steps of 128 images, recipes/study/trainer.yaml) from two
-# seeds -> `compare` against three scratch initialisations: few-shot on all, seen (0-4) and unseen (5-9)
+# seeds -> `compare` against two scratch initialisations: few-shot on all, seen (0-4) and unseen (5-9)
 # classes, k-NN and the linear probe (lr chosen on held-out training images), each on the [class] token
-# and on the mean patch token, and fine-tuning on 1% and 10% of the labels -> results.md and the
-# verdict on each claim (recipes/study/claims.yaml) in verdicts.md. The pretraining runs go two at a
+# and on the mean patch token, the attentive probe on all tokens, a linear segmentation probe on 2x2
+# mosaics, and fine-tuning on 1% and 10% of the labels (lr chosen on held-out images) -> results.md,
+# training_curves.png and the verdict on each claim (recipes/study/claims.yaml) in verdicts.md. The pretraining runs go two at a
 # time, one thread each (faster on 2 cores than one after the other with two threads), and so do the
 # checkpoints of the comparison (torchrun, two processes: the same table as one process); each run logs
 # to $(STUDY)/NAME.log, and a rerun resumes or skips the runs already done. `make study DEVICE=gpu`: the same
@@ -104,7 +105,7 @@ $(STUDY)/%/pretrained:
 
 study-compare: $(STAMP)
 	$(STUDY_ENV) $(VENV)/bin/torchrun --nproc-per-node $(STUDY_JOBS) --no-python $(SSLVIT) compare \
-		$(foreach method,$(STUDY_METHODS),$(call study_group,$(method))) --scratch 3 --baseline scratch \
+		$(foreach method,$(STUDY_METHODS),$(call study_group,$(method))) --scratch 2 --baseline scratch \
 		--suite $(STUDY_SUITE) $(if $(STUDY_CLAIMS),--claims $(STUDY_CLAIMS)) --out $(STUDY)/compare --overwrite
 
 lint: $(STAMP)

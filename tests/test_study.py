@@ -81,7 +81,7 @@ def test_the_claims_name_the_suites_columns_and_the_studys_rows():
     rows = ["mpp", "mae", "simmim", "supervised", "scratch"]
     for suite in ("eval.yaml", "eval_gpu.yaml"):
         claims = load_claims(STUDY / "claims.yaml", load_suite(STUDY / suite), rows)
-        assert len(claims) == 4 and sum(len(c.comparisons()) for c in claims) == 12 + 6 + 6 + 3
+        assert len(claims) == 6 and sum(len(c.comparisons()) for c in claims) == 12 + 6 + 6 + 3 + 3 + 3
 
 
 def test_missing_fashion_mnist_is_one_line_and_writes_nothing(tmp_path):
@@ -134,10 +134,20 @@ def test_make_study_end_to_end_at_toy_size(tmp_path):
     (tmp_path / "toy.yaml").write_text(yaml.safe_dump(toy))
     suite = yaml.safe_load((STUDY / "eval.yaml").read_text())
     suite["backbone"].update(width=32, depth=1, heads=2)
-    suite["data"].update(train_urls=train, test_urls=test, num_workers=0)
+    for name in ("fmnist", "fmnist_finetune"):
+        suite["datasets"][name].update(train_urls=train, test_urls=test, num_workers=0)
+    mosaics = shards / "mosaic"  # the script's: 150 and 50 mosaics of the toy images
+    toy_mosaics = {
+        "train_urls": str(mosaics / "train-000000.tar"),
+        "test_urls": str(mosaics / "test-000000.tar"),
+    }
+    suite["datasets"]["mosaics"].update(toy_mosaics, num_workers=0)
     suite["resamples"] = 100
+    short = {"linear_probe": {"epochs": 1}, "attentive_probe": {"epochs": 1, "heads": 2},
+             "linear_seg": {"epochs": 1}, "finetune": {"steps": 2, "lrs": [1.0e-3]}}  # fmt: skip
+    # (one lr: 1% of 600 toy images is one image per class, none to hold out for a choice)
     for protocol in suite["protocols"]:
-        protocol.update({"linear_probe": {"epochs": 1}, "finetune": {"steps": 2}}.get(protocol["kind"], {}))
+        protocol.update(short.get(protocol["kind"], {}))
     (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
 
     runs, client = tmp_path / "study", script_env()  # each `ssl-vit` of make's through the fork server
@@ -157,11 +167,14 @@ def test_make_study_end_to_end_at_toy_size(tmp_path):
             assert config["seed_everything"] == seed and config["trainer"]["max_steps"] == 3
     table = (runs / "compare" / "results.md").read_text()
     for row in ("| mpp (2 runs) |", "| mae (2 runs) |", "| simmim (2 runs) |", "| supervised (2 runs) |",
-                "| scratch (3 runs) |"):  # fmt: skip
+                "| scratch (2 runs) |"):  # fmt: skip
         assert row in table
+    assert (
+        "seg_miou" in table and "attentive" in table and (runs / "compare" / "training_curves.png").is_file()
+    )
     verdicts = (runs / "compare" / "verdicts.md").read_text()
-    assert verdicts.count("\n## ") == 4 and verdicts in proc.stdout
-    assert len(re.findall(r"^- .*: (holds beyond noise|within noise|reversed)\.$", verdicts, re.M)) == 27
+    assert verdicts.count("\n## ") == 6 and verdicts in proc.stdout
+    assert len(re.findall(r"^- .*: (holds beyond noise|within noise|reversed)\.$", verdicts, re.M)) == 33
     assert re.search(r"study: \d+ min \d+ s from shards to verdicts", proc.stdout)
     # A second `make study` skips the finished runs and compares again.
     again = subprocess.run(

@@ -13,7 +13,7 @@ on every batch instead of caching (as MAE's linear probe does on ImageNet).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +29,11 @@ DATA_KEYS = (
 )  # fmt: skip
 LAST_K = 4  # the blocks `lastk` and `patches_lastk` read (DINO's linear evaluation: the last 4)
 CACHE_SHARE = 0.5  # the share of free memory a split's token cache may take
+
+
+class Index(NamedTuple):
+    y: torch.Tensor  # (N,) int64 labels, -1 where unlabelled
+    keys: list[str]  # the samples' __key__, sorted
 
 
 def datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +62,7 @@ class FeatureCache:
             **datamodule_args(data),
         )
         self._cache: dict[str, dict[str, Features]] = {}
+        self._index: dict[str, Index] = {}  # labels and keys of splits read without features
 
     @staticmethod
     def manifest_count(data: dict[str, Any]) -> int | None:
@@ -83,20 +89,41 @@ class FeatureCache:
         """The splits its data block gives."""
         return ("train", "test") if self.datamodule.val_urls is None else ("train", "val", "test")
 
+    def index(self, split: str) -> Index:
+        """The labels and keys of a split, in key order: from its features when a protocol read them,
+        else from a pass that decodes the images but runs no backbone (a protocol that trains on the
+        stream needs only these, and at ImageNet scale a forward pass over the split costs hours)."""
+        if split in self._cache:
+            found = next(iter(self._cache[split].values()))
+            return Index(found.y, found.keys)
+        if split not in self._index:
+            labels, keys = [], []
+            with progress.step(f"labels of {split}", self.datamodule.samples_in(split)) as advance:
+                for batch in self.datamodule.exact_dataloader(split):
+                    labels.append(batch["label"])
+                    keys.extend(batch["key"])
+                    advance(len(batch["key"]))
+            order = sorted(range(len(keys)), key=keys.__getitem__)
+            self._index[split] = Index(torch.cat(labels)[order], [keys[i] for i in order])
+        return self._index[split]
+
     def labels(self, split: str) -> torch.Tensor:
-        """Labels of a split: they do not depend on the feature, so the split's one pass serves."""
-        return self.get(split, self.kinds[0]).y
+        """Labels of a split (`index`)."""
+        return self.index(split).y
 
     def unlabelled(self) -> dict[str, int]:
         """Per split read so far, its images without a label (-1), where it has some: every
         classification protocol leaves them out."""
-        counts = {split: int((self.labels(split) < 0).sum()) for split in self._cache}
+        counts = {split: int((self.labels(split) < 0).sum()) for split in [*self._cache, *self._index]}
         return {split: n for split, n in counts.items() if n}
 
     def num_classes(self) -> int:
+        """The manifest's class count, else one more than the largest label (or mask class) of train."""
         found = self.datamodule.num_classes
         if found:
             return found
+        if not self.kinds:
+            return int(self.labels("train").max()) + 1
         train = self.get("train", self.kinds[0])
         return int(max(train.y.max(), -1 if train.mask is None else _mask_max(train.mask))) + 1
 

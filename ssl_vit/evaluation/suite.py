@@ -72,10 +72,10 @@ class Suite:
     resamples: int = 1000  # bootstrap resamples per interval
 
     def feature_kinds(self, dataset: str) -> tuple[str, ...]:
-        """The feature kinds the protocols on `dataset` read, in suite order: one pass yields them all (at
-        least the mean patch token, whose pass gives every split's labels and keys)."""
+        """The feature kinds the protocols on `dataset` read, in suite order: one pass yields them all
+        (none: its protocols train on the stream, and read only labels and keys, `FeatureCache.index`)."""
         found = [kind for p in self.protocols if p.dataset == dataset for kind in p.cache_kinds()]
-        return tuple(dict.fromkeys(found)) or ("mean",)
+        return tuple(dict.fromkeys(found))
 
     def columns(self) -> list[str]:
         """Result columns, in the order the report shows them."""

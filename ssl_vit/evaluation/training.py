@@ -271,7 +271,7 @@ def training_set(
     split (of `classes`) is the selection set. `labels` counts every labelled image used, selection
     images included; `labels_per_class` is that over the classes (the x of its point in the pictures).
     A dataset of segmentation masks without image labels trains on every image (fractions of images)."""
-    labels, keys = features.labels("train"), features.get("train", features.kinds[0]).keys
+    labels, keys = features.index("train")
     if (labels < 0).all():  # masks, no image labels: one class, as far as the balance goes
         labels = torch.zeros_like(labels)
         chosen = label_subset(labels, fraction, seed)
