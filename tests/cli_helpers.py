@@ -282,3 +282,18 @@ def one_step_fit_args(shards: Path, run: Path, *extra: str, config: str = "mpp")
         "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0",
         "--trainer.default_root_dir", str(run), *extra,
     ]  # fmt: skip
+
+
+def failing_evaluation(suffix: str) -> str:
+    """A prelude (`run_cli`, `start_cli`, or `cli_client.PRELUDE_ENV` for torchrun's ranks) after which
+    the evaluation of every checkpoint whose path ends with `suffix` raises `RuntimeError("injected
+    failure")`: a row that fails although its checkpoint loads (inputs are checked before anything runs)."""
+    return f"""
+from ssl_vit.evaluation import ranks
+real = ranks.evaluate
+def evaluate(source, *args, **kwargs):
+    if source.endswith({suffix!r}):
+        raise RuntimeError("injected failure")
+    return real(source, *args, **kwargs)
+ranks.evaluate = evaluate
+"""

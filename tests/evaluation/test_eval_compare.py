@@ -9,6 +9,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import yaml
+from cli_helpers import failing_evaluation
 from PIL import Image
 
 from ssl_vit.errors import UserError
@@ -61,16 +62,7 @@ def setup(digits_shards, tmp_path_factory):
     return root, ckpts
 
 
-# An evaluation that raises, for the checkpoint named broken.ckpt only, in the command's own process.
-FAIL_BROKEN = """
-from ssl_vit.evaluation import ranks
-real = ranks.evaluate
-def evaluate(source, *args, **kwargs):
-    if source.endswith("broken.ckpt"):
-        raise RuntimeError("injected failure")
-    return real(source, *args, **kwargs)
-ranks.evaluate = evaluate
-"""
+FAIL_BROKEN = failing_evaluation("broken.ckpt")
 
 
 @pytest.mark.slow

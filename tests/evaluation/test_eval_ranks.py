@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 import torch
 import yaml
 from cli_client import PRELUDE_ENV
-from cli_helpers import free_port, run_cli, torchrun, torchrun_env
+from cli_helpers import failing_evaluation, free_port, run_cli, torchrun, torchrun_env
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
@@ -26,17 +26,7 @@ def save(model, path) -> str:
     return str(path)
 
 
-# The evaluation of the checkpoint named broken.ckpt raises (it loads like the others: the inputs are
-# checked before anything is evaluated), in each command's own process.
-FAIL_BROKEN = """
-from ssl_vit.evaluation import ranks
-real = ranks.evaluate
-def evaluate(source, *args, **kwargs):
-    if source.endswith("broken.ckpt"):
-        raise RuntimeError("injected failure")
-    return real(source, *args, **kwargs)
-ranks.evaluate = evaluate
-"""
+FAIL_BROKEN = failing_evaluation("broken.ckpt")
 
 
 def ssl_vit(args: list[str], ranks: int) -> subprocess.CompletedProcess:
