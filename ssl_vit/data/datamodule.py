@@ -388,9 +388,13 @@ class ShardDataModule(pl.LightningDataModule):
         true`, written by `ssl-vit data convert` from a source with masks): its batches then hold `mask`,
         and a sample without one is skipped and counted. Shards without such a manifest give `mask`
         when their samples have `seg.png` members."""
+        return (self.split_manifest(split) or {}).get("masks") is True
+
+    def split_manifest(self, split: str) -> dict | None:
+        """The manifest of `split`'s shards (read once per data module), or None when they have none."""
         if split not in self._urls:
             self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
-        return (self._manifest_of(self._urls[split][0]) or {}).get("masks") is True
+        return self._manifest_of(self._urls[split][0])
 
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
         masks = self.has_masks(split)

@@ -5,9 +5,10 @@ Pooled features (`cls`, `mean`, `lastk`) cost a few KB per image. Token features
 `patches`, `patches_lastk`: what attentive and dense probes read when their augmentation is `eval`)
 cost tokens x width x 4 bytes per image: 50 x 96 x 4 = 19 KB for the study's 28 px images, but 197 x 768
 x 4 = 605 KB at ImageNet's 224 px on a B/16, 775 GB for its 1.28M training images. A split whose token
-cache would take more than half of the memory free now is refused before its pass, in one line that
-names the fix: a training augmentation other than `eval`, with which the probe runs the frozen backbone
-on every batch instead of caching (as MAE's linear probe does on ImageNet).
+cache would take more than `CACHE_SHARE` of the memory free now, or whose size is unknown (no
+manifest), is refused before its pass, in one line that names the fix: a training augmentation other
+than `eval`, with which the probe runs the frozen backbone on every batch instead of caching (as MAE's
+linear probe does on ImageNet).
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ssl_vit.data import ShardDataModule
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.features import Features, extract_feature_set
-from ssl_vit.models.vit import TokenKind, ViT, ViTConfig
+from ssl_vit.models.vit import LAST_K, TokenKind, ViT, ViTConfig
 
 # ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
 DATA_KEYS = (
     "image_size", "batch_size", "num_workers", "mean", "std", "eval_crop_pct", "num_classes", "seed",
     "read_retries", "read_timeout_s", "loader_timeout_s", "max_image_pixels",
 )  # fmt: skip
-LAST_K = 4  # the blocks `lastk` and `patches_lastk` read (DINO's linear evaluation: the last 4)
-CACHE_SHARE = 0.5  # the share of free memory a split's token cache may take
+# The share of free memory a split's token cache may take: building it holds the batches, their
+# concatenation and the copy in key order at once, about three times the cache itself.
+CACHE_SHARE = 0.3
 
 
 class Index(NamedTuple):
@@ -50,28 +53,27 @@ class FeatureCache:
     def __init__(
         self, backbone: ViT, config: ViTConfig, data: dict[str, Any], kinds: tuple[str, ...]
     ) -> None:
-        from ssl_vit.data import ShardDataModule
-
         self.backbone, self.config, self.data = backbone, config, data
         self.kinds = tuple(kinds)
-        self.datamodule = ShardDataModule(
+        self.datamodule = self.datamodule_of(data)
+        self._cache: dict[str, dict[str, Features]] = {}
+        self._index: dict[str, Index] = {}  # labels and keys of splits read without features
+
+    @staticmethod
+    def datamodule_of(data: dict[str, Any]) -> ShardDataModule:
+        """A data module of a suite's data block, for exact passes (no training epoch to size)."""
+        return ShardDataModule(
             train_urls=data["train_urls"],
             val_urls=data.get("val_urls"),
             test_urls=data["test_urls"],
             train_batches=1,  # exact passes only: no training epoch to size from a manifest
             **datamodule_args(data),
         )
-        self._cache: dict[str, dict[str, Features]] = {}
-        self._index: dict[str, Index] = {}  # labels and keys of splits read without features
 
     @staticmethod
     def manifest_count(data: dict[str, Any]) -> int | None:
         """The training images of a data block as its manifest counts them; None without a manifest."""
-        from ssl_vit.data import ShardDataModule
-
-        # train_batches: the count is asked for, not an epoch sized from it
-        datamodule = ShardDataModule(train_urls=data["train_urls"], train_batches=1, **datamodule_args(data))
-        return datamodule.samples_in("train")
+        return FeatureCache.datamodule_of(data).samples_in("train")
 
     def get(self, split: str, feature: str) -> Features:
         if feature not in self.kinds:
@@ -83,6 +85,7 @@ class FeatureCache:
                 self._cache[split] = extract_feature_set(
                     self.backbone, loader, self.kinds, LAST_K, self.datamodule.prepare_batch, advance
                 )
+            _check_unique_keys(next(iter(self._cache[split].values())).keys, split)
         return self._cache[split][feature]
 
     def splits(self) -> tuple[str, ...]:
@@ -105,6 +108,7 @@ class FeatureCache:
                     advance(len(batch["key"]))
             order = sorted(range(len(keys)), key=keys.__getitem__)
             self._index[split] = Index(torch.cat(labels)[order], [keys[i] for i in order])
+            _check_unique_keys(self._index[split].keys, split)
         return self._index[split]
 
     def labels(self, split: str) -> torch.Tensor:
@@ -122,8 +126,14 @@ class FeatureCache:
         found = self.datamodule.num_classes
         if found:
             return found
-        if not self.kinds:
-            return int(self.labels("train").max()) + 1
+        if not self.kinds:  # labels only: a segmentation's classes are its masks', which need a manifest
+            found = int(self.labels("train").max()) + 1
+            if found < 2:
+                raise UserError(
+                    f"{self.data['train_urls']} have no manifest to count the classes by: give num_classes "
+                    "in the suite's data block"
+                )
+            return found
         train = self.get("train", self.kinds[0])
         return int(max(train.y.max(), -1 if train.mask is None else _mask_max(train.mask))) + 1
 
@@ -133,26 +143,51 @@ class FeatureCache:
         return {split: self.datamodule.eval_view(split) for split in self.splits()}
 
     def token_bytes(self) -> int:
-        """Bytes of the token kinds this cache holds, per image (float32)."""
+        """Bytes of the token kinds this cache holds per image (float32), and of a mask (uint8, at the
+        image size) where the split has masks: 0 without token kinds."""
         tokens, width = self.backbone.patch_embed.num_patches, self.backbone.embed_dim
         per_kind = {
             "tokens": (tokens + self.backbone.num_prefix_tokens) * width,
             "patches": tokens * width,
             "patches_lastk": tokens * width * LAST_K,
         }
-        return 4 * sum(per_kind[kind] for kind in self.kinds if kind in TokenKind.__args__)
+        found = 4 * sum(per_kind[kind] for kind in self.kinds if kind in TokenKind.__args__)
+        return found + (self.datamodule.image_size**2 if found and self.datamodule.has_masks("train") else 0)
 
     def _check_memory(self, split: str) -> None:
+        """One line, before the pass, when the split's token cache would not fit: its size from the
+        manifest's image count, against this process's share of the memory free now (the ranks of a
+        node share it)."""
+        per_image = self.token_bytes()
+        if not per_image:
+            return
         images = self.datamodule.samples_in(split)
-        need = (images or 0) * self.token_bytes()
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        fix = (
+            "give the token protocols on this data an augmentation other than 'eval' (the frozen backbone "
+            "then runs on every batch, nothing is cached)"
+        )
+        if images is None:
+            raise UserError(f"{split}_urls have no manifest to size the token cache of 'eval' by: {fix}")
+        need = images * per_image
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / ranks
         if need > CACHE_SHARE * free:
             raise UserError(
                 f"caching the tokens of the {images} images of {split}_urls takes {need / 2**30:.1f} GiB, "
-                f"more than half of the {free / 2**30:.1f} GiB free: give the token protocols on this data "
-                "an augmentation other than 'eval' (the frozen backbone then runs on every batch, nothing "
-                "is cached), or fewer images"
+                f"more than {CACHE_SHARE:.0%} of this process's {free / 2**30:.1f} GiB free (building it "
+                f"holds about 3 copies): {fix}, or fewer images"
             )
+
+
+def _check_unique_keys(keys: list[str], split: str) -> None:
+    """One line when two samples of a split share a key (`keys` sorted): the protocols pair images, and
+    hold some out for choosing, by key."""
+    repeated = next((a for a, b in zip(keys, keys[1:]) if a == b), None)
+    if repeated is not None:
+        raise UserError(
+            f"two samples of {split}_urls share the key {repeated!r}: keys must be unique within a split "
+            "(the protocols pair and hold out images by key); re-shard with `ssl-vit data convert wds:`"
+        )
 
 
 def _mask_max(masks: torch.Tensor) -> int:

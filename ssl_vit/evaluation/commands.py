@@ -56,7 +56,7 @@ def add_parsers(subparsers) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation import progress
     from ssl_vit.evaluation.suite import check_inputs, evaluate, load_suite
-    from ssl_vit.evaluation.training import grid_edge_notes, unlabelled_notes
+    from ssl_vit.evaluation.tables import grid_edge_notes, unlabelled_notes
 
     suite = load_suite(args.suite)
     check_inputs({args.checkpoint: [args.checkpoint]}, suite)

@@ -100,8 +100,8 @@ def extract_feature_set(
                     xs[kind].append(x.float().cpu())
                 ys.append(batch["label"].cpu())
                 keys.extend(batch["key"])
-                if "mask" in batch:
-                    masks.append(batch["mask"].cpu())
+                # None where a batch has none: shards without a manifest may mix samples with and without
+                masks.append(batch["mask"].cpu() if "mask" in batch else None)
                 if on_batch is not None:
                     on_batch(len(batch["key"]))
     finally:
@@ -112,8 +112,20 @@ def extract_feature_set(
         raise ValueError("the loader yielded no samples")
     order = sorted(range(len(keys)), key=keys.__getitem__)
     y, sorted_keys = torch.cat(ys)[order], [keys[i] for i in order]
-    mask = torch.cat(masks)[order] if masks else None
+    mask = _masks(masks, ys)[order] if any(m is not None for m in masks) else None
     return {kind: Features(torch.cat(xs[kind])[order], y, sorted_keys, mask) for kind in kinds}
+
+
+def _masks(masks: list[Tensor | None], ys: list[Tensor]) -> Tensor:
+    """The batches' masks (B, H, W) as one (N, H, W), a batch without masks all ignored (255), as the
+    stream fills the masks a batch with some lacks."""
+    shape = next(m for m in masks if m is not None).shape[1:]
+    return torch.cat(
+        [
+            m if m is not None else torch.full((len(y), *shape), 255, dtype=torch.uint8)
+            for m, y in zip(masks, ys)
+        ]
+    )
 
 
 def _gather(

@@ -13,11 +13,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import NullLocator
 
-from ssl_vit.evaluation.kinds import FewShotProtocol
 from ssl_vit.evaluation.stats import ACCURACY, Difference, Interval
 from ssl_vit.evaluation.suite import Suite
 from ssl_vit.evaluation.tables import label_efficiency_points, label_efficiency_protocols
-from ssl_vit.evaluation.training import TrainedProtocol
 
 
 def _errors(intervals: list[Interval | Difference]) -> list[list[float]]:
@@ -42,10 +40,10 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
     """Accuracy against labelled examples per class with its interval, one line per checkpoint, one
     panel per few-shot protocol; trained protocols (linear probe, fine-tune) as points at the full
     training set."""
-    fewshots = [p for p in suite.protocols if isinstance(p, FewShotProtocol)]
+    fewshots = [p for p in suite.protocols if p.KIND == "fewshot"]  # this picture is of shots
     trained = [  # trained columns on all the labels, in the few-shot panels' unit
         p for p in suite.protocols
-        if isinstance(p, TrainedProtocol) and p.name in p.columns() and p.metric(p.name) is ACCURACY
+        if 1.0 in p.fractions() and p.metric(p.name) is ACCURACY
     ]  # fmt: skip
     if not fewshots:
         return None
@@ -214,8 +212,7 @@ def plot_training_curves(rows: list[dict], suite: Suite, path: Path) -> Path | N
     enough."""
     good = [row for row in rows if not row["error"]]
     columns = [
-        column for p in suite.protocols if isinstance(p, TrainedProtocol)
-        for column in dict.fromkeys(p.column(f) for f in p.label_fractions)
+        column for p in suite.protocols for column in dict.fromkeys(p.column(f) for f in p.fractions())
     ]  # fmt: skip
     if not good or not columns:
         return None

@@ -77,6 +77,10 @@ class Protocol:
         """What the number of `column` is."""
         return ACCURACY
 
+    def fractions(self) -> list[float]:
+        """The label fractions it trains on, one column each (none: a frozen-feature protocol)."""
+        return []
+
     def support_draws(self) -> tuple:
         """The support draws its results are scored on (a few-shot protocol's seeds; one for the
         others): two columns pair only when these, the dataset and the classes agree."""
@@ -99,9 +103,9 @@ class Protocol:
         """Fill the defaults that depend on other keys, on the dataset block `data` or on the suite's
         `backbone`; refuse combinations that cannot run (one-line UserError, `where` first)."""
 
-    def run(self, features: FeatureCache, source: str, config: ViTConfig, suite: Suite) -> Outcome:
-        """Evaluate the checkpoint `source` (`config`: its architecture at the dataset's image size)
-        on the suite's dataset, whose frozen features `features` holds."""
+    def run(self, features: FeatureCache, config: ViTConfig, suite: Suite) -> Outcome:
+        """Evaluate the checkpoint whose frozen features (and backbone, `features.backbone`) `features`
+        holds on the suite's dataset; `config`: its architecture at the dataset's image size."""
         raise NotImplementedError
 
 

@@ -46,14 +46,15 @@ from ssl_vit.evaluation.stats import Difference, Score, interval, paired_differe
 from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, write_record
 from ssl_vit.evaluation.tables import (
     COST,
+    grid_edge_notes,
     label_efficiency_protocols,
     markdown_table,
     stat_columns,
     stat_values,
+    unlabelled_notes,
     write_csv,
     write_label_efficiency,
 )
-from ssl_vit.evaluation.training import grid_edge_notes, unlabelled_notes
 from ssl_vit.evaluation.verdicts import Claim, baseline_text, claims_text
 from ssl_vit.outdir import check_out, staged
 

@@ -15,18 +15,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.evaluation.stats import Metric
-
-IGNORE = 255
 
 
 def intersections_and_unions(predicted: Tensor, masks: Tensor, num_classes: int) -> Tensor:
-    """predicted (B, H, W) class indices, masks (B, H, W) with IGNORE where unlabelled -> (B, 2K) float64:
-    per image, each class's intersection pixels, then its union pixels (ignored pixels count in
-    neither)."""
+    """predicted (B, H, W) class indices, masks (B, H, W) with IGNORE_INDEX where unlabelled -> (B, 2K)
+    float64: per image, each class's intersection pixels, then its union pixels. Pixels whose mask is not
+    a class (IGNORE_INDEX) count in neither."""
     batch = predicted.shape[0]
-    valid = masks != IGNORE
-    truth = masks.long().clamp(max=num_classes - 1)
+    valid = masks.long() < num_classes
+    truth = masks.long().where(valid, 0)
     offset = torch.arange(batch, device=masks.device).view(batch, 1, 1) * num_classes
     size = batch * num_classes
 
@@ -41,7 +40,7 @@ def intersections_and_unions(predicted: Tensor, masks: Tensor, num_classes: int)
 def pixel_counts(predicted: Tensor, masks: Tensor) -> Tensor:
     """predicted, masks (B, H, W) -> (B, 2) float64: per image, correctly classified labelled pixels and
     labelled pixels."""
-    valid = masks != IGNORE
+    valid = masks != IGNORE_INDEX
     correct = (valid & (predicted == masks.long())).flatten(1).sum(1)
     return torch.stack([correct, valid.flatten(1).sum(1)], dim=1).double()
 

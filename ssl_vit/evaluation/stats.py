@@ -26,6 +26,7 @@ scipy.stats.bootstrap resamples crossed axes with weights shared between two sta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
 from typing import Literal, NamedTuple
 
@@ -121,6 +122,8 @@ def _check(score: Score) -> None:
 
 def _bounds(samples: Tensor) -> tuple[float, float]:
     samples = samples[~samples.isnan()]  # a resample without a class's pixels has no IoU for it: nan
+    if not len(samples):  # no resample has a value (a test split whose every pixel is ignored)
+        return math.nan, math.nan
     tail = (1 - LEVEL) / 2
     low, high = torch.quantile(samples, torch.tensor([tail, 1 - tail], dtype=samples.dtype)).tolist()
     return low, high

@@ -167,6 +167,17 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
     for name, data in suite.datasets.items():
         urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
         check_shard_urls(None, urls, read_policy(data))
+        dense = [p for p in suite.protocols if p.dataset == name and p.TARGET == "mask"]
+        if dense:
+            datamodule = FeatureCache.datamodule_of(data)
+            for split in ("train", "test"):
+                manifest = datamodule.split_manifest(split)
+                if manifest is not None and manifest.get("masks") is not True:
+                    raise UserError(
+                        f"{suite.path}: protocol {dense[0].name!r}: the {split} shards of {name} carry no "
+                        "segmentation masks (their manifest says so): give shards written by `ssl-vit data "
+                        "convert` from ade20k:, voc: or mosaic:"
+                    )
         sized = [p for p in suite.protocols if p.dataset == name and p.needs_epoch_size()]
         if sized and FeatureCache.manifest_count(data) is None:
             raise UserError(
@@ -276,7 +287,7 @@ def evaluate(
     }
     for protocol in suite.protocols:
         cache = features[protocol.dataset]
-        outcome = protocol.run(cache, source, cache.config, suite)
+        outcome = protocol.run(cache, cache.config, suite)
         scores.update(outcome.scores)
         details.update(outcome.details)
     results = {column: score.value() for column, score in scores.items()}
@@ -293,6 +304,8 @@ def evaluate(
         "protocols": [asdict(p) for p in suite.protocols],
         # how the eval transform framed each split (whole image or resize + centre crop), from its manifest
         "eval_view": {name: cache.eval_views() for name, cache in features.items()},
+        # the size each dataset was read at (the backbone's position embeddings resampled to it)
+        "image_size": {name: cache.config.img_size for name, cache in features.items()},
         # images without a label (-1), left out of every classification protocol on their dataset
         "unlabelled": unlabelled(suite, features),
         "suite": suite.path,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from ssl_vit.evaluation.protocol import Protocol
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval
 from ssl_vit.evaluation.suite import Suite
-from ssl_vit.evaluation.training import TrainedProtocol
 
 COST = ("steps", "images", "flops", "seconds")  # pretraining cost columns, as the checkpoint records them
 
@@ -153,12 +153,12 @@ def markdown_table(
     return "\n".join(lines) + "\n"
 
 
-def label_efficiency_protocols(suite: Suite) -> list[TrainedProtocol]:
+def label_efficiency_protocols(suite: Suite) -> list[Protocol]:
     """The trained protocols that train on part of the labels too: label_efficiency.png's panels."""
-    return [p for p in suite.protocols if isinstance(p, TrainedProtocol) and min(p.label_fractions) < 1]
+    return [p for p in suite.protocols if p.fractions() and min(p.fractions()) < 1]
 
 
-def label_efficiency_points(row: dict, protocol: TrainedProtocol) -> list[tuple[float, int, Interval]]:
+def label_efficiency_points(row: dict, protocol: Protocol) -> list[tuple[float, int, Interval]]:
     """(fraction, labels used, interval of its main result) of each label fraction of `protocol` in `row`,
     by labels used."""
     points = [
@@ -192,3 +192,41 @@ def write_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> None:
                             found.high,
                         ]
                     )
+
+
+def grid_edge_notes(records: list[dict]) -> list[str]:
+    """One line per trained column and grid axis whose choice ended its grid in any of `records`
+    (results.json records of one suite): how often, and what to do."""
+    edges: dict[tuple[str, str, str], list[float]] = {}
+    runs: dict[str, int] = {}
+    for record in records:
+        for column, found in record.get("details", {}).items():
+            if not (isinstance(found, dict) and "selection" in found):
+                continue
+            runs[column] = runs.get(column, 0) + 1
+            for key, edge in found.items():
+                if key.endswith("_at_grid_edge") and edge:
+                    axis = key.removesuffix("_at_grid_edge")
+                    edges.setdefault((column, axis, edge), []).append(found[f"best_{axis}"])
+    direction = {"largest": "above", "smallest": "below"}
+    return [
+        f"{column}: the {axis} chosen on the held-out images is the grid's {edge} ({values[0]:g}) in "
+        f"{len(values)} of {runs[column]} run(s); a better one may lie {direction[edge]} it: extend the "
+        f"protocol's {axis}s"
+        for (column, axis, edge), values in edges.items()
+    ]
+
+
+def unlabelled_notes(records: list[dict]) -> list[str]:
+    """One line per dataset and split whose images without a label (-1) the classification protocols left
+    out, in any of `records` (results.json records of one suite)."""
+    found: dict[tuple[str, str], set[int]] = {}
+    for record in records:
+        for dataset, counts in record.get("unlabelled", {}).items():
+            for split, count in counts.items():
+                found.setdefault((dataset, split), set()).add(count)
+    return [
+        f"{dataset}: {'/'.join(map(str, sorted(counts)))} {split} image(s) without a label were left out of "
+        "every classification protocol (give them labels, or drop them from the shards)"
+        for (dataset, split), counts in found.items()
+    ]

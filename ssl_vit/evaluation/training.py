@@ -38,9 +38,12 @@ from ssl_vit.evaluation.protocol import (
     Momentum,
     NonNegative,
     Outcome,
+    Positive,
     PositiveInt,
     Protocol,
+    check_unique,
 )
+from ssl_vit.evaluation.scoring import class_mask
 from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
 from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
@@ -98,14 +101,23 @@ class TrainedProtocol(Protocol):
     # The share of each class's labelled images held out to choose a candidate on (unless val_urls is
     # given); used only with several candidates.
     select_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
+    lrs: Annotated[list[Positive], Field(min_length=1)] = Field(
+        default_factory=lambda: [0.01, 0.03, 0.1, 0.3]
+    )  # the lr grid: one candidate (a head, or a model) per lr
 
     def candidates(self) -> list[str]:
         """The names of the candidates it trains and chooses among (one: nothing to choose)."""
-        return ["only"]
+        return [f"{lr:g}" for lr in self.lrs]
+
+    def grid_axes(self) -> dict[str, list[float]]:
+        """Each candidate's value on each axis of its grid."""
+        return {"lr": list(self.lrs)}
 
     def needs_epoch_size(self) -> bool:
-        # a fraction below 1 trains on its own images, whose count it knows; steps need no epoch
-        return self.steps is None and 1.0 in self.label_fractions and self.cached_kind() is None
+        # a fraction below 1, or the images left when some are held out to choose on, are counted; steps
+        # need no epoch; only all of the split, streamed, is sized by its manifest
+        whole = 1.0 in self.label_fractions and len(self.candidates()) == 1
+        return self.steps is None and whole and self.cached_kind() is None
 
     def cached_kind(self) -> str | None:
         """The cache's feature kind it trains on (a frozen-backbone probe with the `eval` augmentation);
@@ -122,6 +134,9 @@ class TrainedProtocol(Protocol):
         """The result column of one label fraction: the protocol's name for all labels, else e.g.
         `finetune_10pct`."""
         return self.name if fraction == 1 else f"{self.name}_{100 * fraction:g}pct"
+
+    def fractions(self) -> list[float]:
+        return list(self.label_fractions)
 
     def result_column(self, fraction: float) -> str:
         """The column that stands for one label fraction (a segmentation's mIoU among its two)."""
@@ -177,6 +192,7 @@ class TrainedProtocol(Protocol):
                 ) from None
         if len(set(self.label_fractions)) != len(self.label_fractions):
             raise UserError(f"{where}: label_fractions {self.label_fractions} repeat a fraction")
+        check_unique(self.lrs, "lrs", where)
 
     # --- what it is scored on: classification by default (a segmentation overrides these) ---
 
@@ -197,20 +213,20 @@ class TrainedProtocol(Protocol):
         column itself)."""
         return {None: Score(found[None])}
 
-    def run(self, features: FeatureCache, source: str, config, suite) -> Outcome:
+    def run(self, features: FeatureCache, config, suite) -> Outcome:
         """For each label fraction: train on its images (`training_set`), choose a candidate when there
         are several, score the test split with it (`fit_fraction`)."""
         scores, details = {}, {}
         for fraction in self.label_fractions:
             column = self.column(fraction)
             plan = training_set(self, features, fraction, suite.seed)
-            found, detail = self.fit_fraction(plan, features, source, config, suite)
+            found, detail = self.fit_fraction(plan, features, config, suite)
             scores.update({(column if key is None else f"{column}_{key}"): s for key, s in found.items()})
             details[column] = {**plan.used, **detail}
         return Outcome(scores, details)
 
     def fit_fraction(
-        self, plan: TrainingSet, features: FeatureCache, source: str, config, suite
+        self, plan: TrainingSet, features: FeatureCache, config, suite
     ) -> tuple[dict[str | None, Score], dict]:
         """Train on `plan`, choose, score the test split: ({column suffix: Score} (None: the column
         itself), details)."""
@@ -238,7 +254,7 @@ def label_subset(
         members = torch.nonzero(labels == c).flatten()
         keep = max(1, round(fraction * len(members)))
         chosen.append(members[torch.randperm(len(members), generator=generator)[:keep]])
-    return torch.cat(chosen).sort().values
+    return torch.cat(chosen).sort().values if chosen else torch.zeros(0, dtype=torch.int64)
 
 
 def selection_split(labels: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,13 +286,18 @@ def training_set(
     never sees more than 1% of the labels, unless the data block gives `val_urls`: then the whole val
     split (of `classes`) is the selection set. `labels` counts every labelled image used, selection
     images included; `labels_per_class` is that over the classes (the x of its point in the pictures).
-    A dataset of segmentation masks without image labels trains on every image (fractions of images)."""
+    A segmentation trains on fractions of all the images, whatever their image labels."""
     labels, keys = features.index("train")
-    if (labels < 0).all():  # masks, no image labels: one class, as far as the balance goes
+    if protocol.TARGET == "mask":  # one class, as far as the balance goes
         labels = torch.zeros_like(labels)
         chosen = label_subset(labels, fraction, seed)
     else:
         chosen = label_subset(labels, fraction, seed, protocol.classes)
+    if not len(chosen):
+        raise UserError(
+            f"protocol {protocol.name!r}: train_urls hold no labelled image of its classes "
+            f"({protocol.classes or 'any'}): give classes the training images have"
+        )
     several = len(protocol.candidates()) > 1
     selection, used = None, {}
     if several and features.datamodule.val_urls is not None:
@@ -393,7 +414,12 @@ def train_streamed(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    total = steps or (batches * protocol.epochs if keys is not None else None)
+    # the steps of `epochs` of the whole split, from its manifest's count (unknown without one)
+    whole = None if keys is not None or steps else features.datamodule.samples_in("train")
+    if steps or keys is not None:
+        total = steps or batches * protocol.epochs
+    else:
+        total = protocol.epochs * max(1, whole // protocol.batch_size) if whole else None
     curve = _Curve(total)
     with progress.step(f"{protocol.name}: training", total, unit="steps") as advance:
         trainer.callbacks.append(_following(advance, curve))
@@ -461,175 +487,3 @@ def start_from_scored_backbone(model, features: FeatureCache) -> None:
     """Start from the very backbone the frozen protocols scored: for `scratch`, the task's own random
     draw would otherwise differ from theirs, and paired differences would compare two backbones."""
     model.backbone.load_state_dict(features.backbone.state_dict())
-
-
-# --- scoring ----------------------------------------------------------------------------------------------
-
-
-def statistics(
-    models: list,
-    protocol,
-    features: FeatureCache,
-    split: str,
-    keys: list[str] | None,
-    head: int | None = None,
-    cached: str | None = None,
-) -> Tensor:
-    """(C, M, F) per-image statistics (`protocol.statistics`) of every candidate on the images of
-    `split` (those with `keys` when given, else all; of the protocol's classes), in key order. The
-    candidates are the heads of each model in `models` (one model: a probe's heads; several: one per
-    fine-tune), only `head` when given. `cached`: the feature kind to read from the cache instead of
-    running the backbone (a probe trained on cached features)."""
-    for model in models:
-        model.eval()
-    if cached is not None:
-        found = restrict(features.get(split, cached), protocol.classes, keys, protocol.TARGET == "label")
-        parts = []
-        size = protocol.batch_size
-        with torch.inference_mode():
-            for start in range(0, len(found.y), size):
-                rows = torch.arange(start, min(start + size, len(found.y)))
-                part = found.take(rows)
-                outputs = _outputs(models, part.x.to(models[0].device), head, cached=True)
-                parts.append(protocol.statistics(outputs, protocol.targets(part).to(outputs.device)).cpu())
-        return torch.cat(parts, dim=1)
-    return _streamed_statistics(models, protocol, features, split, keys, head)
-
-
-def _streamed_statistics(models, protocol, features: FeatureCache, split, keys, head) -> Tensor:
-    data = features.data
-    datamodule = ShardDataModule(
-        **{f"{split}_urls": data[f"{split}_urls"]},
-        classes=protocol.classes,
-        train_keys=keys if split == "train" else None,
-        train_batches=1,  # an exact pass: no training epoch to size from the manifest
-        require_labels=protocol.TARGET == "label",  # unlabelled images have no right answer: left out
-        **datamodule_args(data),
-    )
-    datamodule.manifests = features.datamodule.manifests
-    parts, order_keys = [], []
-    total = len(keys) if keys is not None else datamodule.samples_in(split)
-    with torch.inference_mode(), progress.step(f"{protocol.name}: scoring {split}", total) as advance:
-        for batch in datamodule.exact_dataloader(split):
-            batch = datamodule.prepare_batch({**batch, "image": batch["image"].to(models[0].device)})
-            outputs = _outputs(models, batch["image"], head, cached=False)
-            parts.append(protocol.statistics(outputs, batch[protocol.TARGET].to(outputs.device)).cpu())
-            order_keys.extend(batch["key"])
-            advance(len(batch["key"]))
-    order = sorted(range(len(order_keys)), key=order_keys.__getitem__)
-    return torch.cat(parts, dim=1)[:, order]
-
-
-def _outputs(models: list, inputs: Tensor, head: int | None, cached: bool) -> Tensor:
-    """(C, B, ...) every candidate's outputs on a batch: cached features or images."""
-    found = []
-    for model in models:
-        if cached:
-            out = model.classify(inputs)
-        elif hasattr(model, "classify"):  # a frozen-backbone probe: every head on one forward
-            out = model.classify(model.features(inputs))
-        else:  # a fine-tuned model: one candidate
-            out = model(inputs)[None]
-        found.append(out)
-    outputs = torch.cat(found)
-    return outputs if head is None else outputs[head : head + 1]
-
-
-def restrict(
-    found: Features, classes: list[int] | None, keys: list[str] | None = None, labelled: bool = True
-) -> Features:
-    """The samples of `found` whose label is among `classes` (all when None), when given whose key is
-    among `keys`, and with `labelled` whose label is a class at all: an unlabelled image (-1) has no
-    right or wrong answer, so every classification leaves it out (`FeatureCache.unlabelled` counts
-    them)."""
-    keep = class_mask(found.y, classes)
-    if labelled:
-        keep &= found.y >= 0
-    if keys is not None:
-        wanted = set(keys)
-        keep &= torch.tensor([key in wanted for key in found.keys], dtype=torch.bool)
-    return found if bool(keep.all()) else found.take(torch.nonzero(keep).flatten())
-
-
-def class_mask(labels: Tensor, classes: list[int] | None) -> Tensor:
-    return (
-        torch.ones_like(labels, dtype=torch.bool)
-        if classes is None
-        else torch.isin(labels, torch.tensor(classes))
-    )
-
-
-# --- choosing -------------------------------------------------------------------------------------------
-
-
-def choose(protocol, selection: Tensor, metric: Metric, axes: dict[str, list[float]]) -> tuple[int, dict]:
-    """The candidate with the best `metric` of its `selection` statistics (C, M, F) (of equals, the first
-    in the grid's order) and what results.json records: each candidate's value there, and for each grid
-    axis (`axes`: name -> each candidate's value on it, e.g. {"lr": [...]}) whether the choice ends it
-    (`grid_edge`)."""
-    values = metric.of(selection.mean(1)).tolist()
-    best = max(range(len(values)), key=lambda i: (values[i], -i))
-    record: dict[str, Any] = {
-        "selected_by": metric.name,
-        "selection": dict(zip(protocol.candidates(), values)),
-    }
-    for axis, along in axes.items():
-        record[f"best_{axis}"] = along[best]
-        # the candidates that differ from the chosen one on this axis only
-        others = {a: v for a, v in axes.items() if a != axis}
-        line = [i for i in range(len(values)) if all(v[i] == v[best] for v in others.values())]
-        edge = grid_edge([along[i] for i in line], [values[i] for i in line], line.index(best))
-        if edge:
-            record[f"{axis}_at_grid_edge"] = edge
-    return best, record
-
-
-def grid_edge(grid: list[float], scores: list[float], chosen: int) -> str | None:
-    """The grid's end, "largest" or "smallest", when the chosen value `grid[chosen]` ends a grid of
-    several and beats its neighbour in the grid on the held-out images (`scores`, one per value): the
-    best value may lie beyond the grid (`grid_edge_notes`)."""
-    order = sorted(range(len(grid)), key=lambda i: grid[i])
-    if len(grid) < 2 or chosen not in (order[0], order[-1]):
-        return None
-    neighbour = order[1] if chosen == order[0] else order[-2]
-    if scores[chosen] <= scores[neighbour]:
-        return None
-    return "largest" if chosen == order[-1] else "smallest"
-
-
-def grid_edge_notes(records: list[dict]) -> list[str]:
-    """One line per trained column and grid axis whose choice ended its grid in any of `records`
-    (results.json records of one suite): how often, and what to do."""
-    edges: dict[tuple[str, str, str], list[float]] = {}
-    runs: dict[str, int] = {}
-    for record in records:
-        for column, found in record.get("details", {}).items():
-            if not (isinstance(found, dict) and "selection" in found):
-                continue
-            runs[column] = runs.get(column, 0) + 1
-            for key, edge in found.items():
-                if key.endswith("_at_grid_edge") and edge:
-                    axis = key.removesuffix("_at_grid_edge")
-                    edges.setdefault((column, axis, edge), []).append(found[f"best_{axis}"])
-    direction = {"largest": "above", "smallest": "below"}
-    return [
-        f"{column}: the {axis} chosen on the held-out images is the grid's {edge} ({values[0]:g}) in "
-        f"{len(values)} of {runs[column]} run(s); a better one may lie {direction[edge]} it: extend the "
-        f"protocol's {axis}s"
-        for (column, axis, edge), values in edges.items()
-    ]
-
-
-def unlabelled_notes(records: list[dict]) -> list[str]:
-    """One line per dataset and split whose images without a label (-1) the classification protocols left
-    out, in any of `records` (results.json records of one suite)."""
-    found: dict[tuple[str, str], set[int]] = {}
-    for record in records:
-        for dataset, counts in record.get("unlabelled", {}).items():
-            for split, count in counts.items():
-                found.setdefault((dataset, split), set()).add(count)
-    return [
-        f"{dataset}: {'/'.join(map(str, sorted(counts)))} {split} image(s) without a label were left out of "
-        "every classification protocol (give them labels, or drop them from the shards)"
-        for (dataset, split), counts in found.items()
-    ]

@@ -45,6 +45,7 @@ EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R5
 FeatureKind = Literal["cls", "mean", "lastk"]
 # Token-level features, for probes that read every token (`ViT.feature_set`): one vector per token.
 TokenKind = Literal["tokens", "patches", "patches_lastk"]
+LAST_K = 4  # the blocks `lastk` and `patches_lastk` read by default (DINO's linear evaluation: the last 4)
 
 
 class Variant(NamedTuple):

@@ -49,8 +49,9 @@ class AttentivePooling(nn.Module):
     projection, norm and MLP): timm projects every token through the key and value matrices, 2 T D^2
     multiply-adds per image, while with learned queries the query can be folded into the key matrix
     (q . W_k x = (W_k^T q) . x) and the value matrix applied once after pooling (sum_t a_t W_v x_t =
-    W_v sum_t a_t x_t): 2 T D heads + D^2, about T / 2 heads times fewer (25x for B/16 at 224 px,
-    ~16x for the study's small ViT). A grid of a few dozen probes then costs little more than one.
+    W_v sum_t a_t x_t): 2 T D heads + D^2, about D / heads times fewer (48x for B/16 with 12 heads,
+    20x for the study's ViT, counted by FlopCounterMode). A grid of a few dozen probes then costs little
+    more than one.
     `test_the_folded_pooling_is_the_attention_of_projected_keys_and_values` checks the two agree."""
 
     def __init__(self, width: int, heads: int, queries: int) -> None:
@@ -117,17 +118,18 @@ class AttentiveProbe(FrozenProbe):
             nn.Sequential(AttentivePooling(width, heads, queries), zero_linear(width, num_classes))
             for _ in self.lrs
         )
-        self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
+        prefix = self.backbone.num_prefix_tokens if feature == "tokens" else 0
+        self.tokens_per_image = prefix + self.backbone.grid_size[0] * self.backbone.grid_size[1]
 
     @torch.no_grad()
     def features(self, images: Tensor) -> Tensor:
         """images: (B, 3, H, W) -> frozen tokens (B, T, D), no graph."""
         return self.backbone.feature_set(images, (self.feature,))[self.feature]
 
-    def classify(self, features: Tensor) -> Tensor:
-        """tokens (B, T, D) -> logits of every probe (H, B, K)."""
+    def classify(self, features: Tensor, head: int | None = None) -> Tensor:
+        """tokens (B, T, D) -> logits of every probe (H, B, K), or of probe `head` only (1, B, K)."""
         tokens = self.norm(features.transpose(1, 2)).transpose(1, 2)
-        return torch.stack([head(tokens) for head in self.heads])
+        return torch.stack([h(tokens) for h in self.chosen(head)])
 
 
 __all__ = ["AttentivePooling", "AttentiveProbe", "TokenFeature"]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pytorch_lightning.cli import OptimizerCallable
 from torch import Tensor, nn
 
-from ssl_vit.errors import BadValue
+from ssl_vit.errors import BadValue, UserError
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable
@@ -28,9 +28,9 @@ class FrozenProbe(BackboneTask):
     gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else the optimizer's),
     each head one param group: its gradient is its own loss's (`forward_loss` sums the heads' losses).
 
-    Subclasses define `features(images)` (the frozen input of the heads), `classify(features)` (every
-    head's output, (H, B, ...)) and `head_loss(outputs (B, ...), targets)`; `TARGET` names the batch
-    entry the loss reads (`label`, or `mask` for a segmentation).
+    Subclasses define `features(images)` (the frozen input of the heads), `classify(features, head)`
+    (every head's output, (H, B, ...), or one head's) and `head_loss(outputs (B, ...), targets)`;
+    `TARGET` names the batch entry the loss reads (`label`, or `mask` for a segmentation).
     """
 
     TARGET = "label"
@@ -79,8 +79,12 @@ class FrozenProbe(BackboneTask):
     def features(self, images: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def classify(self, features: Tensor) -> Tensor:
+    def classify(self, features: Tensor, head: int | None = None) -> Tensor:
         raise NotImplementedError
+
+    def chosen(self, head: int | None) -> list[nn.Module]:
+        """Every head, or only head `head` (a chosen candidate scoring the test split alone)."""
+        return list(self.heads) if head is None else [self.heads[head]]
 
     def head_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """One head's mean loss: cross-entropy over its classes, unlabelled targets (-1) ignored."""
@@ -98,6 +102,11 @@ class FrozenProbe(BackboneTask):
         return self.forward_loss(self(batch["image"]), batch[self.TARGET])
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        if self.TARGET not in batch:
+            raise UserError(
+                f"the training images carry no {self.TARGET}: give shards written by `ssl-vit data convert` "
+                "from ade20k:, voc: or mosaic:"
+            )
         loss = self.train_loss(step_inputs(batch))
         size = batch["image"].shape[0]
         self.log("train/loss", loss / self.num_heads, on_step=True, prog_bar=True, batch_size=size)

@@ -94,10 +94,10 @@ class LinearProbe(FrozenProbe):
         """images: (B, 3, H, W) -> frozen features (B, D), no graph."""
         return self.backbone.features(images, self.feature)
 
-    def classify(self, features: Tensor) -> Tensor:
-        """features: (B, D) -> logits of every head (H, B, K)."""
+    def classify(self, features: Tensor, head: int | None = None) -> Tensor:
+        """features: (B, D) -> logits of every head (H, B, K), or of head `head` only (1, B, K)."""
         features = self.norm(features)
-        return torch.stack([head(features) for head in self.heads])
+        return torch.stack([h(features) for h in self.chosen(head)])
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.eval_step("val", batch)

@@ -19,8 +19,9 @@ from pytorch_lightning.cli import OptimizerCallable
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 
+from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.models.heads import zero_linear
-from ssl_vit.models.vit import ViTConfig
+from ssl_vit.models.vit import LAST_K, ViTConfig
 from ssl_vit.tasks.base import RGB
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.linear_probe import sgd_momentum
@@ -28,8 +29,6 @@ from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # The patch tokens of the last block, or of the last LAST_K blocks concatenated per token.
 PatchFeature = Literal["patches", "patches_lastk"]
-LAST_K = 4
-IGNORE = 255
 
 
 def upsample(logits: Tensor, size: tuple[int, int]) -> Tensor:
@@ -82,11 +81,12 @@ class LinearSegProbe(FrozenProbe):
         """images: (B, 3, H, W) -> frozen patch tokens (B, N, D), no graph."""
         return self.backbone.feature_set(images, (self.feature,), LAST_K)[self.feature]
 
-    def classify(self, features: Tensor) -> Tensor:
-        """patch tokens (B, N, D) -> every head's class map at the patch grid (H, B, K, h, w)."""
+    def classify(self, features: Tensor, head: int | None = None) -> Tensor:
+        """patch tokens (B, N, D) -> every head's class map at the patch grid (H, B, K, h, w), or head
+        `head`'s only (1, B, K, h, w)."""
         tokens = self.norm(features.transpose(1, 2)).transpose(1, 2)
         h, w = self.backbone.grid_size
-        return torch.stack([head(tokens).transpose(1, 2).unflatten(2, (h, w)) for head in self.heads])
+        return torch.stack([c(tokens).transpose(1, 2).unflatten(2, (h, w)) for c in self.chosen(head)])
 
     def forward_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Every head's (H, B, K, h, w) class map against masks (B, Hm, Wm): the sum over heads of each
@@ -96,7 +96,7 @@ class LinearSegProbe(FrozenProbe):
         heads = outputs.shape[0]
         logits = upsample(outputs.flatten(0, 1), targets.shape[-2:])  # (H B, K, Hm, Wm)
         labels = targets.long().repeat(heads, 1, 1)
-        return heads * F.cross_entropy(logits, labels, ignore_index=IGNORE)
+        return heads * F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
 __all__ = ["LinearSegProbe", "PatchFeature", "upsample"]

@@ -15,7 +15,7 @@ from PIL import Image
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.commands import parse_checkpoints, repeated_checkpoints
 from ssl_vit.evaluation.suite import load_suite
-from ssl_vit.evaluation.training import grid_edge_notes
+from ssl_vit.evaluation.tables import grid_edge_notes
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 
@@ -349,6 +349,20 @@ def test_compare_checks_every_input_before_evaluating_any(problem, setup, tmp_pa
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("ssl-vit: error: ") and words in proc.stderr, proc.stderr
     assert "features of" not in proc.stdout and not out.exists()
+
+
+def test_two_samples_of_a_split_with_one_key_are_one_line(digits_shards, tmp_path, cli):
+    """The protocols pair images and hold some out by key: a split whose shards repeat a key (the same
+    split converted twice, given together) is refused in one line, nothing written."""
+    suite = yaml.safe_load((ROOT / "recipes/eval/quickstart.yaml").read_text())
+    twice = [str(digits_shards / "val-000000.tar"), str(digits_shards / "val-000000.tar")]
+    suite["data"].update(train_urls=twice, test_urls=str(digits_shards / "val-000001.tar"), num_workers=0)
+    suite["protocols"] = [{"name": "knn", "kind": "knn", "k": 5}]
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    proc = cli("evaluate", "scratch", "--suite", str(tmp_path / "suite.yaml"), "--out", str(out), check=False)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "two samples of train_urls share the key" in proc.stderr and not out.exists()
 
 
 def test_a_checkpoint_given_twice_is_a_warning_and_a_url_suite_is_one_line(setup, tmp_path, cli):

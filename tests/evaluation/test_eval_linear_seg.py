@@ -93,8 +93,9 @@ def test_compare_gives_mious_their_paired_differences_and_names_the_metric(mosai
         ({"classes": [0, 1]}, ["classes keeps images by label", "drop it"]),
         ({"feature": "cls"}, ["feature is 'cls'", "'patches' or 'lastk'"]),
         ({"lrs": [0.1, 0.1]}, ["lrs [0.1, 0.1] repeat"]),
+        ({"augmentation": "supervised", "randaugment": "rand-m9-mstd0.5"}, ["randaugment changes an image"]),
     ],
-    ids=["classes", "feature", "lrs"],
+    ids=["classes", "feature", "lrs", "randaugment"],
 )
 def test_linear_seg_key_mistakes_are_one_line_and_write_nothing(keys, words, mosaics, tmp_path, cli):
     suite = write_suite(tmp_path / "s.yaml", mosaics, [{**SEG, **keys}])
@@ -119,5 +120,5 @@ def test_a_dataset_without_masks_is_one_line(digits_shards, tmp_path, cli):
     out = tmp_path / "out"
     proc = cli("evaluate", "scratch", "--suite", str(suite), "--out", str(out), check=False)
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "the dataset's samples carry no seg.png masks" in proc.stderr and "mosaic:" in proc.stderr
-    assert not out.exists()
+    assert "the train shards of data carry no segmentation masks (their manifest says so)" in proc.stderr
+    assert "mosaic:" in proc.stderr and "features of" not in proc.stdout and not out.exists()

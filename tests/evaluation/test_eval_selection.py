@@ -12,7 +12,7 @@ from cli_helpers import run_cli
 
 from ssl_vit.data.sources import _digits
 from ssl_vit.data.stream import ShardStream
-from ssl_vit.evaluation import training
+from ssl_vit.evaluation import scoring, selection, tables
 from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.kinds import probe as probe_kind
 from ssl_vit.evaluation.stats import ACCURACY
@@ -175,8 +175,8 @@ def test_held_out_selection_and_test_selection_pick_different_lrs(
     # the test features the protocol scored, recomputed for the check, and the choice made on them
     (protocol,) = suite.protocols
     cache = FeatureCache(model.backbone, suite.backbone, suite.datasets["data"], ("mean",))
-    on_test_stats = training.statistics([model], protocol, cache, "test", None, cached="mean")
-    on_test, found = training.choose(protocol, on_test_stats, ACCURACY, protocol.grid_axes())
+    on_test_stats = scoring.statistics([model], protocol, cache, "test", None, cached="mean")
+    on_test, found = selection.choose(protocol, on_test_stats, ACCURACY, protocol.grid_axes())
     assert on_test == 1, found  # choosing on the test split would have picked the other lr
     assert found["selection"]["0.3"] > evaluation.record["results"]["linear"]
     assert evaluation.record["results"]["linear"] == pytest.approx(found["selection"]["0.03"])
@@ -230,13 +230,13 @@ def test_a_fraction_too_small_to_hold_images_out_is_one_line(digits_shards, tmp_
 )
 def test_a_chosen_lr_that_ends_its_grid_and_beats_its_neighbour_is_an_edge(accuracy, head, edge):
     lrs = [0.01, 0.1, 1.0][: len(accuracy)]
-    assert training.grid_edge(lrs, accuracy, head) == edge
+    assert selection.grid_edge(lrs, accuracy, head) == edge
     shuffled = [1.0, 0.01, 0.1][: len(accuracy)]  # the grid's order is not the lrs' order
     moved = {0.01: 1, 0.1: 2, 1.0: 0} if len(accuracy) == 3 else {0.01: 0}
     reordered = [0.0] * len(accuracy)
     for lr, a in zip(lrs, accuracy, strict=True):
         reordered[moved[lr]] = a
-    assert training.grid_edge(shuffled, reordered, moved[lrs[head]]) == edge
+    assert selection.grid_edge(shuffled, reordered, moved[lrs[head]]) == edge
 
 
 def test_evaluate_notes_a_chosen_lr_at_the_top_of_its_grid(digits_shards, tmp_path, cli):
@@ -253,6 +253,6 @@ def test_evaluate_notes_a_chosen_lr_at_the_top_of_its_grid(digits_shards, tmp_pa
         "ssl-vit: note: linear: the lr chosen on the held-out images is the grid's largest (1) in 1 of 1 "
         "run(s); a better one may lie above it: extend the protocol's lrs"
     )
-    notes = training.grid_edge_notes([{"details": {"linear": detail}}, {"details": {"linear": {
+    notes = tables.grid_edge_notes([{"details": {"linear": detail}}, {"details": {"linear": {
         **detail, "lr_at_grid_edge": None}}}])  # fmt: skip
     assert notes == [note.removeprefix("ssl-vit: note: ").replace("in 1 of 1", "in 1 of 2")]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_cli
+from cli_helpers import failing_evaluation, run_cli
 from test_errors import error_line, listing
 
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
@@ -144,10 +144,10 @@ def test_compare_overwrite_holds_the_new_comparison_only_and_names_what_it_wrote
 
 @pytest.mark.slow
 def test_compare_with_every_row_failed_names_no_picture(knn_suite, tmp_path):
-    broken = tmp_path / "broken.ckpt"
-    broken.write_bytes(b"this is not a checkpoint")
+    """The only row's checkpoint loads, its evaluation fails (`failing_evaluation`)."""
     out = tmp_path / "out"
-    proc = run_cli("compare", f"broken={broken}", "--suite", str(knn_suite), "--out", str(out), check=False)
+    proc = run_cli("compare", "broken=scratch", "--suite", str(knn_suite), "--out", str(out), check=False,
+                   prelude=failing_evaluation("scratch"))  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("wrote ")]
     assert line == f"wrote {out}/results.csv, results.md, wandb-run.json"

@@ -16,6 +16,7 @@ from ssl_vit.evaluation.kinds.probe import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, PositiveInt, check_unique, register
 from ssl_vit.evaluation.training import OptimizerName, optimizer, schedule
 from ssl_vit.models.vit import parse_variant
+from ssl_vit.tasks.attentive_probe import AttentiveProbe
 
 
 @register
@@ -63,13 +64,11 @@ class AttentiveProbeProtocol(ProbeProtocol):
         super().settle(data, backbone, where)
         check_unique(self.weight_decays, "weight_decays", where)
 
-    def build(self, features, source, config):
-        from ssl_vit.tasks.attentive_probe import AttentiveProbe
-
+    def build(self, features, config):
         grid = self.grid()
         return AttentiveProbe(
             backbone=config,
-            init_from=source,
+            init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
             num_classes=features.num_classes(),
             feature=self.feature,
             queries=self.queries,

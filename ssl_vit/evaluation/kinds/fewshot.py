@@ -10,8 +10,8 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.evaluation.fewshot import fewshot_correct
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Positive, PositiveInt, Protocol, register
+from ssl_vit.evaluation.scoring import restrict
 from ssl_vit.evaluation.stats import Score
-from ssl_vit.evaluation.training import restrict
 
 
 @register
@@ -35,7 +35,7 @@ class FewShotProtocol(Protocol):
     def support_draws(self) -> tuple:
         return tuple(self.seeds)
 
-    def run(self, features, source, config, suite) -> Outcome:
+    def run(self, features, config, suite) -> Outcome:
         train = restrict(features.get("train", self.feature), self.classes)
         test = restrict(features.get("test", self.feature), self.classes)
         correct = fewshot_correct(

@@ -11,18 +11,19 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import local_device
-from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, check_unique, register
+from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, register
+from ssl_vit.evaluation.scoring import statistics
+from ssl_vit.evaluation.selection import choose
 from ssl_vit.evaluation.stats import Score
 from ssl_vit.evaluation.training import (
     OptimizerName,
     TrainedProtocol,
     TrainingSet,
-    choose,
     optimizer,
     schedule,
-    statistics,
     train_streamed,
 )
+from ssl_vit.tasks import FineTune
 
 
 @register
@@ -42,9 +43,6 @@ class FineTuneProtocol(TrainedProtocol):
     KIND: ClassVar[str] = "finetune"
     TITLE: ClassVar[str] = "fine-tuned"
 
-    def candidates(self) -> list[str]:
-        return [f"{lr:g}" for lr in self.lrs]
-
     def cache_kinds(self) -> tuple[str, ...]:
         return ()  # it trains and scores on the stream
 
@@ -58,7 +56,6 @@ class FineTuneProtocol(TrainedProtocol):
 
     def settle(self, data: dict[str, Any], backbone, where: str) -> None:
         super().settle(data, backbone, where)
-        check_unique(self.lrs, "lrs", where)
         if (self.mixup_alpha or self.cutmix_alpha) and self.augmentation != "supervised":
             raise UserError(
                 f"{where}: mixup_alpha and cutmix_alpha belong to augmentation 'supervised', not "
@@ -66,15 +63,13 @@ class FineTuneProtocol(TrainedProtocol):
             )
 
     def fit_fraction(
-        self, plan: TrainingSet, features, source, config, suite
+        self, plan: TrainingSet, features, config, suite
     ) -> tuple[dict[str | None, Score], dict]:
-        from ssl_vit.tasks import FineTune
-
         models, found, selected = [], [], []
         for lr in self.lrs:
             model = FineTune(
                 backbone=config,
-                init_from=source,
+                init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
                 num_classes=features.num_classes(),
                 feature=self.feature,
                 layer_decay=self.layer_decay,
@@ -87,7 +82,7 @@ class FineTuneProtocol(TrainedProtocol):
             models.append(model.cpu())  # one candidate on the device at a time
         best, chosen = 0, {"best_lr": self.lrs[0]}
         if plan.selection is not None:
-            best, chosen = choose(self, torch.cat(selected), self.selection_metric(), {"lr": list(self.lrs)})
+            best, chosen = choose(self, torch.cat(selected), self.selection_metric(), self.grid_axes())
         # only the chosen model reads the test split
         test = statistics([models[best].to(local_device())], self, features, "test", None)
         return self.test_scores(test), {**chosen, **found[best]}

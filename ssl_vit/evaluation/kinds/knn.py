@@ -6,12 +6,13 @@ from typing import Any, ClassVar
 
 from pydantic.dataclasses import dataclass
 
+from ssl_vit.data import ShardDataModule
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import datamodule_args
 from ssl_vit.evaluation.knn import knn_correct
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Positive, PositiveInt, Protocol, register
+from ssl_vit.evaluation.scoring import restrict
 from ssl_vit.evaluation.stats import Score
-from ssl_vit.evaluation.training import restrict
 
 
 @register
@@ -29,7 +30,7 @@ class KNNProtocol(Protocol):
     def settle(self, data: dict[str, Any], backbone, where: str) -> None:
         _check_k(self, data, where)
 
-    def run(self, features, source, config, suite) -> Outcome:
+    def run(self, features, config, suite) -> Outcome:
         train = restrict(features.get("train", self.feature), self.classes)
         test = restrict(features.get("test", self.feature), self.classes)
         hits = knn_correct(train.x, train.y, test.x, test.y, k=self.k, temperature=self.temperature)
@@ -40,8 +41,6 @@ class KNNProtocol(Protocol):
 def _check_k(protocol: KNNProtocol, data: dict, where: str) -> None:
     """k at most the training images it votes among, as their manifest counts them (local shards with a
     manifest): a larger k would quietly become all of them."""
-    from ssl_vit.data import ShardDataModule
-
     urls = data["train_urls"] if isinstance(data["train_urls"], list) else [data["train_urls"]]
     if any("://" in str(url) or str(url).startswith("pipe:") for url in urls):
         return  # remote: its manifest is read once, by the evaluation (a second fetch here is not free)

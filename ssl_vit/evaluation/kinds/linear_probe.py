@@ -11,6 +11,7 @@ from pydantic.dataclasses import dataclass
 from ssl_vit.evaluation.kinds.probe import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, register
 from ssl_vit.evaluation.training import optimizer, schedule
+from ssl_vit.tasks import LinearProbe
 
 
 @register
@@ -29,12 +30,10 @@ class LinearProbeProtocol(ProbeProtocol):
     def scored_kind(self) -> str | None:
         return self.feature  # the frozen backbone's eval-transform features: the cache holds them
 
-    def build(self, features, source, config):
-        from ssl_vit.tasks import LinearProbe
-
+    def build(self, features, config):
         return LinearProbe(
             backbone=config,
-            init_from=source,
+            init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
             num_classes=features.num_classes(),
             feature=self.feature,
             lrs=list(self.lrs),

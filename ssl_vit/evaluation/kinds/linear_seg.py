@@ -28,6 +28,7 @@ from ssl_vit.evaluation.segmentation import (
 )
 from ssl_vit.evaluation.stats import Metric, Score
 from ssl_vit.evaluation.training import optimizer, schedule
+from ssl_vit.tasks.seg_probe import LinearSegProbe, upsample
 
 SUFFIXES = ("miou", "pixel_acc")  # its columns per label fraction: NAME_miou, NAME_pixel_acc
 
@@ -74,6 +75,11 @@ class LinearSegProtocol(ProbeProtocol):
             raise UserError(
                 f"{where}: classes keeps images by label; a segmentation reads every mask: drop it"
             )
+        if self.randaugment is not None:
+            raise UserError(
+                f"{where}: randaugment changes an image's pixels without its mask's: a segmentation takes "
+                "augmentation pretrain (crops and flips, which its masks follow) or eval"
+            )
         super().settle(data, backbone, where)
 
     def targets(self, found: Features) -> Tensor:
@@ -87,11 +93,9 @@ class LinearSegProtocol(ProbeProtocol):
     def statistics(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """(C, B, K, h, w) class maps, (B, Hm, Wm) masks -> (C, B, 2K + 2): per head and image, each
         class's intersection and union pixels, then correct and labelled pixels."""
-        from ssl_vit.tasks.seg_probe import upsample
-
         classes = outputs.shape[2]
         found = []
-        for maps in outputs:  # one head at a time: (B, K, Hm, Wm) logits of every head would not fit
+        for maps in outputs:  # one head at a time: scoring needs no graph, so nothing need be kept
             predicted = upsample(maps.float(), targets.shape[-2:]).argmax(1)
             found.append(
                 torch.cat(
@@ -110,12 +114,10 @@ class LinearSegProtocol(ProbeProtocol):
             "pixel_acc": Score(found[None, ..., -2:], PIXEL_ACCURACY),
         }
 
-    def build(self, features, source, config):
-        from ssl_vit.tasks.seg_probe import LinearSegProbe
-
+    def build(self, features, config):
         return LinearSegProbe(
             backbone=config,
-            init_from=source,
+            init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
             num_classes=features.num_classes(),
             feature=self._kind(),
             lrs=list(self.lrs),

@@ -4,38 +4,18 @@ transform is `eval` (the backbone would see exactly the images the cache holds),
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from ssl_vit.evaluation.protocol import STRICT, Positive, check_unique
+from ssl_vit.evaluation.protocol import STRICT
+from ssl_vit.evaluation.scoring import restrict, statistics
+from ssl_vit.evaluation.selection import choose
 from ssl_vit.evaluation.stats import Score
-from ssl_vit.evaluation.training import (
-    TrainedProtocol,
-    TrainingSet,
-    choose,
-    restrict,
-    statistics,
-    train_cached,
-    train_streamed,
-)
+from ssl_vit.evaluation.training import TrainedProtocol, TrainingSet, train_cached, train_streamed
 
 
 @dataclass(config=STRICT)
 class ProbeProtocol(TrainedProtocol):
-    """A grid of learning rates (`lrs`), one head each."""
-
-    lrs: Annotated[list[Positive], Field(min_length=1)] = Field(
-        default_factory=lambda: [0.01, 0.03, 0.1, 0.3]
-    )
-
-    def candidates(self) -> list[str]:
-        return [f"{lr:g}" for lr in self.lrs]
-
-    def grid_axes(self) -> dict[str, list[float]]:
-        """Each candidate's value on each axis of its grid."""
-        return {"lr": list(self.lrs)}
+    """A grid of candidates (`lrs`, ...), one head each, on one frozen backbone."""
 
     def cached_kind(self) -> str | None:
         """The cache's feature kind its heads train on; None when it trains on the stream."""
@@ -50,19 +30,15 @@ class ProbeProtocol(TrainedProtocol):
         kind = self.cached_kind()
         return () if kind is None else (kind,)
 
-    def settle(self, data, backbone, where) -> None:
-        super().settle(data, backbone, where)
-        check_unique(self.lrs, "lrs", where)
-
-    def build(self, features, source: str, config):
-        """The task: the backbone of `source` (`config`: at the dataset's image size), one head per
-        candidate."""
+    def build(self, features, config):
+        """The task: a backbone of `config` (the dataset's image size; `fit_fraction` gives it the
+        scored checkpoint's weights), one head per candidate."""
         raise NotImplementedError
 
     def fit_fraction(
-        self, plan: TrainingSet, features, source, config, suite
+        self, plan: TrainingSet, features, config, suite
     ) -> tuple[dict[str | None, Score], dict]:
-        model = self.build(features, source, config)
+        model = self.build(features, config)
         kind = self.cached_kind()
         if kind is None:
             found = train_streamed(model, self, suite, features, plan)
