@@ -159,7 +159,8 @@ class ViT(VisionTransformer):
         if feature not in kinds:
             raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(map(repr, kinds))}")
         if feature == "cls" and self.cls_token is None:
-            others = " or ".join(repr(k) for k in kinds if k != "cls")
+            # 'cls' is a pooled feature: its alternatives are the other pooled ones.
+            others = " or ".join(repr(k) for k in FeatureKind.__args__ if k != "cls" and k in kinds)
             raise ValueError(
                 f"feature 'cls' needs a [class] token, but this backbone pools by global average ('gap'): "
                 f"use {others}"
