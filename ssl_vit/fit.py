@@ -50,9 +50,10 @@ from ssl_vit.tasks.checkpointing import (
 )
 from ssl_vit.tasks.compile import CompileTask, check_compile
 from ssl_vit.tasks.health import HealthMonitor
-from ssl_vit.tasks.nonfinite import NonFiniteGuard
+from ssl_vit.tasks.nonfinite import NonFiniteGuard, check_rollback
 from ssl_vit.tasks.preemption import Preemption
 from ssl_vit.tasks.resume import RandomState
+from ssl_vit.tasks.rollback import SafeSteps
 from ssl_vit.tasks.run_lock import LOCK_NAME, RunLock, job_leader
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
@@ -127,7 +128,8 @@ class SslVitCLI(LightningCLI):
                 "checkpoint.enable_version_counter": False,
             }
         )
-        # What a NaN or inf loss does: `nonfinite.policy` skip (up to `max_skips`) or stop.
+        # What a NaN or inf loss, or a loss spike, does: `nonfinite.policy` skip (up to `max_skips`), stop or
+        # rollback (to the last checkpoint, up to `max_rollbacks`).
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite")
         # Collapse: feature std and effective rank logged as health/*, and a stop below `health.min_std`.
         parser.add_lightning_class_args(HealthMonitor, "health")
@@ -239,6 +241,15 @@ class SslVitCLI(LightningCLI):
             accumulate = config.trainer.accumulate_grad_batches
             check_compile(config.compile.mode, accumulate, strategy, config.compile.backend)
         check_optimizer(config)
+        if self.subcommand == "fit" and config.nonfinite.policy == "rollback":  # the guard again at setup
+            nonfinite = config.nonfinite
+            data = getattr(config.get("data"), "class_path", None)
+            check_rollback(
+                config.trainer.enable_checkpointing is not False,
+                _import(data) if data else None,
+                str(config.trainer.precision),
+                SafeSteps(nonfinite.safe_steps, nonfinite.safe_fp32, nonfinite.lr_scale),
+            )
         # The datamodule checks the shards again in its setup, after the trainer has printed its
         # banner and the logger has started its run; here first, the error is the command's only
         # output and the run directory is left as it was.
@@ -302,16 +313,20 @@ def check_optimizer(config) -> None:
     class_path = getattr(spec, "class_path", None)
     if class_path is None:
         return
-    module, _, name = class_path.rpartition(".")
     init_args = spec.init_args.as_dict() if hasattr(spec.init_args, "as_dict") else dict(spec.init_args or {})
     try:
-        optimizer = getattr(importlib.import_module(module), name)
+        optimizer = _import(class_path)
         optimizer([torch.nn.Parameter(torch.zeros(1))], **init_args)
     except (ValueError, TypeError) as err:
         raise UserError(
             f"model.init_args.optimizer ({class_path.rsplit('.', 1)[-1]}): {err}: give a valid value in the "
             "recipe or on the command line (--model.init_args.optimizer.init_args.NAME VALUE)"
         ) from None
+
+
+def _import(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def check_ckpt_choice(subcommand: str, given: str | None) -> str | None:
@@ -635,9 +650,8 @@ def _unknown_key(argv: list[str], keys: tuple[str, ...], name: str, cls: str | N
 def _class_options(class_path: str) -> list[str]:
     """The options of the class `class_path` names (its constructor's parameters, nested ones dotted),
     as jsonargparse builds them."""
-    module, _, name = class_path.rpartition(".")
     options = ArgumentParser(exit_on_error=False)
-    options.add_class_arguments(getattr(importlib.import_module(module), name), fail_untyped=False)
+    options.add_class_arguments(_import(class_path), fail_untyped=False)
     return [action.dest for action in options._actions]
 
 

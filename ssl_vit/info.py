@@ -81,8 +81,9 @@ def add_parser(subparsers) -> None:
         "checkpoint",
         nargs="?",
         metavar="CKPT",
-        help="a checkpoint file or exported folder to describe instead: its kind, its backbone, and the "
-        "checksum that verified its bytes (or that none did)",
+        help="a checkpoint file or exported folder to describe instead: its kind, its backbone, the "
+        "checksum that verified its bytes (or that none did), and for a fit's checkpoint the steps its "
+        "non-finite guard skipped and its loss-spike rollbacks",
     )
     parser.add_argument("--img-size", type=int, default=224, help="input resolution (default 224)")
     parser.add_argument(
@@ -148,6 +149,13 @@ def describe(source: str) -> list[str]:
             "not verified: it carries no checksum (not written by ssl-vit export or torch's zip format); "
             "its bytes load as they are"
         )
+    if weights.hparams:  # a fit's checkpoint: the steps its non-finite guard skipped, its rollbacks
+        import torch
+
+        from ssl_vit.tasks.nonfinite import NonFiniteGuard, history
+
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # verified above
+        lines += history(checkpoint.get("callbacks", {}).get(NonFiniteGuard.__qualname__))
     return lines
 
 

@@ -41,6 +41,8 @@ class WandbLogger(LightningWandbLogger):
       afresh (`continue_run` false) starts a new run.
     - W&B's own step is the step Lightning logs at (`logging_step`; Lightning shows it only as
       `trainer/global_step`), so that the rewind point and every chart's x axis are the same number.
+    - A loss-spike rollback returns the fit to an earlier step inside the job: `rewind` does to the
+      W&B run what a resume from that step does.
     - W&B's folder (`wandb/`) is in `save_dir`, or in W&B's own setting `WANDB_DIR` where that is set
       (Lightning passes `save_dir` to `wandb.init` as its `dir`, which would override it); config.yaml
       and the run id stay in `save_dir`. A folder W&B cannot write is one line naming it and the fixes.
@@ -87,6 +89,7 @@ class WandbLogger(LightningWandbLogger):
             **resume,
             **kwargs,
         )
+        self._floor = -1  # steps at or before it are not logged (`rewind`)
         if os.environ.get("WANDB_DIR"):
             self._wandb_init["dir"] = os.environ["WANDB_DIR"]
         # Lightning passes `anonymous` to wandb.init even when unset, and W&B warns on every run that
@@ -128,7 +131,24 @@ class WandbLogger(LightningWandbLogger):
             self._experiment.finish(exit_code=0 if status == "success" else 1)
 
     @rank_zero_only
+    def rewind(self, step: int) -> None:
+        """Continues the run from optimizer step `step` (a rollback to a checkpoint of that step, in this
+        job), as a resume from that checkpoint does: the run is finished and started again with W&B's
+        `resume_from` at `step - 1` (the metrics logged at steps 0 ... step-1 are the checkpoint's), so
+        what was logged after it is dropped and the steps are logged again. Values logged at those kept
+        steps until training reaches `step` again (the rolled-back step's own) are not logged."""
+        rewind = max(step - 1, 0)
+        if self._experiment is not None:
+            self._experiment.finish()
+            self._experiment = None  # started again by `experiment` at the next log
+        self._wandb_init.pop("fork_from", None)
+        self._wandb_init.update(resume=None, resume_from=f"{self._wandb_init['id']}?_step={rewind}")
+        self._floor = step - 1
+
+    @rank_zero_only
     def log_metrics(self, metrics, step: int | None = None) -> None:
+        if step is not None and step <= self._floor:
+            return
         if step is None:
             return super().log_metrics(metrics, step)
         if self._prefix:

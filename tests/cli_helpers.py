@@ -246,9 +246,10 @@ def run_lightning_ddp(script: Path, *args: str, timeout: float) -> str:
     return output
 
 
-def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
+def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400, env: dict | None = None):
     """`ssl-vit fit ARGS` as 2 processes on this machine through torchrun (gloo), as a cluster job
-    launches it; `strategy` None leaves the strategy to ARGS. Returns the CompletedProcess."""
+    launches it; `strategy` None leaves the strategy to ARGS; `env`: more of the ranks' environment
+    (`cli_client.PRELUDE_ENV`: a prelude for each rank). Returns the CompletedProcess."""
     cmd = [
         *torchrun("--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                   "--master_port", str(free_port())),
@@ -256,7 +257,8 @@ def torchrun_fit(args, *, strategy: str | None = "ddp", timeout: float = 400):
         *(["--trainer.strategy", strategy] if strategy else []),
     ]  # fmt: skip
     root = Path(__file__).parents[1]
-    return subprocess.run(cmd, cwd=root, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+    env = {**torchrun_env(), **(env or {})}
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def small_fewshot_monitor(shards) -> list[str]:

@@ -52,14 +52,16 @@ PRETRAINING = [p for p in RECIPES if "Pretraining" in p.read_text()]
 
 @pytest.mark.parametrize("recipe", PRETRAINING, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
 def test_every_pretraining_recipe_checkpoints_by_steps_and_guards_nans(recipe, capsys, monkeypatch):
-    """A preemption loses minutes, not an epoch: the periodic checkpoint is step-based."""
+    """A preemption loses minutes, not an epoch: the periodic checkpoint is step-based. A loss spike or a
+    NaN rolls a long run back to its last checkpoint; the CPU recipes of minutes skip a NaN step."""
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(recipe), "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["checkpoint"]["every_n_train_steps"] > 0
     assert config["checkpoint"]["save_last"] == "link"
-    assert config["nonfinite"]["policy"] == "skip"
+    short = recipe.parent.name in ("quickstart", "study")
+    assert config["nonfinite"]["policy"] == ("skip" if short else "rollback")
 
 
 def quickstart_overrides(shards: Path) -> list[str]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -203,6 +204,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.segment_shards = segment_shards
         self._train_loader: EpochLoader | None = None
         self._resume: dict | None = None  # a restored position, used by the next training pass
+        self._moved: tuple[int, ResumePlan] | None = None  # where `skip_batches` restarts the pass
         self.seed = seed
         self.classes = list(classes) if classes is not None else None
         self.train_keys = frozenset(train_keys) if train_keys is not None else None
@@ -446,7 +448,10 @@ class ShardDataModule(pl.LightningDataModule):
         for the schedule), so after a resume the epoch comes from the restored position, not from the
         trainer."""
         saved, self._resume = self._resume, None
-        if saved is not None:
+        moved, self._moved = self._moved, None
+        if moved is not None:
+            epoch, plan = moved
+        elif saved is not None:
             epoch, plan = self._plan(saved)
         else:
             epoch, plan = (self.trainer.current_epoch if self.trainer is not None else self.epoch), None
@@ -538,8 +543,38 @@ class ShardDataModule(pl.LightningDataModule):
             self._check_same_data(state_dict["data"], self._urls["train"])
         started = self._train_loader is not None and self._train_loader.epoch is not None
         if started and self.trainer is not None and not self._train_loader.consumed:
-            # Lightning has no public way to restart its training fetcher (which prefetches a batch).
-            iter(self.trainer.fit_loop._data_fetcher)
+            self._restart_training_iterator(fetched=0)  # Lightning counts the restored batches itself
+
+    def skip_batches(self, count: int) -> int:
+        """Moves the training stream `count` batches past the last one training consumed, without
+        decoding them (each worker passes over its share of their samples: `WorkerPosition.skip`), up
+        to the end of the epoch: the next epoch draws and shuffles its segments anew, so nothing of this
+        one follows there. Returns the batches skipped; they count as batches of the epoch (its length
+        is fixed on every rank, and so stays the steps every rank takes). The training iterator restarts
+        at the new position (what the DataLoader had fetched ahead is dropped), unless the epoch is over.
+        Every rank skips the same number of its own batches."""
+        loader = self._train_loader
+        workers = max(1, self.num_workers)
+        positions = dict(loader.consumed)
+        consumed = sum(p.batches for p in positions.values())
+        count = max(0, min(count, self.batches_per_epoch - consumed))
+        for index in range(consumed, consumed + count):  # the DataLoader's round robin: batch i, worker i % W
+            p = positions.get(index % workers, WorkerPosition())
+            positions[index % workers] = replace(p, batches=p.batches + 1, skip=p.skip + self.batch_size)
+        loader.consumed = positions  # what a checkpoint saved before the next batch records
+        if consumed + count < self.batches_per_epoch:
+            self._moved = (loader.epoch, ResumePlan(positions, first=(consumed + count) % workers))
+            if self.trainer is not None:  # else the loader's next `iter` starts there
+                self._restart_training_iterator(fetched=consumed + count)
+        return count
+
+    def _restart_training_iterator(self, fetched: int) -> None:
+        """A new training iterator for Lightning's fetcher, which has no public way to restart it; its
+        count of the epoch's batches fetched (which tells the epoch's last batch) is set to `fetched`,
+        as Lightning sets it when a pass starts."""
+        fetcher = self.trainer.fit_loop._data_fetcher
+        iter(fetcher)
+        fetcher.fetched = fetched
 
     def refuse_changed_data(self, state_dict: dict[str, Any]) -> None:
         """With `on_data_change: refuse`, the error for training data that differ from those of the

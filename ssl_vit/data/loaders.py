@@ -121,5 +121,5 @@ class EpochLoader(ShardLoader):
         return {
             "epoch": self.epoch,
             "num_workers": max(1, self.num_workers),
-            "workers": {w: [p.batches, p.segment, p.offset] for w, p in self.consumed.items()},
+            "workers": {w: [p.batches, p.segment, p.offset, p.skip] for w, p in self.consumed.items()},
         }

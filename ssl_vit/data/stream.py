@@ -17,7 +17,9 @@ segments of `segment_shards` shards; a segment's shard draw and shuffle are seed
 `(segment, index)` in the shuffled segment. So a worker's position is three numbers (batches delivered,
 segment, samples of the segment consumed), carried by every batch in `stream`, and a resumed worker
 rebuilds its segment and skips the consumed samples before decoding them: resuming costs reading at
-most one segment's raw bytes per worker, never decoding them again.
+most one segment's raw bytes per worker, never decoding them again. Stepping over batches that were
+never consumed (a loss-spike rollback) works the same way: the position says how many samples the
+worker passes over, undecoded, before its next batch (`WorkerPosition.skip`).
 
 Bad samples (undecodable image, missing image member, unparsable label or one beyond `num_classes`,
 a mask that does not decode, does not match its image's size or holds a class beyond `num_classes`, a
@@ -66,11 +68,14 @@ log = logging.getLogger("ssl_vit.data")
 @dataclass(frozen=True)
 class WorkerPosition:
     """Where one training worker's stream stands: `batches` it delivered that training consumed, and
-    the `offset` of the next sample in its shuffled `segment`."""
+    the `offset` of the next sample in its shuffled `segment`; `skip`: samples it still passes over,
+    without decoding them, before its next batch (batches a rollback stepped over, counted in
+    `batches` already)."""
 
     batches: int = 0
     segment: int = 0
     offset: int = 0
+    skip: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,7 +183,7 @@ class ShardStream(IterableDataset):
     ) -> Iterator[dict]:
         start = self.resume.workers.get(worker, WorkerPosition()) if self.resume else WorkerPosition()
         base = (self.seed, self.epoch, self.rank, worker)
-        samples_ = self._segments(base, start, counter)
+        samples_ = islice(self._segments(base, start, counter), start.skip, None)  # raw: nothing decoded
         decoded = (
             out
             for sample in samples_

@@ -279,6 +279,17 @@ class LastLinkCheckpoint(ModelCheckpoint):
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
 
+    def save_rolled_back(self, trainer) -> None:
+        """Saves the state of a fit that a loss-spike rollback (`ssl_vit.tasks.nonfinite`) has returned to
+        the step of one of its checkpoints: over the checkpoint of that step, under its name, and
+        `last.ckpt` with it. The periodic saves, the rotation and the link Lightning makes again at the
+        end of an epoch then go on from it as from the checkpoint it replaces (a file beside it, which
+        Lightning knows nothing of, would be replaced by a link to the old one at the epoch's end)."""
+        candidates = self._monitor_candidates(trainer)
+        if self.save_top_k != 0:
+            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
+        self._save_last_checkpoint(trainer, candidates)
+
     def _last_path(self, trainer) -> str:
         """The name _save_last_checkpoint will give the link (Lightning's version counter included)."""
         candidates = self._monitor_candidates(trainer)
@@ -404,12 +415,13 @@ def _first_line(err: Exception) -> str:
 # --- `last`: which checkpoint of a run directory a job resumes -----------------------------------------
 
 
-def resumable(checkpoint_dir: Path) -> Path | None:
+def resumable(checkpoint_dir: Path, max_step: int | None = None) -> Path | None:
     """What `--ckpt_path last` resumes: the checkpoint of the directory whose recorded step is the
     highest (`last*.ckpt` first among equals: it is a link to the newest); a damaged one
     (`integrity.damage`) is passed over for the next, with one warning naming both. None when the
     directory holds no checkpoint (the job starts afresh); a `DamagedCheckpoint` when it holds only
-    damaged ones.
+    damaged ones. `max_step`: only checkpoints of that step or before (what a loss-spike rollback
+    returns to).
 
     By the step the file records, not by modification time (as Lightning picks among `last*.ckpt`): a
     file written under a clock that was ahead (another node's, a copy's) would be resumed over a later
@@ -418,6 +430,8 @@ def resumable(checkpoint_dir: Path) -> Path | None:
         return None
     damaged: list[tuple[Path, str]] = []
     for path in sorted(checkpoint_dir.glob("*.ckpt"), key=_resume_order):
+        if max_step is not None and (checkpoint_step(path) or 0) > max_step:
+            continue
         if path.is_symlink() and not path.exists():  # a link whose checkpoint was deleted or moved
             damaged.append((path, f"a link to {os.readlink(path)}, which does not exist"))
             continue

@@ -436,7 +436,13 @@ class MaskedPatchPretraining(BackboneTask):
 
     def on_train_batch_end(self, outputs: dict, batch: dict, batch_idx: int) -> None:
         every = self.picture_every_n_steps
-        if every and self.trainer.global_step % every == 0 and self.trainer.is_global_zero:
+        # (no `output`: a loss-spike rollback has voided the step)
+        if (
+            every
+            and "output" in outputs
+            and self.trainer.global_step % every == 0
+            and self.trainer.is_global_zero
+        ):
             log_picture(
                 self, "train/predictions", masked_prediction_picture(self, batch["image"], outputs["output"])
             )

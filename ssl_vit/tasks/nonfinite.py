@@ -1,27 +1,57 @@
-"""A NaN or inf in the loss or the gradients, on any rank: skip the step (up to `max_skips` times) or
-stop the run, on every rank at the same step, and never write a non-finite state over a checkpoint.
+"""A NaN or inf in the loss or the gradients, or a loss spike, on any rank: skip the step, stop the run, or
+roll back to the last good checkpoint and step over the batches that led there; every rank at the same
+step, each time one line and a W&B metric, recorded in the checkpoint; and never a non-finite state
+written over a checkpoint.
 
 Under DDP the gradients are all-reduced before the optimizer step, so a NaN on one rank's loss reaches
-every rank's gradients; with FSDP each rank holds a shard. Either way the decision is reduced over the
-ranks, so they skip or stop together and none waits for the others in a collective.
+every rank's gradients; with FSDP each rank holds a shard; a loss spike can be one rank's alone. Either
+way every decision is reduced over the ranks, so they skip, stop or roll back together and none waits
+for the others in a collective.
+
+A rollback (`policy: rollback`): the step's loss and whether it and the gradient norm are finite are
+reduced over the ranks (the highest loss, any non-finite) and read in one host read, where `skip` reads
+its flag; `ssl_vit.tasks.spikes` judges the step against the running median. A spike's update is not
+applied (its gradients are dropped before the optimizer step), and at the end of its step every rank
+restores the newest intact checkpoint of the run saved at or before it (`ssl_vit.tasks.rollback`: model,
+teacher, optimizer, schedule, gradient scaler, RNGs, step count; read from the file, as a resume does),
+moves its data stream past the batches read since that checkpoint, the spike's included, plus
+`skip_batches` more (`ShardDataModule.skip_batches`: positions only move forward, so no batch between
+the checkpoint and the spike is trained on twice, and the data of a spike never comes back after its
+rollback), rewinds W&B to the checkpoint's step as a resume does, and saves the rolled-back state at
+once, over that checkpoint (`LastLinkCheckpoint.save_rolled_back`): a kill or a SIGTERM after it
+resumes from the rolled-back state, with its history, and never replays the batches it stepped over.
+All of it runs inside one training hook, where a SIGTERM is only noted: the save it causes comes after
+the rollback is complete.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+import time
 from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
 
+from ssl_vit.checkpoints.integrity import DamagedCheckpoint
 from ssl_vit.errors import BadValue, UserError
+from ssl_vit.tasks.checkpointing import resumable
+from ssl_vit.tasks.preemption import last_path
+from ssl_vit.tasks.rollback import SafeSteps, count_skipped, restore_learner
+from ssl_vit.tasks.spikes import NON_FINITE, SPIKE, SpikeDetector
+from ssl_vit.tracking import logging_step
+
+Policy = Literal["skip", "stop", "rollback"]
 
 
 class NonFiniteError(UserError):
-    """Training stopped on a non-finite loss or gradient; the message names the step and the fix."""
+    """Training stopped on a non-finite loss or gradient, or a loss spike it may no longer roll back; the
+    message names the step and the fix."""
 
 
 class NonFiniteGuard(pl.Callback):
-    """Watches the gradient norm of every optimizer step.
+    """Watches the loss and gradient norm of every optimizer step.
 
     Args:
         policy: `skip` drops a step whose gradients are not finite (its update is not applied, the
@@ -29,59 +59,165 @@ class NonFiniteGuard(pl.Callback):
             of them; deciding before the optimizer step costs one host read per step. `stop` stops at
             the first one, checked every `check_every_n_steps` steps and before every checkpoint save,
             with no host synchronisation in between (the steps after the bad one are wasted, nothing is
-            saved from them).
-        max_skips: steps `skip` may drop over the whole run before it stops.
+            saved from them). `rollback` also watches for loss spikes (`window`, `spike_factor`,
+            `patience`), and on a spike or a non-finite step returns every rank to the last good
+            checkpoint and steps over the batches since (one host read per step, as `skip`); before the
+            run's first checkpoint such a step is skipped instead.
+        max_skips: steps `skip` (or `rollback`, before the first checkpoint) may drop over the whole run
+            before it stops.
         check_every_n_steps: how often `stop` reads the flag (the trainer's log_every_n_steps if unset).
+        window: steps of the running median of the loss that a spike is measured against.
+        spike_factor: a step whose loss is above this many times that median is a spike (0: only
+            non-finite steps are).
+        patience: with `16-mixed`, whose gradient scaler skips non-finite steps itself, this many of them
+            in a row are a spike.
+        skip_batches: batches a rollback steps over beyond the spike's, whose data it never trains on;
+            by default twice as many as it returns over (the batches from the checkpoint to the spike).
+        max_rollbacks: rollbacks over the whole run; the next spike stops it.
+        safe_steps, safe_fp32, lr_scale: the steps after a rollback, `safe_steps` of them, run in 32-bit
+            (`safe_fp32`: mixed precision's autocast off) and/or at `lr_scale` times the scheduled
+            learning rate.
 
     With `16-mixed` precision, AMP's GradScaler already skips overflowing steps and lowers its scale:
-    the guard then leaves the steps to it and only keeps non-finite states out of checkpoints.
+    `skip` and `stop` then leave the steps to it and only keep non-finite states out of checkpoints.
     """
 
     def __init__(
         self,
-        policy: Literal["skip", "stop"] = "skip",
+        policy: Policy = "skip",
         max_skips: int = 10,
         check_every_n_steps: int | None = None,
+        window: int = 50,
+        spike_factor: float = 3.0,
+        patience: int = 16,
+        skip_batches: int | None = None,
+        max_rollbacks: int = 5,
+        safe_steps: int = 0,
+        safe_fp32: bool = False,
+        lr_scale: float = 1.0,
     ) -> None:
-        if policy not in ("skip", "stop"):
-            raise BadValue(f"policy must be 'skip' or 'stop', got {policy!r}")
-        if max_skips < 0:
-            raise BadValue(f"max_skips must be >= 0, got {max_skips}")
+        if policy not in ("skip", "stop", "rollback"):
+            raise BadValue(f"policy must be 'skip', 'stop' or 'rollback', got {policy!r}")
+        for name, value in (("max_skips", max_skips), ("max_rollbacks", max_rollbacks)):
+            if value < 0:
+                raise BadValue(f"{name} must be >= 0, got {value}")
+        for name, value in (("window", window), ("patience", patience)):
+            if value < 1:
+                raise BadValue(f"{name} must be at least 1, got {value}")
+        if spike_factor != 0 and not spike_factor > 1:
+            raise BadValue(f"spike_factor must be above 1 (or 0: no spike test), got {spike_factor}")
+        if skip_batches is not None and skip_batches < 0:
+            raise BadValue(
+                f"skip_batches must be >= 0 (or unset: twice the batches rolled back), got {skip_batches}"
+            )
         self.policy, self.max_skips, self.check_every = policy, max_skips, check_every_n_steps
+        self.skip_batches, self.max_rollbacks = skip_batches, max_rollbacks
+        self.detector = SpikeDetector(window, spike_factor, patience)
+        self.safe = SafeSteps(safe_steps, safe_fp32, lr_scale)
         self.skipped = 0
+        self.rollbacks: list[dict[str, Any]] = []  # one record per rollback (`_roll_back`)
         self._first_bad: torch.Tensor | None = None  # `stop`: first bad step, -1 while none, on the device
+        self._loss: torch.Tensor | None = None  # `rollback`: the step's loss so far, on the device
+        self._spike: dict[str, Any] | None = None  # `rollback`: this step's, found before its update
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped": self.skipped}
+        return {
+            "skipped": self.skipped,
+            "rollbacks": self.rollbacks,
+            "detector": self.detector.state_dict(),
+            "safe_steps_left": self.safe.left,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = state_dict["skipped"]
+        self.rollbacks = list(state_dict.get("rollbacks", []))
+        self.detector.load_state_dict(state_dict.get("detector", {}))
+        self.safe.left = state_dict.get("safe_steps_left", 0)
+
+    # --- hooks -----------------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.policy == "rollback":
+            check_rollback(
+                trainer.checkpoint_callback is not None, trainer.datamodule, str(trainer.precision), self.safe
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.policy == "rollback":
+            self.safe.attach(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.safe.detach(trainer)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch, batch_idx) -> None:
+        if self.policy == "rollback":
+            self.safe.before_batch(trainer)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module, loss: torch.Tensor) -> None:
+        if self.policy == "rollback":  # summed over the step's micro-batches (each already divided by them)
+            loss = loss.detach()
+            self._loss = loss if self._loss is None else self._loss + loss
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        if "16-mixed" == str(trainer.precision):
+        scaler = "16-mixed" == str(trainer.precision)
+        if scaler and self.policy != "rollback":
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # This rank's gradients (its shards under FSDP2): whether any rank's is not finite is reduced below.
+        grads = [
+            _local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
         if not grads:
             return
-        bad = ~torch.isfinite(torch.nn.utils.get_total_norm(grads))  # one fused pass over the gradients
+        norm = torch.nn.utils.get_total_norm(grads)  # one fused pass over the gradients
         step = trainer.global_step
         if self.policy == "stop":
+            bad = ~torch.isfinite(norm)
             if self._first_bad is None:
                 self._first_bad = torch.full((), -1, dtype=torch.long, device=bad.device)
             self._first_bad = torch.where(bad & (self._first_bad < 0), step, self._first_bad)
             return
-        if not trainer.strategy.reduce_boolean_decision(bool(bad), all=False):
+        if self.policy == "skip":
+            if trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(norm)), all=False):
+                optimizer.zero_grad(
+                    set_to_none=True
+                )  # torch optimizers leave parameters without grad untouched
+                self._skip(trainer, step, NON_FINITE)
             return
-        self.skipped += 1
-        if self.skipped > self.max_skips:
-            self._stop(trainer, step, f"after skipping {self.max_skips} such steps")
-        optimizer.zero_grad(set_to_none=True)  # torch optimizers leave parameters without grad untouched
-        pl_module.log("train/skipped_steps", float(self.skipped), rank_zero_only=True)
+        loss, finite = self._read(trainer, norm, scaler)
+        reason = self.detector.judge(loss, finite, scaler)
+        if reason is not None:
+            optimizer.zero_grad(set_to_none=True)  # (16-mixed: the scaler skips it then too)
+            self._spike = {"step": step, "loss": loss if finite else None, "median": self.detector.median}
+            self._spike["reason"] = reason
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
-        every = self.check_every or trainer.log_every_n_steps
-        if self.policy == "stop" and trainer.global_step % max(1, every) == 0:
-            self._check_stop(trainer)
+        if self.policy == "stop":
+            every = self.check_every or trainer.log_every_n_steps
+            if trainer.global_step % max(1, every) == 0:
+                self._check_stop(trainer)
+            return
+        if self.policy != "rollback" or trainer.fit_loop._should_accumulate():
+            return
+        spike, self._spike = self._spike, None
+        if spike is None:
+            self.safe.after_step(trainer)
+            return
+        anchor = self._anchor(trainer, spike["step"])
+        if anchor is None:
+            self._skip(trainer, spike["step"], f"{spike_detail(spike)}; no checkpoint to roll back to yet")
+        elif len(self.rollbacks) >= self.max_rollbacks:
+            what = "a " if spike["reason"] == SPIKE else ""
+            self._stop(
+                trainer,
+                f"{what}{spike['reason']} at step {spike['step']} ({spike_detail(spike)}) after "
+                f"{self.max_rollbacks} rollback(s), nonfinite.max_rollbacks",
+            )
+        else:
+            self._roll_back(trainer, anchor, spike)
+            if isinstance(outputs, dict):
+                # The hooks after this one (health, pictures) would take the spike's outputs for those
+                # of the rolled-back step.
+                outputs.clear()
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
         """Refuse to save a non-finite state: it would replace the last good checkpoint."""
@@ -89,21 +225,159 @@ class NonFiniteGuard(pl.Callback):
             self._check_stop(trainer)
         finite = torch.stack([torch.isfinite(p).all() for p in pl_module.parameters()]).all()
         if trainer.strategy.reduce_boolean_decision(not bool(finite), all=False):
-            self._stop(trainer, trainer.global_step, "(the weights are no longer finite)")
+            step = trainer.global_step
+            self._stop(trainer, f"{NON_FINITE} at step {step} (the weights are no longer finite)")
+
+    # --- decisions ---------------------------------------------------------------------------------
+
+    def _read(self, trainer: pl.Trainer, norm: torch.Tensor, scaler: bool) -> tuple[float, bool]:
+        """The step's loss, highest over the ranks, and whether every rank's loss and gradient norm are
+        finite: one reduction and one host read."""
+        loss, self._loss = self._loss, None
+        if loss is None:
+            loss = torch.zeros((), device=norm.device)
+        elif scaler:  # on_before_backward saw it multiplied by the scale (torch has no public async getter)
+            loss = loss / trainer.precision_plugin.scaler._get_scale_async()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        stats = torch.stack([torch.where(bad, torch.zeros_like(loss), loss).float(), bad.float()])
+        high, worst = trainer.strategy.reduce(stats, reduce_op="max").tolist()
+        return high, not worst
+
+    def _anchor(self, trainer: pl.Trainer, step: int) -> str | None:
+        """The newest intact checkpoint of the run saved at or before `step` (rank 0 looks, every rank
+        gets its answer); None when there is none."""
+        found = None
+        if trainer.is_global_zero:
+            try:
+                found = resumable(last_path(trainer).parent, max_step=step)
+            except DamagedCheckpoint:  # every one damaged: nothing good to return to
+                found = None
+        return trainer.strategy.broadcast(str(found) if found is not None else None)
+
+    def _roll_back(self, trainer: pl.Trainer, anchor: str, spike: dict[str, Any]) -> None:
+        seconds, clock = {}, time.perf_counter()
+        to_step, first = restore_learner(trainer, anchor)
+        seconds["restore"], clock = time.perf_counter() - clock, time.perf_counter()
+        last = trainer.fit_loop.epoch_loop.total_batch_idx  # the spike's batch, counted from the run's first
+        wanted = self.skip_batches if self.skip_batches is not None else 2 * (last + 1 - first)
+        accumulate = trainer.accumulate_grad_batches  # whole optimizer steps, so accumulation stays in phase
+        skipped = trainer.datamodule.skip_batches(math.ceil(wanted / accumulate) * accumulate)
+        count_skipped(trainer, skipped)
+        self.safe.start()
+        seconds["data"], clock = time.perf_counter() - clock, time.perf_counter()
+        record = {
+            "step": spike["step"], "to_step": to_step, "loss": spike["loss"], "median": spike["median"],
+            "reason": spike["reason"], "batches": [first, last + skipped], "checkpoint": anchor,
+            "seconds": seconds,
+        }  # fmt: skip
+        self.rollbacks.append(record)
+        for logger in trainer.loggers:
+            if callable(getattr(logger, "rewind", None)):
+                logger.rewind(to_step)
+        _log(
+            trainer,
+            {
+                "rollback/count": float(len(self.rollbacks)),
+                "rollback/from_step": float(spike["step"]),
+                "rollback/to_step": float(to_step),
+                "rollback/skipped_batches": float(last + skipped - first + 1),
+            },
+            to_step,
+        )
+        seconds["wandb"], clock = time.perf_counter() - clock, time.perf_counter()
+        save = getattr(trainer.checkpoint_callback, "save_rolled_back", None)  # ssl-vit's LastLinkCheckpoint
+        if save is not None:
+            save(trainer)
+        else:
+            trainer.save_checkpoint(last_path(trainer), weights_only=False)
+        seconds["save"] = time.perf_counter() - clock
+        _say(trainer, rollback_line(record))
+
+    def _skip(self, trainer: pl.Trainer, step: int, why: str) -> None:
+        self.skipped += 1
+        if self.skipped > self.max_skips:
+            self._stop(trainer, f"{why} at step {step} after skipping {self.max_skips} such steps")
+        _say(trainer, f"skip: step {step} not applied: {why} ({self.skipped} of at most {self.max_skips})")
+        _log(trainer, {"train/skipped_steps": float(self.skipped)}, logging_step(trainer))
 
     def _check_stop(self, trainer: pl.Trainer) -> None:
         first = int(self._first_bad) if self._first_bad is not None else -1
         first = int(trainer.strategy.reduce(torch.tensor(first, dtype=torch.float64), reduce_op="max"))
         if first >= 0:
-            self._stop(trainer, first, "")
+            self._stop(trainer, f"{NON_FINITE} at step {first}")
 
-    def _stop(self, trainer: pl.Trainer, step: int, why: str) -> None:
+    def _stop(self, trainer: pl.Trainer, what: str) -> None:
         saved = _last_checkpoint(trainer)
-        where = f"non-finite loss or gradients at step {step} {why}".rstrip()
         raise NonFiniteError(
-            f"{where}; nothing was saved after it (last good checkpoint: {saved or 'none yet'}): lower the "
+            f"{what}; nothing was saved after it (last good checkpoint: {saved or 'none yet'}): lower the "
             "learning rate or check the data, then resume with --ckpt_path last"
         )
+
+
+def check_rollback(checkpointing: bool, data: object, precision: str, safe: SafeSteps) -> None:
+    """One line when a fit cannot roll back: without checkpoints (`checkpointing`), with a data module
+    (`data`, its class or instance) whose stream cannot skip batches, or safe steps in 32-bit that the
+    trainer's `precision` cannot give. The CLI asks before anything is written, the guard at setup."""
+    if not checkpointing:
+        raise UserError(
+            "nonfinite.policy rollback returns to the run's last checkpoint, and checkpointing is off "
+            "(--trainer.enable_checkpointing false): turn it on, or use --nonfinite.policy skip"
+        )
+    if not callable(getattr(data, "skip_batches", None)):
+        name = data.__name__ if isinstance(data, type) else type(data).__name__
+        raise UserError(
+            "nonfinite.policy rollback steps the training stream over the batches that led to a spike, which "
+            f"{name} cannot do: use ssl_vit.data.ShardDataModule, or --nonfinite.policy skip"
+        )
+    safe.check(precision)
+
+
+def spike_detail(spike: dict[str, Any]) -> str:
+    """`loss L, median M` of a spike (or rollback record), as its line says it."""
+    loss = "non-finite" if spike["loss"] is None else f"{spike['loss']:.4g}"
+    median = "not yet known" if spike["median"] is None else f"{spike['median']:.4g}"
+    if spike["reason"] not in (SPIKE, NON_FINITE):  # the gradient scaler's run of skipped steps
+        return f"{spike['reason']}, loss {loss}, median {median}"
+    return f"loss {loss}, median {median}"
+
+
+def rollback_line(record: dict[str, Any]) -> str:
+    first, last = record["batches"]
+    return (
+        f"rollback: step {record['step']} ({spike_detail(record)}) -> checkpoint at step "
+        f"{record['to_step']}, skipped batches {first}-{last}"
+    )
+
+
+def history(state: dict[str, Any] | None) -> list[str]:
+    """What a checkpoint's guard state (`NonFiniteGuard.state_dict`) says of the run's skips and
+    rollbacks, one line each (for `ssl-vit info`)."""
+    state = state or {}
+    lines = [f"skipped steps: {state.get('skipped', 0)}"]
+    rollbacks = state.get("rollbacks", [])
+    lines.append(f"rollbacks: {len(rollbacks)}")
+    for record in rollbacks:
+        took = record.get("seconds", {})
+        parts = ", ".join(f"{name} {value:.1f} s" for name, value in took.items())
+        lines.append(f"  {rollback_line(record)}" + (f" ({parts})" if parts else ""))
+    return lines
+
+
+def _say(trainer: pl.Trainer, text: str) -> None:
+    if trainer.is_global_zero:
+        print(f"ssl-vit: {text}", file=sys.stderr, flush=True)
+
+
+def _log(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """To every logger at `step`, whatever log_every_n_steps says (Lightning's `log` drops the values of
+    the steps it does not log): a skip or rollback is never lost."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (an FSDP2 DTensor's local shard)."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 def _last_checkpoint(trainer: pl.Trainer) -> str | None:

@@ -61,6 +61,13 @@ class RandomState(pl.Callback):
         self._to_restore = state_dict["ranks"]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.restore(trainer)
+
+    def restore(self, trainer: pl.Trainer, state_dict: dict[str, Any] | None = None) -> None:
+        """Sets this rank's RNGs now to those of `state_dict` (this callback's state in a checkpoint; by
+        default the state loaded last): a loss-spike rollback restores them mid-run."""
+        if state_dict is not None:
+            self.load_state_dict(state_dict)
         ranks, self._to_restore = self._to_restore, None
         if ranks and len(ranks) == trainer.world_size:
             set_rng_state(ranks[trainer.global_rank])

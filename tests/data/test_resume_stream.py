@@ -63,6 +63,32 @@ def test_training_loader_resumes_mid_epoch_as_if_never_stopped(shards, num_worke
         assert seen == [k for keys, _ in full for k in keys]  # nothing twice, nothing skipped
 
 
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_skipped_batches_are_passed_over_undecoded_and_the_skip_survives_a_checkpoint(shards, num_workers):
+    """A rollback's skip: the stream continues with the batches an uninterrupted stream gives after the
+    skipped ones, at once and from a checkpoint saved before the next batch."""
+    urls, _ = shards
+    full = consume(datamodule(urls, num_workers).train_dataloader())
+    for stop, skip in ((4, 2), (1, 3), (5, 4)):  # 3 workers: skips that start and end on every worker
+        dm = datamodule(urls, num_workers)
+        loader = dm.train_dataloader()
+        part = consume(loader, stop)
+        assert dm.skip_batches(skip) == skip
+        saved = dm.state_dict()
+        assert same(part + consume(loader), full[:stop] + full[stop + skip :]), (stop, skip)
+        again = datamodule(urls, num_workers)
+        again.load_state_dict(saved)
+        assert same(consume(again.train_dataloader()), full[stop + skip :]), (stop, skip)
+    # A skip past the epoch's end stops at it: the next pass is the next epoch, from its start.
+    dm = datamodule(urls, num_workers)
+    consume(dm.train_dataloader(), 8)
+    assert dm.skip_batches(5) == 3
+    again = datamodule(urls, num_workers)
+    again.load_state_dict(dm.state_dict())
+    next_epoch = consume(again.train_dataloader())
+    assert again._train_loader.epoch == 1 and len(next_epoch) == 11
+
+
 def test_in_process_and_worker_streams_agree_and_leave_the_main_rng_alone(shards):
     urls, _ = shards
     torch.manual_seed(123)
