@@ -74,13 +74,13 @@ def restore_costs(variant: str, repeats: int, tmp: Path) -> dict:
         rows["file_restore"].append(timed(from_file))
         kept = {}
 
-        def copy_at_save():  # what an in-memory anchor costs at every save
+        def copy_at_save(kept=kept):  # what an in-memory anchor costs at every save
             kept["state_dict"] = {k: v.detach().to("cpu", copy=True) for k, v in task.state_dict().items()}
             kept["optimizer"] = copy.deepcopy(optimizer.state_dict())
 
         rows["memory_copy"].append(timed(copy_at_save))
 
-        def from_memory():
+        def from_memory(kept=kept):
             task.load_state_dict(kept["state_dict"])
             optimizer.load_state_dict(kept["optimizer"])
 
@@ -117,7 +117,7 @@ def guard_costs(variant: str, repeats: int, steps: int) -> dict:
         for policy in POLICIES:
             guard = NonFiniteGuard(policy=policy)
 
-            def run():
+            def run(guard=guard, policy=policy):
                 for step in range(steps):
                     trainer.global_step = step
                     guard.on_before_backward(trainer, task, loss)
