@@ -429,8 +429,9 @@ def resumable(checkpoint_dir: Path, max_step: int | None = None) -> Path | None:
     if not checkpoint_dir.is_dir():
         return None
     damaged: list[tuple[Path, str]] = []
-    for path in sorted(checkpoint_dir.glob("*.ckpt"), key=_resume_order):
-        if max_step is not None and (checkpoint_step(path) or 0) > max_step:
+    ordered = sorted((_resume_order(path), path) for path in checkpoint_dir.glob("*.ckpt"))
+    for (minus_step, *_), path in ordered:
+        if max_step is not None and -minus_step > max_step:  # (the step each file was ordered by)
             continue
         if path.is_symlink() and not path.exists():  # a link whose checkpoint was deleted or moved
             damaged.append((path, f"a link to {os.readlink(path)}, which does not exist"))
