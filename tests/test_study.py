@@ -84,6 +84,27 @@ def test_the_claims_name_the_suites_columns_and_the_studys_rows():
         assert len(claims) == 6 and sum(len(c.comparisons()) for c in claims) == 12 + 6 + 6 + 3 + 3 + 3
 
 
+def test_the_finetune_length_runs_differ_from_the_studys_fine_tune_in_length_alone():
+    """recipes/study/finetune_length.yaml, which docs/STUDY.md cites for the fine-tune's augmentation,
+    batch and steps: its data and backbone are the study's, every run is the study's 10% fine-tune but
+    for augmentation, batch, steps and lrs, and the run it calls the study's is the study's 10% column."""
+    study, length = load_suite(STUDY / "eval.yaml"), load_suite(STUDY / "finetune_length.yaml")
+    assert length.backbone == study.backbone
+    assert length.datasets["fmnist_finetune"] == study.datasets["fmnist_finetune"]
+    (finetune,) = [p for p in study.protocols if p.KIND == "finetune"]
+    varied = ("name", "augmentation", "batch_size", "steps", "lrs", "label_fractions")
+    keys = {k: v for k, v in vars(finetune).items() if k not in varied}
+    for run in length.protocols:
+        assert run.label_fractions == [0.1]
+        assert {k: v for k, v in vars(run).items() if k not in varied} == keys
+    (now,) = [run for run in length.protocols if run.name == "plain_b16_s800"]
+    assert (now.augmentation, now.batch_size, now.lrs) == (
+        finetune.augmentation,
+        finetune.batch_size,
+        finetune.lrs,
+    ) and now.steps == finetune.steps_for(0.1)
+
+
 def test_missing_fashion_mnist_is_one_line_and_writes_nothing(tmp_path):
     (tmp_path / "partial").mkdir()
     (tmp_path / "partial" / "train-images-idx3-ubyte.gz").write_bytes(b"")

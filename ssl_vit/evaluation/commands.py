@@ -56,7 +56,7 @@ def add_parsers(subparsers) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation import progress
     from ssl_vit.evaluation.suite import check_inputs, evaluate, load_suite
-    from ssl_vit.evaluation.tables import grid_edge_notes, unlabelled_notes
+    from ssl_vit.evaluation.tables import all_notes
 
     suite = load_suite(args.suite)
     check_inputs({args.checkpoint: [args.checkpoint]}, suite)
@@ -64,7 +64,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         progress.run(0, args.checkpoint)
         record = evaluate(args.checkpoint, suite, args.out, overwrite=args.overwrite).record
     print(json.dumps(record["results"], indent=2))
-    for note in grid_edge_notes([record]) + unlabelled_notes([record]):
+    for note in all_notes([record]):
         print(f"ssl-vit: note: {note}", file=sys.stderr)
     print(f"wrote {args.out}/results.json")
     return 0

@@ -46,12 +46,11 @@ from ssl_vit.evaluation.stats import Difference, Score, interval, paired_differe
 from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, write_record
 from ssl_vit.evaluation.tables import (
     COST,
-    grid_edge_notes,
+    all_notes,
     label_efficiency_protocols,
     markdown_table,
     stat_columns,
     stat_values,
-    unlabelled_notes,
     write_csv,
     write_label_efficiency,
 )
@@ -138,7 +137,7 @@ def write_comparison(
     differences = paired(rows, columns, baseline, suite) if baseline else None
     write_csv(rows, columns, out / "results.csv")
     records = [run.record for runs in outcomes.values() for run in runs if not isinstance(run, Failed)]
-    notes = "".join(f"- {note}\n" for note in grid_edge_notes(records) + unlabelled_notes(records))
+    notes = "".join(f"- {note}\n" for note in all_notes(records))
     table = markdown_table(rows, columns, suite, baseline, differences)
     (out / "results.md").write_text(table + (f"\nNotes:\n\n{notes}" if notes else ""))
     if claims:

@@ -9,6 +9,7 @@ from pathlib import Path
 from ssl_vit.evaluation.protocol import Protocol
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval
 from ssl_vit.evaluation.suite import Suite
+from ssl_vit.evaluation.training import STILL_FALLING
 
 COST = ("steps", "images", "flops", "seconds")  # pretraining cost columns, as the checkpoint records them
 
@@ -194,20 +195,29 @@ def write_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> None:
                     )
 
 
+def _details_with(records: list[dict], key: str) -> tuple[list[tuple[str, dict]], dict[str, int]]:
+    """Every column's details that hold `key`, in `records` (results.json records of one suite), and in
+    how many runs each column holds it."""
+    found: list[tuple[str, dict]] = []
+    runs: dict[str, int] = {}
+    for record in records:
+        for column, details in record.get("details", {}).items():
+            if isinstance(details, dict) and key in details:
+                runs[column] = runs.get(column, 0) + 1
+                found.append((column, details))
+    return found, runs
+
+
 def grid_edge_notes(records: list[dict]) -> list[str]:
     """One line per trained column and grid axis whose choice ended its grid in any of `records`
     (results.json records of one suite): how often, and what to do."""
     edges: dict[tuple[str, str, str], list[float]] = {}
-    runs: dict[str, int] = {}
-    for record in records:
-        for column, found in record.get("details", {}).items():
-            if not (isinstance(found, dict) and "selection" in found):
-                continue
-            runs[column] = runs.get(column, 0) + 1
-            for key, edge in found.items():
-                if key.endswith("_at_grid_edge") and edge:
-                    axis = key.removesuffix("_at_grid_edge")
-                    edges.setdefault((column, axis, edge), []).append(found[f"best_{axis}"])
+    chosen, runs = _details_with(records, "selection")
+    for column, found in chosen:
+        for key, edge in found.items():
+            if key.endswith("_at_grid_edge") and edge:
+                axis = key.removesuffix("_at_grid_edge")
+                edges.setdefault((column, axis, edge), []).append(found[f"best_{axis}"])
     direction = {"largest": "above", "smallest": "below"}
     return [
         f"{column}: the {axis} chosen on the held-out images is the grid's {edge} ({values[0]:g}) in "
@@ -215,6 +225,30 @@ def grid_edge_notes(records: list[dict]) -> list[str]:
         f"protocol's {axis}s"
         for (column, axis, edge), values in edges.items()
     ]
+
+
+def falling_loss_notes(records: list[dict]) -> list[str]:
+    """One line per trained column whose training loss had not levelled off (`loss_change_last_fifth`
+    at or below -STILL_FALLING) in any of `records`: how often, by how much, and what to do."""
+    falling: dict[str, list[float]] = {}
+    judged, runs = _details_with(records, "loss_change_last_fifth")
+    for column, found in judged:
+        if found["loss_change_last_fifth"] <= -STILL_FALLING:
+            falling.setdefault(column, []).append(found["loss_change_last_fifth"])
+
+    def span(changes: list[float]) -> str:  # "12%-30%", or "30%" when they round alike
+        return "-".join(dict.fromkeys(f"{-change:.0%}" for change in (max(changes), min(changes))))
+
+    return [
+        f"{column}: the training loss still fell by {span(changes)} over the last fifth of its steps in "
+        f"{len(changes)} of {runs[column]} run(s): it had not levelled off; give it more steps (or epochs)"
+        for column, changes in falling.items()
+    ]
+
+
+def all_notes(records: list[dict]) -> list[str]:
+    """Every note on `records` (results.json records of one suite) that asks the suite's author to act."""
+    return grid_edge_notes(records) + falling_loss_notes(records) + unlabelled_notes(records)
 
 
 def unlabelled_notes(records: list[dict]) -> list[str]:

@@ -55,6 +55,9 @@ OptimizerName = Literal["sgd", "adamw", "lars"]
 # The batch size a protocol trains with unless it sets its own: the dataset's, else ShardDataModule's.
 DATA_BATCH_SIZE = inspect.signature(ShardDataModule).parameters["batch_size"].default
 CURVE_POINTS = 50  # training-loss points a column records, evenly spaced over its steps
+# A training loss whose mean over the last fifth of its recorded points is this much below the fifth
+# before had not levelled off (`levelling`, noted by `tables.falling_loss_notes`).
+STILL_FALLING = 0.1
 
 
 class Selection(NamedTuple):
@@ -366,8 +369,25 @@ class _Curve:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def add(self, step: int, loss: float) -> None:
-        self.points.append([step, round(loss, 5)])
+    def add(self, step: int, loss: float | list[float]) -> None:
+        """One step's loss, or each head's."""
+        self.points.append([step, round(loss, 5) if isinstance(loss, float) else [round(x, 5) for x in loss]])
+
+
+def levelling(points: list[list[float]]) -> dict:
+    """What results.json keeps of one model's loss curve ([step, loss] points): the points, and when
+    there are ten or more, the relative change of the mean loss from the second-to-last fifth of them
+    to the last (under a decaying lr a loss still falling there by STILL_FALLING or more wanted more
+    steps)."""
+    found: dict = {"loss_curve": points}
+    fifth = len(points) // 5
+    if fifth >= 2:
+        before, last = (
+            sum(loss for _, loss in points[start : start + fifth]) / fifth
+            for start in (len(points) - 2 * fifth, len(points) - fifth)
+        )
+        found["loss_change_last_fifth"] = round((last - before) / before, 4) if before > 0 else 0.0
+    return found
 
 
 def train_streamed(
@@ -425,11 +445,11 @@ def train_streamed(
         trainer.callbacks.append(_following(advance, curve))
         with lightning_info_dropped("`Trainer.fit` stopped"):  # the end of one protocol, not the command's
             trainer.fit(model, datamodule=datamodule)
-    return {
-        "optimizer_steps": trainer.global_step,
-        "train_loss": float(trainer.callback_metrics["train/loss"]),
-        "loss_curve": curve.points,
-    }
+    loss = float(trainer.callback_metrics["train/loss"])
+    found = {"optimizer_steps": trainer.global_step, "train_loss": loss}
+    if getattr(model, "num_heads", 1) > 1:  # the logged loss is the heads' mean: no one model's curve
+        return {**found, "loss_curve": curve.points}
+    return {**found, **levelling(curve.points)}
 
 
 def _following(advance: Callable[[int], None], curve: _Curve):
@@ -472,15 +492,23 @@ def train_cached(
     with progress.step(f"{protocol.name}: training", steps, unit="steps") as advance:
         for step in range(1, steps + 1):
             batch = order[(step - 1) * size : step * size]
-            loss = model.forward_loss(model.classify(train.x[batch].to(device)), targets[batch].to(device))
+            losses = model.head_losses(model.classify(train.x[batch].to(device)), targets[batch].to(device))
             optim.zero_grad(set_to_none=True)
-            loss.backward()
+            losses.sum().backward()
             optim.step()
             scheduler.step()
             if curve.due(step):
-                curve.add(step, loss.item() / model.num_heads)
+                curve.add(step, losses.tolist())
             advance(1)
-    return {"optimizer_steps": steps, "train_loss": loss.item() / model.num_heads, "loss_curve": curve.points}
+    # every head's: `for_head` keeps the chosen head's
+    return {"optimizer_steps": steps, "train_loss": losses.tolist(), "loss_curve": curve.points}
+
+
+def for_head(found: dict, head: int) -> dict:
+    """`train_cached`'s record of its heads -> that of head `head` (the chosen candidate): its last loss,
+    its loss curve and whether that levelled off."""
+    points = [[step, losses[head]] for step, losses in found["loss_curve"]]
+    return {**found, "train_loss": found["train_loss"][head], **levelling(points)}
 
 
 def start_from_scored_backbone(model, features: FeatureCache) -> None:

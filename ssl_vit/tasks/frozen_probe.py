@@ -94,9 +94,13 @@ class FrozenProbe(BackboneTask):
         """images: (B, 3, H, W) -> every head's output (H, B, ...)."""
         return self.classify(self.features(images))
 
+    def head_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Every head's mean loss (H,)."""
+        return torch.stack([self.head_loss(out, targets) for out in outputs])
+
     def forward_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Sum over heads of each head's mean loss, so each head's gradient is its own loss's."""
-        return sum(self.head_loss(out, targets) for out in outputs)
+        return self.head_losses(outputs, targets).sum()
 
     def train_loss(self, batch: dict[str, Tensor]) -> Tensor:
         return self.forward_loss(self(batch["image"]), batch[self.TARGET])

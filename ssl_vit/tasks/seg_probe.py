@@ -88,15 +88,16 @@ class LinearSegProbe(FrozenProbe):
         h, w = self.backbone.grid_size
         return torch.stack([c(tokens).transpose(1, 2).unflatten(2, (h, w)) for c in self.chosen(head)])
 
-    def forward_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        """Every head's (H, B, K, h, w) class map against masks (B, Hm, Wm): the sum over heads of each
-        head's cross-entropy per pixel of its logits upsampled to the mask, pixels of 255 ignored. All
-        heads in one upsampling and one cross-entropy (each head has the same labelled pixels, so the mean
-        over all of them is the mean of the heads' means)."""
+    def head_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Every head's (H, B, K, h, w) class map against masks (B, Hm, Wm): each head's cross-entropy per
+        pixel of its logits upsampled to the mask, pixels of 255 ignored (H,). All heads in one
+        upsampling and one cross-entropy."""
         heads = outputs.shape[0]
         logits = upsample(outputs.flatten(0, 1), targets.shape[-2:])  # (H B, K, Hm, Wm)
         labels = targets.long().repeat(heads, 1, 1)
-        return heads * F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+        per_pixel = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+        labelled = (labels != IGNORE_INDEX).unflatten(0, (heads, -1)).flatten(1).sum(1)
+        return per_pixel.unflatten(0, (heads, -1)).flatten(1).sum(1) / labelled.clamp_min(1)
 
 
 __all__ = ["LinearSegProbe", "PatchFeature", "upsample"]

@@ -88,6 +88,11 @@ def test_the_choice_does_not_depend_on_the_test_labels(augmentation, digits_shar
     interval = records[0]["intervals"]["attentive"]
     assert interval["low"] < records[0]["results"]["attentive"] < interval["high"]
     assert len(real["loss_curve"]) >= 2 and real["loss_curve"][-1][1] < real["loss_curve"][0][1]
+    # trained on cached tokens, the record keeps the chosen head's curve and says whether it levelled
+    # off; trained on the stream, the heads' mean, with nothing said about it
+    assert all(isinstance(loss, float) for _, loss in real["loss_curve"])
+    cached = augmentation == "eval" and len(real["loss_curve"]) >= 10
+    assert ("loss_change_last_fifth" in real) == cached, real
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from PIL import Image
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.commands import parse_checkpoints, repeated_checkpoints
 from ssl_vit.evaluation.suite import load_suite
-from ssl_vit.evaluation.tables import grid_edge_notes
+from ssl_vit.evaluation.tables import all_notes, grid_edge_notes
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 
@@ -106,10 +106,12 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
     assert list((out / "wandb").glob("offline-run-*"))
     details = json.loads((out / "mpp/results.json").read_text())
     assert details["protocols"][0]["shots"] == [1, 5] and "best_lr" in details["details"]["linear"]
-    # A grid of two lrs: a chosen lr that beats the other ends the grid, and results.md notes it.
+    # A grid of two lrs: a chosen lr that beats the other ends the grid, and results.md notes it (with
+    # every other note on the records, in that order).
     records = [json.loads((out / name / "results.json").read_text()) for name in ("mpp", "sup", "scratch")]
-    notes = grid_edge_notes(records)
-    assert notes and table.endswith("\nNotes:\n\n" + "".join(f"- {note}\n" for note in notes))
+    notes = all_notes(records)
+    assert grid_edge_notes(records)
+    assert table.endswith("\nNotes:\n\n" + "".join(f"- {note}\n" for note in notes))
     assert all(note in proc.stdout for note in notes)
     # Mean attention distance against depth: one curve per checkpoint that loaded (depth 1, 2 heads).
     attention = json.loads((out / "attention_distance.json").read_text())

@@ -12,7 +12,7 @@ from cli_helpers import run_cli
 
 from ssl_vit.data.sources import _digits
 from ssl_vit.data.stream import ShardStream
-from ssl_vit.evaluation import scoring, selection, tables
+from ssl_vit.evaluation import scoring, selection, tables, training
 from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.kinds import probe as probe_kind
 from ssl_vit.evaluation.stats import ACCURACY
@@ -241,14 +241,14 @@ def test_a_chosen_lr_that_ends_its_grid_and_beats_its_neighbour_is_an_edge(accur
 
 def test_evaluate_notes_a_chosen_lr_at_the_top_of_its_grid(digits_shards, tmp_path, cli):
     """A grid whose largest lr is the best on the held-out images: results.json says so and `evaluate`
-    prints one note on stderr saying what to do; the scores are written as usual."""
+    prints one note on the grid on stderr saying what to do; the scores are written as usual."""
     suite = write_suite(tmp_path / "s.yaml", digits_shards / "train-{000000..000001}.tar",
                         digits_shards / "val-000000.tar", [probe(lrs=[1e-3, 1.0], epochs=5)])  # fmt: skip
     out = tmp_path / "out"
     proc = cli("evaluate", "scratch", "--suite", str(suite), "--out", str(out))
     detail = json.loads((out / "results.json").read_text())["details"]["linear"]
     assert detail["best_lr"] == 1.0 and detail["lr_at_grid_edge"] == "largest", detail
-    (note,) = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: note:")]
+    (note,) = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: note: linear: the lr")]
     assert note == (
         "ssl-vit: note: linear: the lr chosen on the held-out images is the grid's largest (1) in 1 of 1 "
         "run(s); a better one may lie above it: extend the protocol's lrs"
@@ -256,3 +256,51 @@ def test_evaluate_notes_a_chosen_lr_at_the_top_of_its_grid(digits_shards, tmp_pa
     notes = tables.grid_edge_notes([{"details": {"linear": detail}}, {"details": {"linear": {
         **detail, "lr_at_grid_edge": None}}}])  # fmt: skip
     assert notes == [note.removeprefix("ssl-vit: note: ").replace("in 1 of 1", "in 1 of 2")]
+
+
+def test_evaluate_notes_a_training_loss_still_falling_at_its_end_and_not_one_that_levelled_off(
+    digits_shards, tmp_path, cli
+):
+    """A probe cut short at a constant lr (10 steps, `min_lr_ratio: 1`) still learns in its last fifth:
+    results.json records the change and evaluate prints one note; 300 steps of the same probe level off
+    and print none."""
+    train, test = digits_shards / "train-{000000..000001}.tar", digits_shards / "val-000000.tar"
+    found = {}
+    for steps in (10, 300):
+        suite = write_suite(tmp_path / f"s{steps}.yaml", train, test,
+                            [probe(lrs=[0.3], steps=steps, min_lr_ratio=1.0, epochs=None)])  # fmt: skip
+        out = tmp_path / f"out{steps}"
+        proc = cli("evaluate", "scratch", "--suite", str(suite), "--out", str(out))
+        detail = json.loads((out / "results.json").read_text())["details"]["linear"]
+        losses = [loss for _, loss in detail["loss_curve"]]
+        fifth = len(losses) // 5
+        before, last = sum(losses[-2 * fifth : -fifth]) / fifth, sum(losses[-fifth:]) / fifth
+        assert detail["loss_change_last_fifth"] == pytest.approx((last - before) / before, abs=1e-4)
+        found[steps] = (detail["loss_change_last_fifth"], [
+            line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: note:")])  # fmt: skip
+    change, notes = found[10]
+    assert change <= -0.1 and notes == [
+        f"ssl-vit: note: linear: the training loss still fell by {-change:.0%} over the last "
+        "fifth of its steps in 1 of 1 run(s): it had not levelled off; give it more steps (or epochs)"
+    ], found
+    change, notes = found[300]
+    assert change > -0.1 and notes == [], found
+    records = [{"details": {"linear": {"loss_change_last_fifth": c}}} for c in (-0.3, -0.12, 0.01)]
+    assert tables.falling_loss_notes(records) == [
+        "linear: the training loss still fell by 12%-30% over the last fifth of its steps in 2 of 3 run(s): "
+        "it had not levelled off; give it more steps (or epochs)"
+    ]
+
+
+def test_a_probe_of_several_heads_keeps_the_chosen_heads_curve_and_judges_that_one():
+    """`train_cached` records every head's loss; the record keeps the chosen head's: head 0 still falls
+    16% over its last fifth (1.25 -> 1.05), head 1 is flat."""
+    found = {"optimizer_steps": 10, "train_loss": [1.0, 0.7],
+             "loss_curve": [[s, [round(2.0 - 0.1 * s, 5), 0.7]] for s in range(1, 11)]}  # fmt: skip
+    first, second = training.for_head(found, 0), training.for_head(found, 1)
+    assert first["train_loss"] == 1.0 and second["train_loss"] == 0.7
+    assert first["loss_curve"] == [[s, round(2.0 - 0.1 * s, 5)] for s in range(1, 11)]
+    assert first["loss_change_last_fifth"] == pytest.approx(-0.16)
+    assert second["loss_curve"] == [[s, 0.7] for s in range(1, 11)]
+    assert second["loss_change_last_fifth"] == 0.0
+    assert training.levelling([[1, 2.0], [2, 1.0]]) == {"loss_curve": [[1, 2.0], [2, 1.0]]}  # too few points

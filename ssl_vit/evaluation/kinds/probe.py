@@ -10,7 +10,7 @@ from ssl_vit.evaluation.protocol import STRICT
 from ssl_vit.evaluation.scoring import restrict, statistics
 from ssl_vit.evaluation.selection import choose
 from ssl_vit.evaluation.stats import Score
-from ssl_vit.evaluation.training import TrainedProtocol, TrainingSet, train_cached, train_streamed
+from ssl_vit.evaluation.training import TrainedProtocol, TrainingSet, for_head, train_cached, train_streamed
 
 
 @dataclass(config=STRICT)
@@ -54,4 +54,6 @@ class ProbeProtocol(TrainedProtocol):
             selected = statistics([model], self, features, *plan.selection, cached=scored)
             head, chosen = choose(self, selected, self.selection_metric(), self.grid_axes())
         test = statistics([model], self, features, "test", None, head=head, cached=scored)
+        if kind is not None:  # every head's curve: keep the chosen one's
+            found = for_head(found, head)
         return self.test_scores(test), {**chosen, **found}
