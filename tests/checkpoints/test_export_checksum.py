@@ -59,7 +59,10 @@ def test_a_changed_config_json_of_an_exported_folder_is_one_damaged_line(trained
     config = json.loads((out / "config.json").read_text())
     config["pretrained_cfg"]["mean"] = [0.0, 0.0, 0.0]  # what timm would normalise its inputs with
     (out / "config.json").write_text(json.dumps(config))
-    error_line(run_cli("info", str(out), check=False), f"{out} is damaged (its config.json does not match")
+    line = error_line(run_cli("info", str(out), check=False))
+    damaged = f"ssl-vit: error: {out} is damaged (its config.json does not match the SHA-256 ssl-vit export"
+    assert line.startswith(damaged), line
+    assert (out / "config.json").read_text() == json.dumps(config)  # refused, left as it was
 
 
 def test_an_export_without_a_checksum_loads_as_today_and_info_says_it_was_not_verified(trained, tmp_path):
