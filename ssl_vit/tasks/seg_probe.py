@@ -96,8 +96,8 @@ class LinearSegProbe(FrozenProbe):
         logits = upsample(outputs.flatten(0, 1), targets.shape[-2:])  # (H B, K, Hm, Wm)
         labels = targets.long().repeat(heads, 1, 1)
         per_pixel = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
-        labelled = (labels != IGNORE_INDEX).unflatten(0, (heads, -1)).flatten(1).sum(1)
-        return per_pixel.unflatten(0, (heads, -1)).flatten(1).sum(1) / labelled.clamp_min(1)
+        labelled = (targets != IGNORE_INDEX).sum().clamp_min(1)  # the same pixels for every head
+        return per_pixel.unflatten(0, (heads, -1)).flatten(1).sum(1) / labelled
 
 
 __all__ = ["LinearSegProbe", "PatchFeature", "upsample"]

@@ -7,8 +7,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 import yaml
 from cli_helpers import run_cli
+
+from ssl_vit.models.vit import ViTConfig
+from ssl_vit.tasks.seg_probe import LinearSegProbe, upsample
 
 BACKBONE = {"variant": "S/8", "img_size": 16, "width": 32, "depth": 1, "heads": 2}
 SEG = {"name": "seg", "kind": "linear_seg", "epochs": 30, "batch_size": 32, "lrs": [0.1, 1.0],
@@ -122,3 +127,20 @@ def test_a_dataset_without_masks_is_one_line(digits_shards, tmp_path, cli):
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
     assert "the train shards of data carry no segmentation masks (their manifest says so)" in proc.stderr
     assert "mosaic:" in proc.stderr and "features of" not in proc.stdout and not out.exists()
+
+
+def test_each_head_of_the_segmentation_probe_has_its_own_loss_and_the_training_loss_is_their_sum():
+    """`head_losses` (every head's upsampled cross-entropy in one call, 255 ignored) equals each head's
+    own cross-entropy; `forward_loss`, which trains them, is their sum."""
+    probe = LinearSegProbe(
+        ViTConfig(variant="S/8", img_size=32, width=32, depth=1, heads=2), 5, lrs=(0.1, 1.0, 3.0)
+    )
+    torch.manual_seed(0)
+    outputs = torch.randn(3, 4, 5, 4, 4)  # (heads, batch, classes, patch grid)
+    masks = torch.randint(0, 5, (4, 32, 32), dtype=torch.uint8)
+    masks[0, :10] = 255
+    own = torch.stack(
+        [F.cross_entropy(upsample(o, (32, 32)), masks.long(), ignore_index=255) for o in outputs]
+    )
+    torch.testing.assert_close(probe.head_losses(outputs, masks), own)
+    torch.testing.assert_close(probe.forward_loss(outputs, masks), own.sum())
