@@ -320,11 +320,12 @@ class _Shard:
         self.class_counts[label] += 1
         self.sizes[size] += 1
 
-    def discard(self) -> None:
-        """Close and delete the tar of a shard that will not be finished."""
+    def abandon(self) -> None:
+        """Close the tar, whatever state a signal left it in. Not deleted here: a signal right after
+        the progress record named this shard, before the writer let go of it, would delete a finished
+        shard the record keeps; `convert` deletes exactly the files the record does not name."""
         with contextlib.suppress(Exception):
             self.tar.close()
-        self.path.unlink(missing_ok=True)
 
     def close(self, records: int, skipped: int) -> dict:
         """Close the tar; its progress entry. `records`: source records consumed up to its end;
@@ -385,8 +386,8 @@ def _write_shards(
                 progress.shard_done(shards[-1]["url"])
                 skipped = 0
     except BaseException:
-        if shard is not None:
-            shard.discard()
+        if shard is not None:  # `convert` deletes it unless the progress record names it
+            shard.abandon()
         raise
     finally:
         if pool:
