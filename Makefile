@@ -55,7 +55,7 @@ quickstart: $(STAMP)
 
 # The study: Fashion-MNIST (Debian's dataset-fashion-mnist, or FASHION_MNIST=DIR) -> shards -> ViT-paper
 # MPP, MAE and SimMIM on all 60,000 training images without labels and supervised on the labels of
-# classes 0-4, each at one equal budget (1,200 steps of 128 images, recipes/study/trainer.yaml) from two
+# classes 0-4, each at one equal budget (1,200 steps of 64 images, recipes/study/trainer.yaml) from two
 # seeds -> `compare` against two scratch initialisations: few-shot on all, seen (0-4) and unseen (5-9)
 # classes, k-NN and the linear probe (lr chosen on held-out training images), each on the [class] token
 # and on the mean patch token, the attentive probe on all tokens, a linear segmentation probe on 2x2

@@ -74,7 +74,7 @@ def test_every_method_gets_the_same_budget_and_backbone(gpu, capsys, monkeypatch
         "heads": suite.backbone.heads,
     }  # fmt: skip
     assert size == suite.backbone.img_size == 28 and accelerator == ("gpu" if gpu else "cpu")
-    assert (steps, batch) == ((2000, 512) if gpu else (1200, 128))
+    assert (steps, batch) == ((2000, 512) if gpu else (1200, 64))
 
 
 def test_the_claims_name_the_suites_columns_and_the_studys_rows():
