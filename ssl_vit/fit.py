@@ -57,6 +57,15 @@ from ssl_vit.tasks.rollback import SafeSteps
 from ssl_vit.tasks.run_lock import LOCK_NAME, RunLock, job_leader
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
+# What the model takes from the data module once that is built (`link_arguments(..., apply_on=
+# "instantiate")`): the per-band normalisation the data module resolved (`auto`: from the manifest's band
+# statistics) and the number of classes. Until then the config holds the model's defaults there, not
+# values anyone gave: a resumed checkpoint's differing values contradict nothing.
+FROM_DATA = {
+    "data.mean": "model.init_args.mean",
+    "data.std": "model.init_args.std",
+    "data.num_classes": "model.init_args.num_classes",
+}
 
 
 class SaveAndLogConfig(SaveConfigCallback):
@@ -135,11 +144,12 @@ class SslVitCLI(LightningCLI):
         parser.add_lightning_class_args(HealthMonitor, "health")
         # torch.compile of the blocks or the step: `compile.enabled`, `.mode`, `.scope`, `.backend`.
         parser.add_lightning_class_args(CompileTask, "compile")
-        # Values that must agree between data and model are given once, on the data side.
+        # Values that must agree between data and model are given once, on the data side: the image size
+        # and the input bands (a data module without `channels` reads RGB: the backbone keeps in_chans 3).
         parser.link_arguments("data.init_args.image_size", "model.init_args.backbone.img_size")
-        parser.link_arguments("data.init_args.mean", "model.init_args.mean")
-        parser.link_arguments("data.init_args.std", "model.init_args.std")
-        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
+        parser.link_arguments("data.init_args.channels", "model.init_args.backbone.in_chans")
+        for source, target in FROM_DATA.items():
+            parser.link_arguments(source, target, apply_on="instantiate")
 
     def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
         # `--weights_only` comes from the Trainer method's signature (default None, which Lightning's
@@ -201,6 +211,7 @@ class SslVitCLI(LightningCLI):
             raise unparsable_model(
                 path, f"{', '.join(sorted(unknown))}: no such option of {config.model.class_path}"
             )
+        refuse_other_bands(hparams, config, path)
         if before is not None:
             refuse_overridden_options(self.argv, before, config, path)
             if self.config.subcommand == "fit":  # validate/test evaluate the checkpoint's model
@@ -389,15 +400,30 @@ def refuse_overridden_options(argv: list[str], before: dict, config, path) -> No
             )
 
 
+def refuse_other_bands(hparams: dict, config, path) -> None:
+    """A checkpoint's backbone of other input bands than the data's `channels` (3 unless given): the
+    link would build the model for the data's bands, and the checkpoint's weights would not load."""
+    saved = (hparams.get("backbone") or {}).get("in_chans", 3)
+    data = getattr(config.get("data"), "init_args", None)
+    channels = (data.get("channels") if data is not None else None) or 3
+    if saved != channels:
+        raise UserError(
+            f"--ckpt_path {path} holds a model of {saved} input bands and the data has {channels}: give it "
+            f"the data it was trained on (--data.init_args.channels {saved})"
+        )
+
+
 def refuse_contradicting_config(before: dict, config, path) -> None:
     """A model value of the config file that the checkpoint being resumed replaced (another task's
     recipe, another size): the fit would silently train the checkpoint's model instead. A value the
-    config leaves unset (None: the task's preset or default decides) is the checkpoint's."""
+    config leaves unset (None: the task's preset or default decides) is the checkpoint's, and so is one
+    the data module sets (`FROM_DATA`)."""
     after = config.as_dict()
     differing = [
         f"{key} {old} (checkpoint: {new})"
         for key, old in _leaves(before.get("model"), "model")
         if old is not None
+        and key not in FROM_DATA.values()
         and (new := _lookup(after, key.split("."))) != old
         and not _same_class(key, old, new)
     ]

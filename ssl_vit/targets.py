@@ -1,9 +1,13 @@
 """What masked-patch objectives predict, computed for a whole batch on the images' device.
 
-Images are `[B, 3, H, W]` floats in [0, 1]: callers undo the input normalisation first. Patches are
-numbered row-major, the order of timm's patch embedding (conv -> flatten(2) -> transpose).
+RGB images are `[B, 3, H, W]` floats in [0, 1]: callers undo the input normalisation first. Images of
+any other band count C (multispectral data, 16-bit or float) are given as the model sees them, each band
+standardised by its own mean and std: their raw units (reflectances in the thousands) would make a pixel
+loss of 1e7, and the targets that work for them (`pixel_targets` per band, `hog`) are what they are on
+any per-band scale. The colour targets quantise three RGB bands and refuse others (`check_colour_bands`).
+Patches are numbered row-major, the order of timm's patch embedding (conv -> flatten(2) -> transpose).
 
-Legend: B batch, N patches (H/p * W/p), p patch size.
+Legend: B batch, C bands, N patches (H/p * W/p), p patch size.
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ def _check_divisible(images: Tensor, size: int, what: str) -> None:
         raise BadValue(f"image size {height}x{width} is not divisible by the {what} {size}")
 
 
+def check_colour_bands(images: Tensor) -> None:
+    """One line unless `images` (B, C, H, W) have the 3 bands the colour targets quantise."""
+    if images.shape[1] != 3:
+        raise BadValue(
+            f"the 3-bit colour targets quantise 3 RGB bands; these images have {images.shape[1]}: "
+            "use pixel or HOG targets"
+        )
+
+
 def _quantise(colours: Tensor) -> Tensor:
     """Colours [..., 3] in [0, 1] -> class r + 8 g + 64 b [...], each channel in 8 equal bins."""
     bins = (colours * LEVELS).floor().clamp(0, LEVELS - 1).long()
@@ -40,6 +53,7 @@ def decode_mean_color_3bit(classes: Tensor) -> Tensor:
 
 def mean_color_3bit(images: Tensor, patch_size: int) -> Tensor:
     """ViT paper's masked-patch target: each patch's mean colour, 3 bits per channel -> LongTensor [B, N]."""
+    check_colour_bands(images)
     _check_divisible(images, patch_size, "patch size")
     means = reduce(images, "b c (h p1) (w p2) -> b (h w) c", "mean", p1=patch_size, p2=patch_size)
     return _quantise(means)
@@ -50,6 +64,7 @@ def mean_color_3bit_4x4(images: Tensor, patch_size: int) -> Tensor:
     as in `mean_color_3bit` -> LongTensor [B, N, 16], sub-blocks row-major within the patch."""
     if patch_size % 4:
         raise BadValue(f"the 4x4 target needs a patch size divisible by 4, got {patch_size}")
+    check_colour_bands(images)
     _check_divisible(images, patch_size, "patch size")
     s = patch_size // 4
     means = reduce(images, "b c (h i s1) (w j s2) -> b (h w) (i j) c", "mean", i=4, j=4, s1=s, s2=s)
@@ -67,9 +82,11 @@ def hog_cell_size(patch_size: int) -> int:
 
 
 def hog(images: Tensor, patch_size: int) -> Tensor:
-    """MaskFeat's target: per patch, the histograms of oriented gradients of its cells, each colour
-    channel's on its own, concatenated -> [B, N, 3 * 9 * (p/c)^2] in (channel, bin, cell row, cell
-    column) order, c = `hog_cell_size(p)`.
+    """MaskFeat's target: per patch, the histograms of oriented gradients of its cells, each band's on
+    its own, concatenated -> [B, N, C * 9 * (p/c)^2] in (band, bin, cell row, cell column) order,
+    c = `hog_cell_size(p)`. MaskFeat computes it per RGB channel (C = 3: 108 values for a 16-pixel
+    patch); any other band count the same way, band after band: 13 Sentinel-2 bands give 13 x 108 =
+    1,404 values per 16-pixel patch, 13 x 9 = 117 for the one-cell patches below 8 pixels.
 
     The recipe of MaskFeat's released code (SlowFast `operators.HOGLayerC`, without its optional
     Gaussian window, which the paper does not use): Sobel gradients of each channel with reflected
@@ -81,8 +98,9 @@ def hog(images: Tensor, patch_size: int) -> Tensor:
     changes nothing the model learns from. As there, a gradient on a bin edge goes to either side by
     rounding: exactly horizontal gradients of quantised images, whose row component cancels to 0 or
     +-1e-8, fall into bin 0 or bin 8, the same orientation on both sides of 0/180 degrees. A scale and
-    offset per channel (the model's mean/std normalisation) leaves the target unchanged, up to the
-    normalisation's epsilon in flat cells.
+    offset per band (the model's mean/std normalisation) leaves the target unchanged, up to the
+    normalisation's epsilon in flat cells: the same for standardised multispectral bands as for their
+    raw units.
 
     Written here because torchvision, timm and kornia have no batched HOG (scikit-image's runs on the
     CPU, image by image): element-wise work and reductions on the images' device, in float32 (or the
@@ -93,39 +111,51 @@ def hog(images: Tensor, patch_size: int) -> Tensor:
     with torch.autocast(images.device.type, enabled=False):
         x = F.pad(images.to(torch.promote_types(images.dtype, torch.float32)), (1, 1, 1, 1), mode="reflect")
         # Sobel as differences and [1, 2, 1] smoothing along the other axis: slices, no kernel tensor.
-        dx = x[..., 2:] - x[..., :-2]  # (B, 3, H+2, W)
-        dy = x[..., 2:, :] - x[..., :-2, :]  # (B, 3, H, W+2)
-        gx = dx[..., :-2, :] + 2 * dx[..., 1:-1, :] + dx[..., 2:, :]  # (B, 3, H, W) d/dcolumn
-        gy = dy[..., :-2] + 2 * dy[..., 1:-1] + dy[..., 2:]  # (B, 3, H, W) d/drow
+        dx = x[..., 2:] - x[..., :-2]  # (B, C, H+2, W)
+        dy = x[..., 2:, :] - x[..., :-2, :]  # (B, C, H, W+2)
+        gx = dx[..., :-2, :] + 2 * dx[..., 1:-1, :] + dx[..., 2:, :]  # (B, C, H, W) d/dcolumn
+        gy = dy[..., :-2] + 2 * dy[..., 1:-1] + dy[..., 2:]  # (B, C, H, W) d/drow
         bins = torch.floor(torch.atan2(gy, gx) * (HOG_BINS / math.pi)).long() % HOG_BINS  # unsigned
         levels = torch.arange(HOG_BINS, device=x.device)
-        votes = torch.hypot(gx, gy)[..., None] * (bins[..., None] == levels)  # (B, 3, H, W, 9)
+        votes = torch.hypot(gx, gy)[..., None] * (bins[..., None] == levels)  # (B, C, H, W, 9)
         cells = reduce(votes, "b c (h c1) (w c2) k -> b c h w k", "sum", c1=cell, c2=cell)
-        cells = F.normalize(cells, dim=-1)  # per cell and channel, over the 9 bins
+        cells = F.normalize(cells, dim=-1)  # per cell and band, over the 9 bins
     per = patch_size // cell
     return rearrange(cells, "b c (h i) (w j) k -> b (h w) (c k i j)", i=per, j=per)
 
 
 def patchify(images: Tensor, patch_size: int) -> Tensor:
-    """Images [B, 3, H, W] -> patches [B, N, p*p*3], pixels in MAE's (row, column, channel) order."""
+    """Images [B, C, H, W] -> patches [B, N, p*p*C], pixels in MAE's (row, column, band) order."""
     _check_divisible(images, patch_size, "patch size")
     return rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=patch_size, p2=patch_size)
 
 
 def unpatchify(patches: Tensor, patch_size: int, grid: tuple[int, int]) -> Tensor:
-    """Inverse of `patchify`: patches [B, N, p*p*3] over a (rows, columns) `grid` -> images [B, 3, H, W]."""
+    """Inverse of `patchify`: patches [B, N, p*p*C] over a (rows, columns) `grid` -> images [B, C, H, W]."""
     return rearrange(
         patches, "b (h w) (p1 p2 c) -> b c (h p1) (w p2)", h=grid[0], w=grid[1], p1=patch_size, p2=patch_size
     )
 
 
-def pixel_targets(images: Tensor, patch_size: int, normalize: bool = False, eps: float = 1e-6) -> Tensor:
-    """Pixel regression targets [B, N, p*p*3]: raw patches, or with `normalize` each patch standardised
+def pixel_targets(
+    images: Tensor, patch_size: int, normalize: bool = False, per_band: bool = False, eps: float = 1e-6
+) -> Tensor:
+    """Pixel regression targets [B, N, p*p*C]: raw patches, or with `normalize` each patch standardised
     by its own mean and (unbiased) variance, exactly MAE's `forward_loss` with norm_pix_loss
-    (He et al. 2021, sec 3 "Reconstruction target"; models_mae.py)."""
+    (He et al. 2021, sec 3 "Reconstruction target"; models_mae.py). With `per_band` (multispectral
+    images), each band of each patch by its own: bands of other units and ranges are not mixed."""
     target = patchify(images, patch_size)
     if normalize:
-        mean = target.mean(dim=-1, keepdim=True)
-        var = target.var(dim=-1, keepdim=True)
+        mean, var = patch_moments(target, images.shape[1] if per_band else None)
         target = (target - mean) / (var + eps) ** 0.5
     return target
+
+
+def patch_moments(patches: Tensor, bands: int | None = None) -> tuple[Tensor, Tensor]:
+    """The mean and (unbiased) variance of each patch [B, N, p*p*C] over its values, or with `bands` (C)
+    of each band of each patch over its pixels: (mean, var), each [B, N, 1] or [B, N, p*p*C]."""
+    if bands is None:
+        return patches.mean(dim=-1, keepdim=True), patches.var(dim=-1, keepdim=True)
+    values = patches.unflatten(-1, (-1, bands))  # (B, N, p*p, C)
+    mean, var = values.mean(dim=-2, keepdim=True), values.var(dim=-2, keepdim=True)  # (B, N, 1, C)
+    return mean.expand_as(values).flatten(-2), var.expand_as(values).flatten(-2)

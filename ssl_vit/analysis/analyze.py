@@ -9,6 +9,11 @@ Writes into OUT:
   or reconstructed pixels, under a fixed mask,
 - analysis.json: the numbers drawn.
 
+Images of other than 3 bands (multispectral checkpoints) are drawn in false colour from three display
+bands (`--display-bands`; by default a masked-pretraining checkpoint's own `display_bands`, else the first
+three), each stretched between its 2nd and 98th percentile (`ssl_vit.tasks.pictures.false_colour`); the
+filter components are computed over all bands and drawn in those three (`embeddings`).
+
 OUT is complete or absent: everything is computed first, written into a temporary directory next to
 OUT, and renamed into place.
 """
@@ -32,7 +37,8 @@ from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.outdir import check_out, staged
 from ssl_vit.tasks import MaskedPatchPretraining
-from ssl_vit.tasks.pictures import masked_prediction_picture
+from ssl_vit.tasks.masked import check_display_bands
+from ssl_vit.tasks.pictures import false_colour, masked_prediction_picture
 
 ROLLOUT_IMAGES = 8  # images in the rollout and masked-prediction pictures
 MASK_SEED = 0  # the masks of the masked-prediction picture, so reruns draw the same picture
@@ -46,9 +52,11 @@ def analyze(
     images: int = 256,
     batch_size: int = 64,
     overwrite: bool = False,
+    display_bands: tuple[int, int, int] | None = None,
 ) -> dict:
     """Analyse the checkpoint `source` (any kind `load_backbone` reads) on the first `images` images of
-    the shards `urls`; write the pictures and analysis.json into `out_dir`. Returns the json record."""
+    the shards `urls`; write the pictures and analysis.json into `out_dir`. Returns the json record.
+    `display_bands`: the bands drawn as red, green and blue for checkpoints of other than 3 bands."""
     start = time.time()
     out = Path(out_dir)
     check_out(out, overwrite)
@@ -59,30 +67,38 @@ def analyze(
     backbone, config = load_backbone(source)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backbone.to(device).eval()
-    # The normalisation the checkpoint was trained with; timm's ImageNet statistics for files that do
-    # not record it (exported .safetensors, timm: weights).
+    rgb = config.in_chans == 3
+    shown_bands = check_display_bands(display_bands or hparams.get("display_bands"), config.in_chans)
+    # The normalisation the checkpoint was trained with; for files that do not record it (exported
+    # .safetensors, timm: weights) timm's ImageNet statistics for RGB, the manifest's for other bands.
     mean, std = (
-        tuple(hparams.get("mean", IMAGENET_DEFAULT_MEAN)),
-        tuple(hparams.get("std", IMAGENET_DEFAULT_STD)),
+        tuple(hparams["mean"]) if "mean" in hparams else IMAGENET_DEFAULT_MEAN if rgb else "auto",
+        tuple(hparams["std"]) if "std" in hparams else IMAGENET_DEFAULT_STD if rgb else "auto",
     )
     # A few hundred images: decoded in this process, without starting DataLoader workers.
     data = ShardDataModule(
-        test_urls=urls, batch_size=batch_size, num_workers=0, image_size=config.img_size, mean=mean, std=std
-    )
+        test_urls=urls, batch_size=batch_size, num_workers=0, image_size=config.img_size, mean=mean, std=std,
+        **({} if rgb else {"channels": config.in_chans}),
+    )  # fmt: skip
     inputs, keys = read_images(data, "test", images)
 
     per_head = attention.attention_distance(backbone, inputs, batch_size)  # (L, H)
     similarity = embeddings.position_similarity(backbone).cpu()  # (N, N)
-    filters = embeddings.patch_filter_components(backbone)
+    filters = embeddings.patch_filter_components(backbone, display_bands=shown_bands)
     shown = inputs[:ROLLOUT_IMAGES]
     maps = attention.rollout_maps(backbone, shown)  # (n, gh, gw)
-    pixels = (shown * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)).clamp(0, 1)
-    masked, masked_picture = _masked_predictions(checkpoint, hparams, shown, device)
+    if rgb:
+        scale, shift = torch.tensor(std).view(1, 3, 1, 1), torch.tensor(mean).view(1, 3, 1, 1)
+        pixels = (shown * scale + shift).clamp(0, 1)
+    else:  # standardised or raw, the same picture: the percentile stretch undoes any scale and offset
+        pixels = false_colour(shown, shown_bands)
+    masked, masked_picture = _masked_predictions(checkpoint, hparams, shown, device, shown_bands)
 
     record = {
         "checkpoint": source,
         "backbone": asdict(config),
         "data": urls,
+        **({} if rgb else {"display_bands": list(shown_bands)}),
         "images": len(keys),
         "attention_distance": {
             "unit": "pixels",
@@ -95,7 +111,11 @@ def analyze(
         "patch_embedding_pca": (
             {"skipped": "hybrid backbone: its patch embedding acts on ResNet features, not pixels"}
             if filters is None
-            else {"components": len(filters[1]), "explained_variance_ratio": _rounded(filters[1])}
+            else {
+                "components": len(filters[1]),
+                "explained_variance_ratio": _rounded(filters[1]),
+                **({} if rgb else {"over": f"all {config.in_chans} bands; drawn in the display bands"}),
+            }
         ),
         "attention_rollout": {
             "token": "[class]"
@@ -135,15 +155,19 @@ def _lightning_checkpoint(source: str) -> dict | None:
     return checkpoint if isinstance(checkpoint, dict) else None
 
 
-def _masked_predictions(checkpoint: dict | None, hparams: dict, images: torch.Tensor, device: str):
+def _masked_predictions(
+    checkpoint: dict | None, hparams: dict, images: torch.Tensor, device: str, display_bands: tuple[int, ...]
+):
     """(json entry, picture (3, H, W) or None): the masked task rebuilt from the checkpoint's
-    hyperparameters and weights, predicting under masks drawn from `MASK_SEED`."""
+    hyperparameters and weights, predicting under masks drawn from `MASK_SEED`, drawn in
+    `display_bands` (images of other than 3 bands)."""
     if hparams.get("_class_path") != MASKED_TASK:
         kind = hparams.get("_class_path") or "not a Lightning checkpoint of an ssl-vit task"
         return {"skipped": f"only for masked-pretraining checkpoints ({MASKED_TASK}); this one: {kind}"}, None
     arguments = {key: value for key, value in hparams.items() if key != "_class_path"}
     # Weights come from the checkpoint's state dict below, not from where the run started.
     arguments.update(backbone=ViTConfig(**hparams["backbone"]), init_from="scratch", picture_every_n_steps=0)
+    arguments["display_bands"] = display_bands
     task = MaskedPatchPretraining(**arguments)
     task.load_state_dict(checkpoint["state_dict"])
     task.to(device).eval()

@@ -21,24 +21,28 @@ def position_similarity(backbone: ViT) -> Tensor:
     return unit @ unit.T
 
 
-def patch_filter_components(backbone: ViT, count: int = 28) -> tuple[Tensor, Tensor] | None:
+def patch_filter_components(
+    backbone: ViT, count: int = 28, display_bands: tuple[int, int, int] = (0, 1, 2)
+) -> tuple[Tensor, Tensor] | None:
     """The leading principal components of the patch-embedding filters, as RGB patches.
 
-    The D filters of `patch_embed.proj` (D, 3, p, p) are the samples: the components are directions
-    in the 3 x p x p space of pixel patches. Returns (components (k, 3, p, p), each rescaled to [0, 1]
-    for display, and the explained-variance ratio (k,) of each); k = min(count, D - 1, 3 p^2). None
-    for hybrids, whose "patches" are ResNet features rather than pixels.
+    The D filters of `patch_embed.proj` (D, C, p, p) are the samples: the components are directions in
+    the C x p x p space of pixel patches, all C input bands. Returns (components (k, 3, p, p) in [0, 1]
+    for display: for RGB the three bands, for other band counts the `display_bands` of each component
+    (its false colour, as the pictures of such images are drawn), each component rescaled to [0, 1] over
+    what is shown; and the explained-variance ratio (k,) of each, over all C bands); k = min(count,
+    D - 1, C p^2). None for hybrids, whose "patches" are ResNet features rather than pixels.
     """
-    weight = backbone.patch_embed.proj.weight.detach()
-    if weight.shape[1] != 3:
+    if hasattr(backbone.patch_embed, "backbone"):  # a hybrid's ResNet stem (timm's HybridEmbed)
         return None
-    filters = weight.flatten(1).double()  # (D, 3 p^2)
+    weight = backbone.patch_embed.proj.weight.detach()
+    filters = weight.flatten(1).double()  # (D, C p^2)
     # The SVD of the centred filters is the PCA: the right singular vectors are the components.
     _, singular, components = torch.linalg.svd(filters - filters.mean(0), full_matrices=False)
     k = min(count, filters.shape[0] - 1, filters.shape[1])
     variance = singular.square()
     ratio = (variance / variance.sum())[:k]
-    top = components[:k]
+    top = components[:k].view(k, *weight.shape[1:])[:, list(display_bands)].flatten(1)  # (k, 3 p^2)
     low, high = top.min(1, keepdim=True).values, top.max(1, keepdim=True).values
     shown = (top - low) / (high - low).clamp_min(1e-12)
-    return shown.view(k, *weight.shape[1:]).float(), ratio.float()
+    return shown.view(k, 3, *weight.shape[2:]).float(), ratio.float()

@@ -107,7 +107,7 @@ def export(source: str, out: str, fmt: Format, with_head: bool, weights: Weights
         return f'timm.create_model("local-dir:{target}", pretrained=True)'
     overlay = dict(file=str(target), num_classes=num_classes)
     defaults = get_pretrained_cfg(carrier.name)
-    size = (3, weights.config.img_size, weights.config.img_size)
+    size = (weights.config.in_chans, weights.config.img_size, weights.config.img_size)
     if tuple(defaults.input_size) != size:
         overlay["input_size"] = size
     for key, value in (("mean", mean), ("std", std)):
@@ -121,7 +121,7 @@ def timm_model(config: ViTConfig) -> TimmModel:
     """The timm model of `config`: the paper variant's own name at its image size when timm registers
     one (`vit_base_patch16_224`, `vit_large_r50_s32_384`), else a registered carrier with every
     argument that differs written out (embed_dim, depth, num_heads, mlp_ratio, img_size, patch_size,
-    class_token, global_pool)."""
+    class_token, global_pool, in_chans)."""
     parsed, dims = parse_variant(config.variant), architecture(config)
     size = TIMM_SIZES[parsed.size]
     if parsed.hybrid:
@@ -141,6 +141,7 @@ def timm_model(config: ViTConfig) -> TimmModel:
         mlp_ratio=dims["mlp_dim"] / dims["width"],
         class_token=config.pooling == "cls",
         global_pool="token" if config.pooling == "cls" else "avg",
+        in_chans=config.in_chans,
     )
     if not parsed.hybrid:
         wanted["patch_size"] = parsed.patch_size
@@ -191,6 +192,7 @@ def _architecture_of(model: nn.Module) -> dict:
         mlp_ratio=block.mlp.fc1.out_features / model.embed_dim,
         class_token=model.has_class_token,
         global_pool=model.global_pool,
+        in_chans=model.in_chans,
     )
 
 

@@ -10,9 +10,14 @@
 - `timm:MODEL_NAME` (timm's pretrained weights, fetched by timm),
 - `scratch` (random init of the given config).
 
-Files without ssl-vit's config: width, depth, patch and image size come from the shapes, heads from the
-paper variant of that width and depth (`VARIANTS`); a classifier `head.*` is ignored. A config the
-caller gives wins (the shapes must fit it).
+Files without ssl-vit's config: width, depth, patch and image size and input bands come from the shapes,
+heads from the paper variant of that width and depth (`VARIANTS`); a classifier `head.*` is ignored. A
+config the caller gives wins (the shapes must fit it).
+
+Input bands: RGB weights (3 bands) load into a backbone of any other band count through timm's own
+`adapt_input_conv` (the convolution that reads the bands, `patch_embed.proj` or a hybrid's ResNet stem,
+repeated over the bands and scaled by 3 / C; summed for C = 1), said in one line. Weights of any other
+band count load only into a backbone of that count.
 
 Loading is safe: `torch.load(weights_only=True)` or safetensors, never unrestricted unpickling; a torch
 file's CRC-32s are checked first (`integrity`), and so is the SHA-256 `ssl-vit export` writes into the
@@ -28,18 +33,19 @@ import hashlib
 import json
 import math
 import re
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
-from timm.models import clean_state_dict
+from timm.models import adapt_input_conv, clean_state_dict
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
 from ssl_vit.checkpoints import SOURCES, integrity, mae
 from ssl_vit.errors import UserError
-from ssl_vit.models.vit import VARIANTS, ViT, ViTConfig, parse_variant
+from ssl_vit.models.vit import HYBRID_STEM_CONV, VARIANTS, ViT, ViTConfig, input_conv_key, parse_variant
 
 METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safetensors
 # What must agree between a checkpoint and the config it is loaded into; img_size, drop path and
@@ -56,6 +62,8 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 # (`MaskedPatchPretraining.teacher`), each under its prefix with timm's key names.
 WeightsKind = Literal["student", "teacher"]
 PREFIXES: dict[str, str] = {"student": "backbone.", "teacher": "teacher."}
+RGB_BANDS = 3  # the band count whose weights adapt to any other (timm's `adapt_input_conv` base_chans)
+_noted: set[str] = set()  # the notes this process has printed, each once (a suite loads a checkpoint twice)
 
 
 class Weights(NamedTuple):
@@ -108,6 +116,19 @@ def load_mae_decoder(decoder: nn.Module, source: str) -> None:
     if not state:
         return
     ours = decoder.state_dict()
+    prediction = ("pred.weight", "pred.bias")
+    wanted = ours["pred.bias"].shape[0]
+    values = state["pred.bias"].shape[0] if all(key in state for key in prediction) else wanted
+    fresh = values != wanted and state["pred.weight"].shape[1:] == ours["pred.weight"].shape[1:]
+    if fresh:
+        # Another target (MAE's p*p*3 pixels; here p*p*C of C bands, or HOG): the rest of the decoder
+        # continues, its last layer, which maps onto the target, starts afresh.
+        state = {key: value for key, value in state.items() if key not in prediction}
+        ours = {key: value for key, value in ours.items() if key not in prediction}
+        _note(
+            f"the MAE decoder of {source} predicts {values} values per patch and this task {wanted}: "
+            "its prediction layer (pred) starts afresh"
+        )
     differ = [
         f"{key} {tuple(value.shape)} (ours {tuple(ours[key].shape) if key in ours else 'absent'})"
         for key, value in state.items()
@@ -124,7 +145,7 @@ def load_mae_decoder(decoder: nn.Module, source: str) -> None:
             f"{source}: its MAE decoder does not fit this one: {what}; set decoder_dim {width} and "
             f"decoder_depth {depth} (decoder_heads: MAE's default is 16)"
         )
-    decoder.load_state_dict(state)
+    decoder.load_state_dict(state, strict=not fresh)
 
 
 def read_weights(source: str, weights: WeightsKind = "student") -> Weights:
@@ -263,8 +284,8 @@ def weights_digest(metadata: dict[str, str], state: dict[str, Tensor]) -> str:
 
 
 def infer_config(state: dict[str, Tensor]) -> ViTConfig | None:
-    """The ViTConfig of timm-named backbone weights, from their shapes: width and patch size from
-    `patch_embed.proj.weight` (D, 3, p, p), depth from the `blocks.N` count, MLP width from `fc1`, the
+    """The ViTConfig of timm-named backbone weights, from their shapes: width, input bands and patch size
+    from `patch_embed.proj.weight` (D, C, p, p), depth from the `blocks.N` count, MLP width from `fc1`, the
     image size from `pos_embed` (1, P+N, D) (a square grid), pooling from `cls_token`. Heads are not
     in any shape: they come from the paper variant of that width and depth, else None (not inferable)."""
     proj, pos = state.get("patch_embed.proj.weight"), state.get("pos_embed")
@@ -284,6 +305,7 @@ def infer_config(state: dict[str, Tensor]) -> ViTConfig | None:
         img_size=side * patch,
         pooling="cls" if with_cls else "gap",
         mlp_dim=None if mlp_dim == VARIANTS[size][3] else mlp_dim,
+        in_chans=proj.shape[1],
     )
 
 
@@ -314,17 +336,54 @@ def _reconcile(source: str, saved: ViTConfig | None, wanted: ViTConfig | None) -
             f"{source} holds a {saved.variant} backbone with {', '.join(differ)}; set the backbone to "
             f"variant {saved.variant} with its overrides, or pick a matching checkpoint"
         )
+    check_bands(source, saved.in_chans, wanted.in_chans)
     return replace(
         saved,
+        in_chans=wanted.in_chans,  # RGB weights adapt (`_adapt_bands`)
         img_size=wanted.img_size,
         drop_path_rate=wanted.drop_path_rate,
         grad_checkpointing=wanted.grad_checkpointing,
     )
 
 
+def check_bands(source: str, have: int, need: int) -> None:
+    """One line unless weights of `have` input bands load into a backbone of `need`: the same count, or
+    RGB weights, which `adapt_input_conv` adapts to any count."""
+    if have != need and have != RGB_BANDS:
+        raise UserError(
+            f"{source} holds weights for {have} input bands and the backbone reads {need}: only RGB (3-band) "
+            f"weights adapt to another band count; give data of {have} bands (channels: {have}), or "
+            + ("an RGB checkpoint" if need == RGB_BANDS else f"a checkpoint of {need} or 3 bands")
+        )
+
+
+def _adapt_bands(vit: ViT, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """`state` with the convolution that reads the input bands adapted from RGB to `vit`'s band count by
+    timm's `adapt_input_conv` (what `timm.create_model(..., pretrained=True, in_chans=C)` does), saying
+    so once; other band counts are refused (`check_bands`)."""
+    key = input_conv_key(state)
+    weight = state.get(key)
+    if weight is None or weight.ndim != 4 or weight.shape[1] == vit.in_chans:
+        return state
+    check_bands(source, weight.shape[1], vit.in_chans)
+    what = "ResNet stem" if key == HYBRID_STEM_CONV else "patch embedding"
+    _note(
+        f"adapted the {what} of {source} from {weight.shape[1]} to {vit.in_chans} input bands "
+        "(timm's adapt_input_conv)"
+    )
+    return {**state, key: adapt_input_conv(vit.in_chans, weight, base_chans=RGB_BANDS)}
+
+
+def _note(message: str) -> None:
+    """`ssl-vit: note: MESSAGE` on stderr, once per process."""
+    if message not in _noted:
+        _noted.add(message)
+        print(f"ssl-vit: note: {message}", file=sys.stderr, flush=True)
+
+
 def _load_state(vit: ViT, state: dict, source: str) -> None:
     # timm's filter resamples position embeddings in 2-D when the resolution differs.
-    state = checkpoint_filter_fn(state, vit)
+    state = checkpoint_filter_fn(_adapt_bands(vit, state, source), vit)
     mine = vit.state_dict()
     missing = [k for k in mine if k not in state]
     unexpected = [k for k in state if k not in mine]
@@ -418,6 +477,7 @@ def config_of_timm_model(model, name: str) -> ViTConfig:
         variant=f"{size}/{patch}",
         img_size=model.patch_embed.img_size[0],
         pooling="cls" if model.global_pool == "token" else "gap",
+        in_chans=model.patch_embed.proj.in_channels,
         **overrides,
     )
 

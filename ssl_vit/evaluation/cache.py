@@ -26,8 +26,8 @@ from ssl_vit.models.vit import LAST_K, TokenKind, ViT, ViTConfig
 
 # ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
 DATA_KEYS = (
-    "image_size", "batch_size", "num_workers", "mean", "std", "eval_crop_pct", "num_classes", "seed",
-    "read_retries", "read_timeout_s", "loader_timeout_s", "max_image_pixels",
+    "image_size", "batch_size", "num_workers", "channels", "mean", "std", "eval_crop_pct", "num_classes",
+    "seed", "read_retries", "read_timeout_s", "loader_timeout_s", "max_image_pixels",
 )  # fmt: skip
 # The share of free memory a split's token cache may take: building it holds the batches, their
 # concatenation and the copy in key order at once, about three times the cache itself.
@@ -69,6 +69,11 @@ class FeatureCache:
             train_batches=1,  # exact passes only: no training epoch to size from a manifest
             **datamodule_args(data),
         )
+
+    def normalisation(self) -> dict[str, tuple[float, ...]]:
+        """The data's per-band `mean` and `std` as its data module resolved them ('auto': from the
+        manifest), for the tasks a protocol trains: they record them."""
+        return {"mean": tuple(self.datamodule.mean), "std": tuple(self.datamodule.std)}
 
     @staticmethod
     def manifest_count(data: dict[str, Any]) -> int | None:

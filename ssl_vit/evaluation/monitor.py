@@ -46,6 +46,9 @@ class FewShotMonitor(pl.Callback):
         image_size: evaluation resolution; by default the backbone's.
         batch_size: images per forward pass.
 
+    The labelled set is read as the training data is (a `ShardDataModule`'s bands, `channels`, and their
+    `mean` and `std`), so a multispectral run is monitored on its own bands.
+
     A shot count the labelled set cannot fill (a class with fewer training images than the shots) is
     skipped with a one-line warning, the others are logged; a set the probe cannot run on at all (one
     class, no test image of its classes) skips the probe with such a line: a live signal never stops a
@@ -103,12 +106,15 @@ class FewShotMonitor(pl.Callback):
             train_preset="eval",
             # an exact pass does not use the training epoch length; setting it spares the manifest lookup
             train_batches=1,
-            # remote shards read as the training data reads them
+            # remote shards read as the training data reads them, and its bands normalised as it does
             **(
                 {
                     "read_retries": data.read_policy.retries,
                     "read_timeout_s": data.read_policy.timeout_s,
                     "loader_timeout_s": data.loader_timeout_s,
+                    "mean": data.mean,
+                    "std": data.std,
+                    **({"channels": data.channels} if getattr(data, "channels", 3) != 3 else {}),
                 }
                 if isinstance(data, ShardDataModule)
                 else {}

@@ -7,6 +7,7 @@ data:                      # ShardDataModule arguments; train = probe/support se
   test_urls: data/shards/digits/val-{000000..000003}.tar
   # val_urls: ...          # optional: where an lr grid chooses (else on images held out of train)
   image_size: 32
+  # channels: 13           # input bands (default 3); mean/std: one per band, or auto (from the manifest)
 # or several datasets by name (`datasets: {cifar10: {...}, pets: {...}}`), each protocol naming its
 # `dataset:` (default: the first)
 resamples: 1000           # bootstrap resamples of every interval (drawn from `seed`)
@@ -23,7 +24,10 @@ Each kind (`ssl_vit.evaluation.kinds`, one module each) has its own keys, typed 
 suite loads: a key the kind does not have, a value of the wrong type, out of range or not among the
 choices is one line naming the key and what it should be, before anything runs. docs/SUITES.md lists
 every key. A dataset whose `image_size` differs from the backbone's `img_size` is read with the
-backbone's position embeddings resampled to it (`dataset_backbone`).
+backbone's position embeddings resampled to it (`dataset_backbone`). The data's `channels` (one band count
+for every dataset of a suite) is the backbone's `in_chans`: `scratch` is built with it, RGB checkpoints
+are adapted to it (timm's `adapt_input_conv`, said in one line) and checkpoints of another band count
+refused (`ssl_vit.checkpoints.load_backbone`).
 
 Every protocol is explicit and logged with its result (every key, defaults included, in results.json
 `protocols`), so two checkpoints are always compared under the same written-down protocol. Every result
@@ -128,6 +132,7 @@ def load_suite(path: str | Path) -> Suite:
         for key in ("train_urls", "test_urls"):
             if not data.get(key):
                 raise UserError(f"{path}: {name}.{key} is missing (train: probe/support, test: evaluation)")
+    backbone = _with_bands(backbone, datasets, raw.get("backbone") or {}, path)
     for p in protocols:
         p.dataset = p.dataset or next(iter(datasets))
         if p.dataset not in datasets:
@@ -185,6 +190,30 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
                 "epoch by: give the protocol steps (optimizer steps instead of epochs), or shards written by "
                 "`ssl-vit data convert`"
             )
+
+
+def _with_bands(backbone: ViTConfig, datasets: dict, given: dict, path: Path) -> ViTConfig:
+    """The suite's backbone reading its data's bands: `in_chans` = the datasets' `channels` (3 unless
+    given), which every dataset of a suite shares (a checkpoint reads one band count)."""
+    bands = {name: data.get("channels", 3) for name, data in datasets.items()}
+    for name, count in bands.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise UserError(
+                f"{path}: {name}.channels is {count!r}: give the number of bands, a positive integer"
+            )
+    if len(set(bands.values())) > 1:
+        listed = ", ".join(f"{name} {count}" for name, count in bands.items())
+        raise UserError(
+            f"{path}: the datasets have different band counts ({listed}) and a checkpoint reads one: give "
+            "each band count its own suite"
+        )
+    channels = next(iter(bands.values()))
+    if "in_chans" in given and given["in_chans"] != channels:
+        raise UserError(
+            f"{path}: backbone in_chans {given['in_chans']} and the data's channels {channels} differ: give "
+            "the data's channels (the backbone reads what the data has) and leave in_chans out"
+        )
+    return replace(backbone, in_chans=channels)
 
 
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:

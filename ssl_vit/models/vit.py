@@ -5,8 +5,9 @@ timm's (`patch_embed.proj.weight`, `blocks.0.attn.qkv.weight`, `cls_token`, `pos
 weights move between ssl-vit and `timm.create_model` without a mapping table. Objectives (MPP, MAE,
 SimMIM) wrap it and own their own parameters, such as the learned `[mask]` embedding.
 
-Legend for tensor shapes: B batch, N patch tokens, K kept tokens, D width, P prefix ([class]) tokens,
-T tokens (P + patches), F feature width.
+Legend for tensor shapes: B batch, C input bands (`in_chans`: 3 for RGB, any other count for multispectral
+data), N patch tokens, K kept tokens, D width, P prefix ([class]) tokens, T tokens (P + patches), F feature
+width.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ FeatureKind = Literal["cls", "mean", "lastk"]
 # Token-level features, for probes that read every token (`ViT.feature_set`): one vector per token.
 TokenKind = Literal["tokens", "patches", "patches_lastk"]
 LAST_K = 4  # the blocks `lastk` and `patches_lastk` read by default (DINO's linear evaluation: the last 4)
+# The convolution that reads the input bands, by its key in timm's state dict: the patch embedding's, or
+# for hybrids the ResNet stem's (their `patch_embed.proj` is a 1x1 convolution over ResNet features).
+PATCH_CONV, HYBRID_STEM_CONV = "patch_embed.proj.weight", "patch_embed.backbone.stem.conv.weight"
+
+
+def input_conv_key(names) -> str:
+    """The key of the convolution that reads the input bands among a timm ViT's state-dict `names`."""
+    return HYBRID_STEM_CONV if HYBRID_STEM_CONV in names else PATCH_CONV
 
 
 class Variant(NamedTuple):
@@ -106,7 +115,7 @@ class ViT(VisionTransformer):
         return self.patch_embed.feat_ratio(as_scalar=True)
 
     def embed_patches(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> patch embeddings (B, N, D), no position embeddings yet."""
+        """images: (B, C, H, W) -> patch embeddings (B, N, D), no position embeddings yet."""
         return self.patch_embed(images)
 
     def encode(
@@ -145,7 +154,7 @@ class ViT(VisionTransformer):
         )
 
     def forward_tokens(self, images: Tensor) -> Tokens:
-        """images: (B, 3, H, W) -> all named outputs of the plain (uncorrupted) forward."""
+        """images: (B, C, H, W) -> all named outputs of the plain (uncorrupted) forward."""
         return self.encode(self.embed_patches(images))
 
     def check_feature(
@@ -171,7 +180,7 @@ class ViT(VisionTransformer):
             )
 
     def features(self, images: Tensor, feature: FeatureKind, last_k: int = 4) -> Tensor:
-        """images: (B, 3, H, W) -> one feature per image (B, F): F = D for `cls`/`mean`, last_k x D for
+        """images: (B, C, H, W) -> one feature per image (B, F): F = D for `cls`/`mean`, last_k x D for
         `lastk` (check it first with `check_feature`).
 
         - `cls`: the [class] token after the final norm (ViT paper; MAE's linear probe).
@@ -187,7 +196,7 @@ class ViT(VisionTransformer):
     def feature_set(
         self, images: Tensor, kinds: tuple[FeatureKind | TokenKind, ...], last_k: int = 4
     ) -> dict[str, Tensor]:
-        """images: (B, 3, H, W) -> {kind: features} for every kind in `kinds`, all from one forward pass:
+        """images: (B, C, H, W) -> {kind: features} for every kind in `kinds`, all from one forward pass:
         a suite that reads several kinds pays for the blocks once. Pooled kinds (see `features`) are
         (B, F); token kinds are (B, T, F):
 
@@ -249,13 +258,15 @@ def build_vit(
     heads: int | None = None,
     mlp_dim: int | None = None,
     num_classes: int = 0,
+    in_chans: int = 3,
     **timm_kwargs,
 ) -> ViT:
     """Build a ViT from a variant string (`"B/16"`, `"R50+B/16"`, ...).
 
     width/depth/heads/mlp_dim override the table (tiny test models); `pooling` is the paper's
-    `[class]` token or global average pooling (no [class] token, ViT paper appendix D.3). Other keyword
-    arguments go to timm's VisionTransformer (`drop_path_rate`, `device`, ...).
+    `[class]` token or global average pooling (no [class] token, ViT paper appendix D.3); `in_chans` the
+    input bands (timm's argument: the input channels of the patch embedding, or of a hybrid's ResNet
+    stem). Other keyword arguments go to timm's VisionTransformer (`drop_path_rate`, `device`, ...).
     """
     parsed = parse_variant(variant)
     if pooling not in ("cls", "gap"):
@@ -263,6 +274,8 @@ def build_vit(
     base_width, base_depth, base_heads, base_mlp = parsed.dims
     width, depth, heads = width or base_width, depth or base_depth, heads or base_heads
     mlp_dim = mlp_dim or (base_mlp * width // base_width)
+    if not isinstance(in_chans, int) or isinstance(in_chans, bool) or in_chans < 1:
+        raise BadValue(f"in_chans is {in_chans!r}: give the number of input bands, a positive integer")
     if width % heads:
         raise BadValue(f"width {width} is not divisible by heads {heads}: pick heads that divide it")
     patch = parsed.patch_size
@@ -279,6 +292,7 @@ def build_vit(
         num_heads=heads,
         mlp_ratio=mlp_dim / width,
         num_classes=num_classes,
+        in_chans=in_chans,
         class_token=pooling == "cls",
         global_pool="token" if pooling == "cls" else "avg",
     )
@@ -288,7 +302,7 @@ def build_vit(
         # and its truncated normals still run through Python there, about 0.4 s for a ViT-L.
         kwargs["weight_init"] = "skip"
     if parsed.hybrid:
-        backbone = _resnetv2(HYBRID_STAGES[parsed.patch_size], device=device)
+        backbone = _resnetv2(HYBRID_STAGES[parsed.patch_size], in_chans=in_chans, device=device)
         kwargs.update(patch_size=1, embed_layer=partial(HybridEmbed, backbone=backbone))
     return ViT(variant=variant, **{**kwargs, **timm_kwargs})
 
@@ -306,6 +320,9 @@ class ViTConfig:
     depth: int | None = None
     heads: int | None = None
     mlp_dim: int | None = None
+    # Input bands (timm's `in_chans`): 3 for RGB; a multispectral data module's `channels` (the fit CLI
+    # links them). Part of the architecture: RGB weights adapt to other counts (`ssl_vit.checkpoints`).
+    in_chans: int = 3
     drop_path_rate: float = 0.0
     # Activation checkpointing (timm's `set_grad_checkpointing`): every block's activations are
     # recomputed in the backward instead of kept, about a third more compute for a fraction of the
@@ -340,9 +357,9 @@ class ViTConfig:
             parse_variant(config.variant)
         except BadValue as err:
             raise BadValue(f"{where}: {err}") from None
-        for key in ("img_size", "width", "depth", "heads", "mlp_dim"):
+        for key in ("img_size", "width", "depth", "heads", "mlp_dim", "in_chans"):
             value = getattr(config, key)
-            if (value is not None or key == "img_size") and (
+            if (value is not None or key in ("img_size", "in_chans")) and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise BadValue(f"{where}: {key} is {value!r}: it should be a positive integer")

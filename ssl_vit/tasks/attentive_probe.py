@@ -26,7 +26,7 @@ from torch.optim import AdamW, Optimizer
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.base import Bands
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
@@ -97,8 +97,8 @@ class AttentiveProbe(FrozenProbe):
         optimizer: OptimizerCallable = adamw,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
-        mean: RGB = IMAGENET_DEFAULT_MEAN,
-        std: RGB = IMAGENET_DEFAULT_STD,
+        mean: Bands = IMAGENET_DEFAULT_MEAN,
+        std: Bands = IMAGENET_DEFAULT_STD,
     ) -> None:
         if queries < 1:
             raise BadValue(f"queries must be at least 1, got {queries}")

@@ -17,11 +17,12 @@ from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.checkpoints import load_backbone
-from ssl_vit.errors import UserError
+from ssl_vit.errors import BadValue, UserError
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
 
-RGB = tuple[float, float, float]
+# A per-band statistic (the data's input normalisation): one value per input band, `backbone.in_chans`.
+Bands = tuple[float, ...]
 # The checkpoint key of a task's training cost (`BackboneTask.on_save_checkpoint`): optimizer steps,
 # images and training FLOPs summed over ranks, and seconds of `fit`, all cumulative over resumes.
 COST_KEY = "ssl_vit_cost"
@@ -53,7 +54,9 @@ class BackboneTask(pl.LightningModule):
         lr_scheduler: called with (optimizer, total optimizer steps), e.g. `WarmupDecay`.
         lr_reference_batch: when set, the optimizer's lr is per this many images and is scaled by
             global batch / lr_reference_batch (MAE: lr = base_lr x batch / 256).
-        mean, std: the input normalisation of the data, to recover [0, 1] pixels for targets/pictures.
+        mean, std: the input normalisation of the data, one value per input band (`backbone.in_chans`;
+            the fit CLI takes them from the data module), to recover [0, 1] pixels of RGB images for
+            targets and pictures; recorded in checkpoints.
     """
 
     def __init__(
@@ -63,11 +66,12 @@ class BackboneTask(pl.LightningModule):
         optimizer: OptimizerCallable,
         lr_scheduler: SchedulerCallable,
         lr_reference_batch: int | None,
-        mean: RGB,
-        std: RGB,
+        mean: Bands,
+        std: Bands,
         hparams: dict,
     ) -> None:
         super().__init__()
+        check_band_stats(mean, std, backbone.in_chans)
         # The backbone's weights: a checkpoint of any kind, or `scratch` (random init of `backbone`).
         self.backbone, backbone = load_backbone(init_from, backbone)
         # Plain values only, so checkpoints load with torch.load(weights_only=True); and constructor
@@ -85,8 +89,8 @@ class BackboneTask(pl.LightningModule):
             }
         )
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
-        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
         self.flops_per_image: int | None = None
         self.cost = {"images": 0, "flops": 0, "seconds": 0.0}  # this run's so far, resumes included
         self._fit_start: float | None = None
@@ -124,7 +128,7 @@ class BackboneTask(pl.LightningModule):
         raise NotImplementedError
 
     def unnormalize(self, images: Tensor) -> Tensor:
-        """Model inputs (B, 3, H, W) -> pixels in [0, 1]."""
+        """Model inputs (B, 3, H, W) of RGB data -> pixels in [0, 1]."""
         return (images * self.std + self.mean).clamp(0, 1)
 
     def no_weight_decay(self) -> set[str]:
@@ -193,6 +197,19 @@ class BackboneTask(pl.LightningModule):
         saved = checkpoint.get(COST_KEY)
         if saved:
             self.cost = {key: saved[key] for key in self.cost}
+
+
+def check_band_stats(mean: Bands, std: Bands, bands: int) -> None:
+    """One line unless `mean` and `std` give one value per input band (std positive)."""
+    for name, values in (("mean", mean), ("std", std)):
+        if len(values) != bands:
+            raise BadValue(
+                f"{name} has {len(values)} values and the backbone reads {bands} input bands: give one per "
+                "band (the fit CLI takes mean and std from the data module, whose 'auto' reads them from the "
+                "manifest)"
+            )
+    if any(not value > 0 for value in std):
+        raise BadValue(f"std {list(std)}: every band's std must be positive")
 
 
 class Throughput(pl.Callback):

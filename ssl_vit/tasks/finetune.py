@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ssl_vit.errors import BadValue
 from ssl_vit.models.vit import ViTConfig, parse_variant
-from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.base import Bands
 from ssl_vit.tasks.linear_probe import Feature
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
 from ssl_vit.tasks.supervised import SupervisedPretraining
@@ -101,8 +101,8 @@ class FineTune(SupervisedPretraining):
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
-        mean: RGB = IMAGENET_DEFAULT_MEAN,
-        std: RGB = IMAGENET_DEFAULT_STD,
+        mean: Bands = IMAGENET_DEFAULT_MEAN,
+        std: Bands = IMAGENET_DEFAULT_STD,
     ) -> None:
         choices = resolve_choices(preset, backbone.variant, feature, layer_decay, loss)
         super().__init__(

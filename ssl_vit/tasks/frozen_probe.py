@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
+from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable
 
 
@@ -46,8 +46,8 @@ class FrozenProbe(BackboneTask):
         optimizer: OptimizerCallable,
         lr_scheduler: SchedulerCallable,
         lr_reference_batch: int | None,
-        mean: RGB,
-        std: RGB,
+        mean: Bands,
+        std: Bands,
         hparams: dict,
     ) -> None:
         lrs = [float(lr) for lr in lrs]

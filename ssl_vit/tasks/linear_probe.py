@@ -17,7 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.base import Bands
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
@@ -64,8 +64,8 @@ class LinearProbe(FrozenProbe):
         optimizer: OptimizerCallable = sgd_momentum,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
-        mean: RGB = IMAGENET_DEFAULT_MEAN,
-        std: RGB = IMAGENET_DEFAULT_STD,
+        mean: Bands = IMAGENET_DEFAULT_MEAN,
+        std: Bands = IMAGENET_DEFAULT_STD,
     ) -> None:
         lrs = [float(lr) for lr in lrs]
         if not lrs or len(set(lrs)) != len(lrs) or min(lrs) <= 0:

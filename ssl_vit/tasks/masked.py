@@ -21,7 +21,7 @@ from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import MAEDecoder, PatchHead
 from ssl_vit.models.vit import Tokens, ViTConfig
-from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
+from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 from ssl_vit.tasks.pictures import masked_prediction_picture
 from ssl_vit.tasks.teacher import (
@@ -99,6 +99,7 @@ DEFAULTS: dict = dict(
     ema_schedule="cosine",
 )
 COLOR_CLASSES = targets.LEVELS**3  # 512
+COLOUR_TARGETS = ("color3bit", "color3bit_4x4")  # quantise 3 RGB bands: refused for other band counts
 # I-JEPA regresses with smooth L1 (`src/train.py`), data2vec 2.0 with MSE.
 PIXEL_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
 
@@ -129,7 +130,10 @@ class MaskedPatchPretraining(BackboneTask):
             per-patch normalised pixels, `hog`: histograms of oriented gradients of the patch's cells
             (MaskFeat; `ssl_vit.targets.hog`, 8-pixel cells, or the whole patch when 8 does not divide it),
             or `teacher`: the features of the uncorrupted image from an EMA copy of the backbone (I-JEPA,
-            data2vec 2.0), kept in checkpoints under `teacher.`.
+            data2vec 2.0), kept in checkpoints under `teacher.`. With a backbone of C != 3 input bands
+            (multispectral data) the pixel targets are the standardised bands, `norm_pixels` normalises
+            each band of each patch on its own, `hog` is each band's, concatenated (C x 9 x cells values),
+            and the colour targets, which quantise 3 RGB bands, are refused.
         mask_ratio: fraction of patches corrupted/masked; the loss is on those only.
         mask_shape: `random`, `block` (BEiT), `cells` (SimMIM: aligned squares of `cell_size` pixels) or
             `jepa` (I-JEPA: four target blocks, the encoder sees a context block less them; `drop` only).
@@ -143,6 +147,9 @@ class MaskedPatchPretraining(BackboneTask):
             second over `ema_anneal_steps` optimizer steps (unset: the whole run), cosine or linear.
         picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never;
             teacher targets have no picture).
+        display_bands: the three bands (0-based) drawn as red, green and blue in the pictures of images of
+            C != 3 bands, each stretched between its 2nd and 98th percentile; unset: the first three
+            (`ssl_vit.tasks.pictures.false_colour`). RGB images are drawn as they are.
         init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining;
             a facebookresearch/mae checkpoint starts the decoder (`drop`) from its own as well.
     """
@@ -168,18 +175,20 @@ class MaskedPatchPretraining(BackboneTask):
         ema_schedule: MomentumSchedule | None = None,
         ema_anneal_steps: int | None = None,
         picture_every_n_steps: int = 500,
+        display_bands: tuple[int, int, int] | None = None,
         init_from: str = "scratch",
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
-        mean: RGB = IMAGENET_DEFAULT_MEAN,
-        std: RGB = IMAGENET_DEFAULT_STD,
+        mean: Bands = IMAGENET_DEFAULT_MEAN,
+        std: Bands = IMAGENET_DEFAULT_STD,
     ) -> None:
         choices = resolve_choices(
             preset, corruption, target, mask_ratio, mask_shape, pixel_loss,
             teacher_features=teacher_features, teacher_top_k=teacher_top_k, views=views,
             ema_momentum=ema_momentum, ema_momentum_end=ema_momentum_end, ema_schedule=ema_schedule,
         )  # fmt: skip
+        check_target_bands(choices["target"], preset, backbone.in_chans)
         super().__init__(
             backbone,
             init_from,
@@ -192,6 +201,7 @@ class MaskedPatchPretraining(BackboneTask):
                 preset=preset,
                 **choices,
                 cell_size=cell_size,
+                display_bands=display_bands,
                 decoder_dim=decoder_dim,
                 decoder_depth=decoder_depth,
                 decoder_heads=decoder_heads,
@@ -201,6 +211,8 @@ class MaskedPatchPretraining(BackboneTask):
         self.corruption, self.target_kind = choices["corruption"], choices["target"]
         self.mask_ratio, self.mask_shape = choices["mask_ratio"], choices["mask_shape"]
         self.pixel_loss, self.picture_every_n_steps = choices["pixel_loss"], picture_every_n_steps
+        self.bands = self.backbone.in_chans
+        self.display_bands = check_display_bands(display_bands, self.bands)
         self.patch_size = self.backbone.pixels_per_token
         self.grid = self.backbone.grid_size
         self.num_patches = self.grid[0] * self.grid[1]
@@ -257,10 +269,10 @@ class MaskedPatchPretraining(BackboneTask):
             return torch.Size([16, COLOR_CLASSES])
         if self.target_kind == "hog":
             cells = (self.patch_size // targets.hog_cell_size(self.patch_size)) ** 2
-            return torch.Size([3 * targets.HOG_BINS * cells])
+            return torch.Size([self.bands * targets.HOG_BINS * cells])
         if self.target_kind == "teacher":
             return torch.Size([self.backbone.embed_dim])
-        return torch.Size([self.patch_size**2 * 3])
+        return torch.Size([self.patch_size**2 * self.bands])
 
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"mask_embedding", "decoder.mask_token"}
@@ -268,17 +280,17 @@ class MaskedPatchPretraining(BackboneTask):
     # --- the objective, as named stages -------------------------------------------------------------
 
     def forward(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> predictions at the masked tokens (V*B, M, *T) under fresh random masks,
+        """images: (B, C, H, W) -> predictions at the masked tokens (V*B, M, *T) under fresh random masks,
         `views` per image: the student's compute of a step."""
         return self.predict_masked(images, None)[0]
 
     def forward_loss(self, images: Tensor, generator: torch.Generator | None = None) -> MaskedOutput:
-        """images: (B, 3, H, W) normalised model inputs, each seen under `views` masks; the targets of the
+        """images: (B, C, H, W) normalised model inputs, each seen under `views` masks; the targets of the
         uncorrupted images are computed once."""
         pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
         monitor = {"student": features.detach()}
         if self.teacher is None:
-            target = self.make_targets(self.unnormalize(images))  # (B, N, ...)
+            target = self.make_targets(self.target_images(images))  # (B, N, ...)
             out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
             return out._replace(monitor_features=monitor)
         target = teacher_targets(self.teacher, images, self.teacher_features, self.teacher_top_k)  # (B, N, D)
@@ -352,16 +364,22 @@ class MaskedPatchPretraining(BackboneTask):
             batch, self.grid, self.mask_ratio, cell, generator=generator, device=device
         )
 
+    def target_images(self, images: Tensor) -> Tensor:
+        """Model inputs (B, C, H, W) -> what the targets are computed on: RGB pixels in [0, 1]; for other
+        band counts the standardised bands as they are (`ssl_vit.targets`)."""
+        return self.unnormalize(images) if self.bands == 3 else images
+
     def make_targets(self, pixels: Tensor) -> Tensor:
-        """pixels: (B, 3, H, W) in [0, 1] -> targets for every patch (B, N[, 16]) classes, (B, N, p*p*3)
-        pixels or (B, N, 27 * cells) HOG."""
+        """pixels: (B, C, H, W) from `target_images` -> targets for every patch (B, N[, 16]) classes,
+        (B, N, p*p*C) pixels or (B, N, C * 9 * cells) HOG."""
         if self.target_kind == "color3bit":
             return targets.mean_color_3bit(pixels, self.patch_size)
         if self.target_kind == "color3bit_4x4":
             return targets.mean_color_3bit_4x4(pixels, self.patch_size)
         if self.target_kind == "hog":
             return targets.hog(pixels, self.patch_size)
-        return targets.pixel_targets(pixels, self.patch_size, normalize=self.target_kind == "norm_pixels")
+        normalize = self.target_kind == "norm_pixels"
+        return targets.pixel_targets(pixels, self.patch_size, normalize, per_band=self.bands != 3)
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
         """Loss over the masked tokens only: softmax cross-entropy for colour classes (ViT paper), MSE
@@ -446,6 +464,32 @@ class MaskedPatchPretraining(BackboneTask):
             log_picture(
                 self, "train/predictions", masked_prediction_picture(self, batch["image"], outputs["output"])
             )
+
+
+def check_target_bands(target: str, preset: str | None, bands: int) -> None:
+    """One line for a colour target on a backbone of other than 3 input bands, naming what works."""
+    if bands == 3 or target not in COLOUR_TARGETS:
+        return
+    working = [t for t in Target.__args__ if t not in COLOUR_TARGETS]
+    presets = [name for name, p in PRESETS.items() if p["target"] not in COLOUR_TARGETS]
+    given = f"preset {preset!r}'s target" if preset else "target"
+    raise BadValue(
+        f"{given} {target!r} quantises the mean colour of 3 RGB bands, and the data has {bands}: use target "
+        f"{', '.join(working)} (presets {', '.join(presets)})"
+    )
+
+
+def check_display_bands(display_bands: tuple[int, ...] | None, bands: int) -> tuple[int, int, int]:
+    """The three bands pictures draw as red, green and blue: `display_bands`, checked, or the first three
+    (the one or two there are, repeated, for fewer)."""
+    if display_bands is None:
+        return tuple(min(i, bands - 1) for i in range(3))
+    if len(display_bands) != 3 or not all(0 <= band < bands for band in display_bands):
+        raise BadValue(
+            f"display_bands {list(display_bands)}: give three band indices in [0, {bands - 1}] (red, green, "
+            "blue of the pictures)"
+        )
+    return tuple(display_bands)
 
 
 def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss, **teacher) -> dict:

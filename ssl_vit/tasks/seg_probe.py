@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import LAST_K, ViTConfig
-from ssl_vit.tasks.base import RGB
+from ssl_vit.tasks.base import Bands
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.linear_probe import sgd_momentum
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
@@ -62,8 +62,8 @@ class LinearSegProbe(FrozenProbe):
         optimizer: OptimizerCallable = sgd_momentum,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
-        mean: RGB = IMAGENET_DEFAULT_MEAN,
-        std: RGB = IMAGENET_DEFAULT_STD,
+        mean: Bands = IMAGENET_DEFAULT_MEAN,
+        std: Bands = IMAGENET_DEFAULT_STD,
     ) -> None:
         super().__init__(
             backbone, init_from, num_classes, list(lrs), None, optimizer, lr_scheduler, lr_reference_batch,

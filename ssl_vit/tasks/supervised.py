@@ -15,7 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import RGB, BackboneTask, step_inputs
+from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 
@@ -44,8 +44,8 @@ class SupervisedPretraining(BackboneTask):
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: SchedulerCallable = WarmupDecay,
         lr_reference_batch: int | None = None,
-        mean: RGB = IMAGENET_DEFAULT_MEAN,
-        std: RGB = IMAGENET_DEFAULT_STD,
+        mean: Bands = IMAGENET_DEFAULT_MEAN,
+        std: Bands = IMAGENET_DEFAULT_STD,
     ) -> None:
         if loss not in ("softmax", "sigmoid"):
             raise BadValue(f"unknown loss {loss!r}; valid: 'softmax', 'sigmoid'")

@@ -69,6 +69,7 @@ class AttentiveProbeProtocol(ProbeProtocol):
         return AttentiveProbe(
             backbone=config,
             init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
+            **features.normalisation(),
             num_classes=features.num_classes(),
             feature=self.feature,
             queries=self.queries,

@@ -70,6 +70,7 @@ class FineTuneProtocol(TrainedProtocol):
             model = FineTune(
                 backbone=config,
                 init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
+                **features.normalisation(),
                 num_classes=features.num_classes(),
                 feature=self.feature,
                 layer_decay=self.layer_decay,

@@ -34,6 +34,7 @@ class LinearProbeProtocol(ProbeProtocol):
         return LinearProbe(
             backbone=config,
             init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
+            **features.normalisation(),
             num_classes=features.num_classes(),
             feature=self.feature,
             lrs=list(self.lrs),

@@ -118,6 +118,7 @@ class LinearSegProtocol(ProbeProtocol):
         return LinearSegProbe(
             backbone=config,
             init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
+            **features.normalisation(),
             num_classes=features.num_classes(),
             feature=self._kind(),
             lrs=list(self.lrs),
