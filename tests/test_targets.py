@@ -1,5 +1,5 @@
 """Contracts of ssl_vit.targets: known colours give known classes, patch order is timm's, MAE's pixels,
-MaskFeat's HOG is the textbook HOG."""
+MaskFeat's HOG is the textbook HOG; other band counts: pixels and HOG per band, colours refused."""
 
 import itertools
 import math
@@ -10,6 +10,7 @@ import skimage.data
 import skimage.feature
 import torch
 
+from ssl_vit.errors import BadValue
 from ssl_vit.targets import (
     decode_mean_color_3bit,
     hog,
@@ -96,6 +97,57 @@ def test_pixel_targets_raw_and_normalised():
     target = pixel_targets(images, 4, normalize=True)
     assert torch.allclose(target.mean(dim=-1), torch.zeros(2, 4), atol=1e-4)
     assert torch.allclose(target.var(dim=-1), torch.ones(2, 4), atol=1e-4)
+
+
+def test_rgb_normalised_pixels_are_mae_norm_pix_loss_bit_for_bit():
+    """RGB keeps MAE's formula exactly (models_mae.py `forward_loss`): one mean and variance per patch over
+    all its values, whatever the per-band option does for other band counts."""
+    images = torch.rand(4, 3, 16, 16)
+    patches = patchify(images, 4)
+    mean, var = patches.mean(dim=-1, keepdim=True), patches.var(dim=-1, keepdim=True)
+    assert torch.equal(pixel_targets(images, 4, normalize=True), (patches - mean) / (var + 1.0e-6) ** 0.5)
+
+
+def test_per_band_normalised_pixels_normalise_each_band_of_each_patch():
+    """Five bands in units a thousand apart: each band of each patch has mean 0 and variance 1, and a
+    band scaled by 1000 changes no other band's target (nor its own, up to the epsilon)."""
+    images = torch.rand(2, 5, 16, 16, dtype=torch.float64)
+    images[:, 3] *= 1000
+    target = pixel_targets(images, 8, normalize=True, per_band=True)  # (2, 4, 8*8*5)
+    assert target.shape == (2, 4, 320)
+    per_band = target.unflatten(-1, (64, 5))  # pixels in (row, column, band) order
+    torch.testing.assert_close(
+        per_band.mean(-2), torch.zeros(2, 4, 5, dtype=torch.float64), rtol=0, atol=1e-9
+    )
+    torch.testing.assert_close(per_band.var(-2), torch.ones(2, 4, 5, dtype=torch.float64), rtol=0, atol=1e-4)
+    scaled = images.clone()
+    scaled[:, 1] *= 1000
+    again = pixel_targets(scaled, 8, normalize=True, per_band=True).unflatten(-1, (64, 5))
+    others = [0, 2, 3, 4]
+    assert torch.equal(again[..., others], per_band[..., others])
+    torch.testing.assert_close(again[..., 1], per_band[..., 1], rtol=0, atol=1e-4)
+    # Over the whole patch instead (RGB's formula), the scaled band would swamp the others.
+    joint = pixel_targets(scaled, 8, normalize=True).unflatten(-1, (64, 5))
+    assert not torch.allclose(joint[..., others], per_band[..., others], atol=0.1)
+
+
+def test_hog_of_many_bands_is_each_bands_hog_concatenated():
+    """13 bands (Sentinel-2's count): 13 x 9 x 4 values per 16-pixel patch, band after band, each band's
+    block what `hog` gives for that band alone (the same histograms whatever the band's units)."""
+    images = torch.rand(2, 13, 32, 32, dtype=torch.float64)
+    images[:, 5] *= 10000
+    found = hog(images, 16)
+    assert found.shape == (2, 4, 13 * 9 * 4)
+    for band in range(13):
+        alone = hog(images[:, band : band + 1].expand(-1, 3, -1, -1), 16)[..., : 9 * 4]  # one band's block
+        torch.testing.assert_close(found[..., band * 36 : (band + 1) * 36], alone, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("fn", [mean_color_3bit, mean_color_3bit_4x4])
+@pytest.mark.parametrize("bands", [1, 5])
+def test_colour_targets_refuse_other_band_counts(fn, bands):
+    with pytest.raises(BadValue, match=f"quantise 3 RGB bands; these images have {bands}: use pixel or HOG"):
+        fn(torch.rand(1, bands, 16, 16), 8)
 
 
 @pytest.mark.parametrize("fn", [mean_color_3bit, mean_color_3bit_4x4, patchify, pixel_targets])

@@ -6,10 +6,13 @@ import pytest
 import torch
 from cli_helpers import run_cli, wandb_records
 from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
+from torchvision.utils import make_grid
 
+from ssl_vit import targets
+from ssl_vit.masking import token_index
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
-from ssl_vit.tasks.pictures import masked_prediction_picture
+from ssl_vit.tasks.pictures import _colour_image, band_stretch, false_colour, masked_prediction_picture
 from ssl_vit.tracking import RUN_ID_FILE, WandbLogger, wandb_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,19 +43,87 @@ def test_a_restarted_job_continues_its_run(tmp_path, monkeypatch):
     assert again._wandb_init["resume"] == "allow"
 
 
-def _picture(preset, digits_batch):
+def _picture(preset, digits_batch, bands=3, **kwargs):
     torch.manual_seed(0)
+    normalisation = {} if bands == 3 else {"mean": (0.5,) * bands, "std": (0.25,) * bands}
     model = MaskedPatchPretraining(
-        ViTConfig("S/8", 32, width=64, depth=2, heads=2),
+        ViTConfig("S/8", 32, width=64, depth=2, heads=2, in_chans=bands),
         preset=preset,
         cell_size=16,
         decoder_dim=32,
         decoder_depth=1,
         decoder_heads=2,
+        **normalisation,
+        **kwargs,
     )
     images = digits_batch["image"][:4]
+    if bands != 3:  # five bands in units far apart: the digits' bands, then two of them scaled
+        images = torch.cat([images, 100 * images[:, :1], -7 * images[:, 1:2]], dim=1)
     out = model.forward_loss(images)
     return model, images, out, masked_prediction_picture(model, images, out)
+
+
+@torch.no_grad()
+def rgb_picture_before_bands(task, images, out, count=8):
+    """`masked_prediction_picture` as it was before other band counts: RGB pictures must not change."""
+    p, grid = task.patch_size, task.grid
+    pixels = task.unnormalize(images[:count]).float()
+    idx = out.idx[:count]
+    if out.target.dtype == torch.long:
+        true = task.make_targets(pixels)
+        pred = true.clone().scatter_(1, token_index(idx, true), out.pred[:count].argmax(-1))
+        rows = [pixels, _colour_image(true, p, grid), _colour_image(pred, p, grid)]
+    else:
+        patches = targets.patchify(pixels, p)
+        pred = out.pred[:count].float()
+        if task.target_kind == "norm_pixels":
+            true = torch.gather(patches, 1, token_index(idx, patches))
+            pred = pred * (true.var(-1, keepdim=True) + 1e-6).sqrt() + true.mean(-1, keepdim=True)
+        masked = patches.scatter(1, token_index(idx, patches), 0.5)
+        if task.target_kind == "hog":
+            agreement = torch.nn.functional.cosine_similarity(pred, out.target[:count].float(), dim=-1).clamp(
+                0, 1
+            )
+            pred = agreement[..., None].expand(-1, -1, patches.shape[-1])
+        recon = patches.scatter(1, token_index(idx, patches), pred.clamp(0, 1))
+        rows = [pixels, targets.unpatchify(masked, p, grid), targets.unpatchify(recon, p, grid)]
+    return make_grid(torch.cat(rows), nrow=pixels.shape[0], padding=1, pad_value=1.0)
+
+
+@pytest.mark.parametrize("preset", ["mae", "simmim", "maskfeat", "vit_mpp"])
+def test_rgb_pictures_are_as_before_bit_for_bit(preset, digits_batch):
+    model, images, out, picture = _picture(preset, digits_batch)
+    assert torch.equal(picture, rgb_picture_before_bands(model, images, out))
+
+
+def test_five_band_pictures_are_false_colour_of_the_display_bands(digits_batch):
+    """Bands 3 (the first, x100) and 4 (the second, x-7) and 0 as red, green and blue, each stretched
+    between its 2nd and 98th percentile in its image: the input row; the reconstruction shows the visible
+    patches as the input row does (the same stretch), the masked row greys the masked patches."""
+    model, images, out, picture = _picture("mae", digits_batch, bands=5, display_bands=(3, 4, 0))
+    assert picture.shape == (3, 3 * 33 + 1, 4 * 33 + 1)
+    shown = false_colour(images, (3, 4, 0))  # standardised or raw bands: the same stretched picture
+    low, high = band_stretch(images[:, [3, 4, 0]])
+    assert torch.equal(low[:, 1], torch.quantile(images[:, 4].flatten(1), 0.02, dim=1)[:, None, None])
+    assert (shown == 0).any() and (shown == 1).any() and shown.min() >= 0 and shown.max() <= 1
+    first = picture[:, 1:33, 1:33]
+    torch.testing.assert_close(first, shown[0])
+    # red is band 3, 100 x the digit's first band: the same picture as that band alone, stretched
+    torch.testing.assert_close(first[0], false_colour(images[:, :1], (0, 0, 0))[0, 0])
+    masked_row, recon_row = picture[:, 34:66, 1:33], picture[:, 67:99, 1:33]
+    r, c = divmod(int(out.idx[0, 0]), 4)
+    assert torch.all(masked_row[:, r * 8 : r * 8 + 8, c * 8 : c * 8 + 8] == 0.5)
+    r, c = divmod(sorted(set(range(16)) - set(out.idx[0].tolist()))[0], 4)
+    torch.testing.assert_close(
+        recon_row[:, r * 8 : r * 8 + 8, c * 8 : c * 8 + 8], shown[0, :, r * 8 : r * 8 + 8, c * 8 : c * 8 + 8]
+    )
+
+
+@pytest.mark.parametrize("preset", ["simmim", "maskfeat"])
+def test_five_band_pictures_of_raw_pixels_and_hog(preset, digits_batch):
+    model, images, out, picture = _picture(preset, digits_batch, bands=5)
+    assert picture.shape == (3, 3 * 33 + 1, 4 * 33 + 1) and 0 <= picture.min() and picture.max() <= 1
+    torch.testing.assert_close(picture[:, 1:33, 1:33], false_colour(images, (0, 1, 2))[0])
 
 
 def test_reconstruction_picture_keeps_visible_patches_and_greys_masked_ones(digits_batch):

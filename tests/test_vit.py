@@ -5,7 +5,7 @@ import timm
 import torch
 
 from ssl_vit import build_vit
-from ssl_vit.models.vit import EXAMPLE_VARIANTS, parse_variant
+from ssl_vit.models.vit import EXAMPLE_VARIANTS, ViTConfig, parse_variant
 
 TINY = dict(width=64, depth=2, heads=2)
 
@@ -198,3 +198,30 @@ def test_every_variant_runs_forward_and_backward_with_finite_gradients(variant, 
 def test_overrides_validate_heads():
     with pytest.raises(ValueError, match="divisible"):
         build_vit("B/16", width=50, heads=3)
+
+
+@pytest.mark.parametrize(
+    "variant, timm_name, conv",
+    [
+        ("S/16", "vit_small_patch16_224", "patch_embed.proj.weight"),
+        ("R50+B/16", "vit_base_r50_s16_224", "patch_embed.backbone.stem.conv.weight"),  # the ResNet stem
+    ],
+)
+def test_in_chans_is_timms_for_plain_vits_and_hybrids(variant, timm_name, conv):
+    """Five input bands: timm's `in_chans`, the same state dict and outputs as timm's model of them."""
+    ours = ViTConfig(variant, 64, width=64, depth=2, heads=2, in_chans=5).build()
+    assert ours.in_chans == 5 and ours.state_dict()[conv].shape[1] == 5
+    theirs = timm.create_model(
+        timm_name, img_size=64, embed_dim=64, depth=2, num_heads=2, num_classes=0, in_chans=5
+    )
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    assert_same_outputs(ours, theirs, torch.randn(2, 5, 64, 64))
+    assert ours.forward_tokens(torch.randn(1, 5, 64, 64)).patches.shape == (1, 16, 64)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "5"])
+def test_in_chans_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match=f"in_chans is {value!r}"):
+        ViTConfig.from_dict({"variant": "S/16", "in_chans": value}, "suite.yaml: backbone")
+    with pytest.raises(ValueError, match="give the number of input bands, a positive integer"):
+        build_vit("S/16", 32, in_chans=value, **TINY)

@@ -6,15 +6,17 @@ import os
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from bands_standin import PRELUDE
 from cli_helpers import run_cli
 from PIL import Image
 
 from ssl_vit.analysis.analyze import analyze
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks import SupervisedPretraining
+from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPTH, HEADS, GRID, PATCH = 2, 2, 8, 4  # the quickstart's S/4 at 32 px, narrowed and shortened
@@ -183,3 +185,66 @@ def test_pictures_go_to_the_active_wandb_run(gap_ckpt, digits_shards, tmp_path):
     pictures = ("attention_distance", "attention_rollout", "patch_embedding_pcs", "position_embeddings")
     assert len(logged) == 4 and all(any(n.startswith(f"{p}_") for n in logged) for p in pictures), logged
     assert list((media / "table/analysis").glob("attention_distance_per_head_*.table.json"))
+
+
+@pytest.fixture(scope="module")
+def five_band_mae_ckpt(tmp_path_factory):
+    """An MAE checkpoint of five input bands whose bands differ in units, trained one step."""
+    torch.manual_seed(0)
+    mean, std = (0.5, 0.5, 0.5, 50.0, -3.0), (0.25, 0.25, 0.25, 25.0, 1.5)
+    model = MaskedPatchPretraining(
+        ViTConfig("S/4", 32, width=32, depth=DEPTH, heads=HEADS, in_chans=5), preset="mae", mean=mean,
+        std=std, decoder_dim=32, decoder_depth=1, decoder_heads=2, display_bands=(3, 1, 0),
+    )  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
+    trainer.strategy.connect(model)
+    path = tmp_path_factory.mktemp("five") / "mae5.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_analyze_a_five_band_checkpoint_in_false_colour(five_band_mae_ckpt, digits_shards, tmp_path, cli):
+    """The data read as five bands (the stand-in repeats the digits' RGB bands), the pictures in the
+    checkpoint's display bands, or those `--display-bands` gives; the filter components over all bands."""
+    out = tmp_path / "five"
+    cli("analyze", str(five_band_mae_ckpt), "--data", val(digits_shards), "--out", str(out), "--images", "16",
+        prelude=PRELUDE)  # fmt: skip
+    record = json.loads((out / "analysis.json").read_text())
+    assert record["backbone"]["in_chans"] == 5 and record["display_bands"] == [3, 1, 0]
+    pca = record["patch_embedding_pca"]
+    assert (
+        pca["over"] == "all 5 bands; drawn in the display bands"
+        and len(pca["explained_variance_ratio"]) == 28
+    )
+    assert record["masked_prediction"]["target"] == "norm_pixels"
+    assert record["pictures"] == sorted(
+        f"{name}.png" for name in ("attention_distance", "attention_rollout", "masked_predictions",
+                                   "patch_embedding_pcs", "position_embeddings")
+    )  # fmt: skip
+    assert size(out / "masked_predictions.png") == tuple(2 * side for side in grid_size(24, 8, 32, 1))
+    with Image.open(out / "attention_rollout.png") as rollout:
+        first = torch.tensor(np.asarray(rollout.convert("RGB")))[2:66:2, 2:66:2].permute(2, 0, 1) / 255
+    # red is band 3, a copy of the digits' first band: stretched, its 2nd percentile black, 98th white
+    assert first[0].min() == 0 and first[0].max() == 1
+
+    again = tmp_path / "again"
+    data = ["--data", val(digits_shards), "--images", "16"]
+    cli(
+        "analyze",
+        str(five_band_mae_ckpt),
+        *data,
+        "--out",
+        str(again),
+        "--display-bands",
+        "0,1,2",
+        prelude=PRELUDE,
+    )
+    assert json.loads((again / "analysis.json").read_text())["display_bands"] == [0, 1, 2]
+    assert (again / "patch_embedding_pcs.png").read_bytes() != (out / "patch_embedding_pcs.png").read_bytes()
+    bad = ["--out", str(tmp_path / "bad"), "--display-bands", "0,1,7"]
+    proc = cli("analyze", str(five_band_mae_ckpt), *data, *bad, prelude=PRELUDE, check=False)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "ssl-vit: error: display_bands [0, 1, 7]: give three band indices in [0, 4] (red, green, blue of the "
+        "pictures)"
+    ]
+    assert not (tmp_path / "bad").exists()

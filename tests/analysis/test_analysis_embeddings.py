@@ -51,3 +51,23 @@ def test_filter_components_recover_the_filters_principal_directions():
     assert patch_filter_components(small)[0].shape == (15, 3, 4, 4)  # rank of 16 centred filters
     hybrid = ViTConfig("R50+S/16", 32, width=32, depth=1, heads=2).build()
     assert patch_filter_components(hybrid) is None
+
+
+def test_filter_components_of_five_bands_are_over_all_bands_and_drawn_in_the_display_bands():
+    """The filters vary along one direction that lives in band 4 only: the first component (over all five
+    bands) is it, shown in the display bands (4, 0, 4): red and blue its pattern, green (band 0) flat."""
+    vit = ViTConfig("S/4", 32, width=64, depth=1, heads=2, in_chans=5).build()
+    torch.manual_seed(0)
+    pattern = torch.randn(4, 4)
+    with torch.no_grad():
+        vit.patch_embed.proj.weight.copy_(1e-4 * torch.randn(64, 5, 4, 4))
+        vit.patch_embed.proj.weight[:, 4] += torch.randn(64, 1, 1) * pattern
+    components, ratio = patch_filter_components(vit, display_bands=(4, 0, 4))
+    assert components.shape == (28, 3, 4, 4) and ratio[0] > 0.999
+    red, green, blue = components[0]
+    assert torch.equal(red, blue) and green.std() < 1e-3 * red.std()
+    shown = red - red.mean()
+    cosine = torch.nn.functional.cosine_similarity(shown.flatten(), pattern.flatten() - pattern.mean(), dim=0)
+    assert cosine.abs() > 0.999
+    rgb = patch_filter_components(ViTConfig("S/4", 32, width=64, depth=1, heads=2).build())
+    assert rgb[0].shape == (28, 3, 4, 4)
