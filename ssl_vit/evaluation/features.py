@@ -51,7 +51,7 @@ def extract_features(
 ) -> Features:
     """Run `backbone` in eval mode without gradients over `loader` and collect one feature per sample.
 
-    loader: yields batch dicts with `image` (B, 3, H, W), `label` (B,) int64, `key` list[str]; under
+    loader: yields batch dicts with `image` (B, C, H, W), `label` (B,) int64, `key` list[str]; under
         `torch.distributed`, each rank's loader must be its own share of an exact pass (each sample on
         exactly one rank), such as `ShardDataModule.exact_dataloader`.
     prepare: applied to each batch, on the backbone's device, before the forward pass: typically

@@ -163,7 +163,7 @@ def write_comparison(
 
 
 def attention_images(suite: Suite) -> torch.Tensor:
-    """(n, 3, H, W): the first `ATTENTION_IMAGES` images of the first dataset's test split, normalised."""
+    """(n, C, H, W): the first `ATTENTION_IMAGES` images of the first dataset's test split, normalised."""
     data = next(iter(suite.datasets.values()))
     datamodule = ShardDataModule(test_urls=data["test_urls"], **datamodule_args(data))
     return read_images(datamodule, "test", ATTENTION_IMAGES)[0]

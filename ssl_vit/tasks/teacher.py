@@ -57,7 +57,7 @@ def ema_update(teacher: ViT, student: ViT, momentum: float) -> None:
 
 @torch.no_grad()
 def teacher_targets(teacher: ViT, images: Tensor, features: TeacherFeatures, top_k: int) -> Tensor:
-    """images: (B, 3, H, W) uncorrupted model inputs -> regression targets for every patch (B, N, D).
+    """images: (B, C, H, W) uncorrupted model inputs -> regression targets for every patch (B, N, D).
 
     - `final_norm` (I-JEPA, sec 3 "Targets"): the last block's output after the encoder's final norm,
       then a LayerNorm without affine parameters, as the paper's `forward_target` applies.

@@ -211,3 +211,20 @@ def test_a_five_band_export_loads_back_as_five_bands_in_ssl_vit_and_timm(five_ba
         )  # fmt: skip
         with torch.no_grad():
             torch.testing.assert_close(plain.eval()(images), task(images), rtol=1e-5, atol=1e-6)
+
+
+def test_a_hybrids_resnet_stem_is_what_adapts(tmp_path, capsys):
+    """The paper's hybrid reads the bands with its ResNet stem (its patch embedding reads ResNet
+    features): the stem's weights are the ones adapted, by the same function."""
+    torch.manual_seed(0)
+    hybrid = ViTConfig("R50+S/16", 32, width=32, depth=1, heads=2)
+    path = saved(SupervisedPretraining(hybrid, num_classes=10), tmp_path / "hybrid.ckpt")
+    vit, config = load_backbone(path, bands(hybrid, 5))
+    assert config.in_chans == 5
+    assert capsys.readouterr().err.splitlines() == [
+        f"ssl-vit: note: adapted the ResNet stem of {path} from 3 to 5 input bands (timm's adapt_input_conv)"
+    ]
+    rgb = torch.load(path, weights_only=True)["state_dict"]["backbone.patch_embed.backbone.stem.conv.weight"]
+    stem = vit.state_dict()["patch_embed.backbone.stem.conv.weight"]
+    assert torch.equal(stem, rgb[:, [0, 1, 2, 0, 1]] * (3 / 5))
+    assert vit(torch.randn(1, 5, 32, 32)).shape == (1, 32)
