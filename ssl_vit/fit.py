@@ -403,7 +403,10 @@ def refuse_overridden_options(argv: list[str], before: dict, config, path) -> No
 def refuse_other_bands(hparams: dict, config, path) -> None:
     """A checkpoint's backbone of other input bands than the data's `channels` (3 unless given): the
     link would build the model for the data's bands, and the checkpoint's weights would not load."""
-    saved = (hparams.get("backbone") or {}).get("in_chans", 3)
+    backbone = hparams.get("backbone")
+    if not isinstance(backbone, dict):  # not an ssl-vit task's checkpoint: Lightning says what is wrong
+        return
+    saved = backbone.get("in_chans", 3)  # checkpoints from before other band counts: RGB
     data = getattr(config.get("data"), "init_args", None)
     channels = (data.get("channels") if data is not None else None) or 3
     if saved != channels:

@@ -9,6 +9,10 @@ process with `PRELUDE` (`run_cli(..., prelude=PRELUDE)`).
 
 The repeated bands are what `adapt_input_conv` is exact on (timm: RGB weights repeated over the bands and
 scaled by 3 / C), which the tests use.
+
+Only while the data module does not read N-band shards itself: one that does refuses RGB shards whose
+manifest says 3 channels for `channels` 5, and the tests using this module then read shards of N bands
+written by `ssl-vit data convert tiff:DIR` instead.
 """
 
 import inspect
