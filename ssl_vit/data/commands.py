@@ -37,16 +37,16 @@ def add_parser(subparsers) -> None:
         "--format",
         dest="image_format",
         choices=["png", "jpg"],
-        default="png",
-        help="png (lossless, default) or jpg",
+        help="png (lossless, default) or jpg; array sources (tiff, eurosat) store .npy and refuse it",
     )
-    convert.add_argument("--quality", type=int, default=95, help="JPEG quality (default 95)")
+    convert.add_argument("--quality", type=int, help="JPEG quality (default 95)")
     convert.add_argument(
         "--max-side",
         type=int,
         metavar="N",
         help="shrink images whose longer side exceeds N pixels to N (aspect kept, never enlarged) and "
-        "re-encode them in --format; smaller images in that format are stored byte for byte",
+        "re-encode them in --format; smaller images in that format are stored byte for byte (8-bit "
+        "sources only)",
     )
     convert.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
     convert.add_argument(
@@ -81,6 +81,19 @@ def add_parser(subparsers) -> None:
     )
     inspect.add_argument("urls", metavar="URLS", nargs="+", help="shard URLs, brace ranges allowed")
     inspect.add_argument("--workers", type=int, default=1, help="shards inspected in parallel (default 1)")
+    inspect.add_argument(
+        "--stats",
+        action="store_true",
+        help="for each manifest without band_stats (per-band mean, std, min, max in model units), compute "
+        "them over the inspected shards' good images, at most --stats-images, and add them to it",
+    )
+    inspect.add_argument(
+        "--stats-images",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="--stats reads at most N images per manifest, spread evenly over its shards (default 10000)",
+    )
     inspect.set_defaults(func=_inspect)
 
 
@@ -170,12 +183,16 @@ def _convert(args) -> int:
 
 
 def _inspect(args) -> int:
-    from ssl_vit.data.inspect import format_report, inspect_urls
+    from ssl_vit.data.inspect import add_band_stats, format_report, inspect_urls
 
-    check_at_least(args, 1, "workers")
+    check_at_least(args, 1, "workers", "stats_images")
 
-    reports, problems = inspect_urls(args.urls, workers=args.workers)
+    reports, problems = inspect_urls(
+        args.urls, workers=args.workers, stats_images=args.stats_images if args.stats else None
+    )
     print(format_report(reports, problems))
+    for line in add_band_stats(reports) if args.stats else []:
+        print(line)
     return 1 if problems else 0
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data import imagenet, segmentation_sources
+from ssl_vit.data import arrays_source, eurosat, imagenet, segmentation_sources
 from ssl_vit.errors import UserError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
@@ -43,9 +43,12 @@ SOURCES_HELP = (
     "ignored as 255), voc:DIR (VOCdevkit/VOC2012: ImageSets/Segmentation/SPLIT.txt, JPEGImages, "
     "SegmentationClass; 21 classes, 255 borders kept), mosaic:URLS --grid K [--background-threshold T] "
     "(K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with its "
-    "class: a dense task built from real images)"
+    "class: a dense task built from real images); of any band count and bit depth (stored as npy): "
+    "tiff:DIR (DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, "
+    "uint16, int16 or float32), eurosat:DIR (EuroSAT's 13-band Sentinel-2 tifs, --split train|val|test)"
 )
 MASK_SOURCES = ("ade20k", "voc", "mosaic")
+ARRAY_SOURCES = ("tiff", "eurosat")  # stored as .npy arrays, not 8-bit PNG/JPEG
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Source:
     # `wds_source.ShardImage` / `wds_source.Broken`
     total: int | None  # the number of records, where known before reading them (progress, resume)
     masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
+    arrays: bool = False  # records are `arrays_source.ArrayFile`s, stored as .npy
     manifest: dict = field(default_factory=dict)  # more to record in the manifest, complete once the
     # records have been read to their end
     options: dict = field(default_factory=dict)  # the source's own options (a rerun with others starts over)
@@ -85,6 +89,8 @@ def open_source(
         "ade20k": segmentation_sources.ade20k,
         "voc": segmentation_sources.voc,
         "mosaic": lambda arg, split: _mosaic(arg, split, grid, background_threshold),
+        "tiff": arrays_source.load,
+        "eurosat": eurosat.load,
     }
     if kind not in loaders:
         raise UserError(f"unknown source {spec!r}: use one of {SOURCES_HELP}")
@@ -103,6 +109,7 @@ def open_source(
         records,
         total,
         masks=kind in MASK_SOURCES,
+        arrays=kind in ARRAY_SOURCES,
         manifest=getattr(records, "manifest", {}),  # the mosaic's
         options=options if kind == "mosaic" else {},
     )

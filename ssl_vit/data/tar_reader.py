@@ -29,7 +29,7 @@ _RECENT = 256  # member names kept to judge the sample in progress at a break: f
 
 # The members a sample's image may be, in the order `samples.decode_image` looks for them, and those
 # `samples.parse_label` reads its label from.
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy")
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy", "tif", "tiff")
 LABEL_MEMBERS = ("cls", "json")
 
 
