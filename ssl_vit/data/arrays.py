@@ -1,7 +1,7 @@
 """Image members PIL cannot read exactly, as numpy arrays `(H, W, C)` of any band count C in one of
 `ARRAY_DTYPES`: `.npy` (numpy's format), `.tif`/`.tiff` (tifffile; a GeoTIFF is read as a plain array,
-its georeferencing ignored) and 16-bit PNGs (torchvision's libpng decoder: PIL truncates 48- and 64-bit
-RGB(A) PNGs to 8 bits per channel, keeping the high byte).
+its georeferencing ignored) and 16-bit grey PNGs (`open_png16`, which says why 16-bit colour PNGs are
+refused).
 
 Every reader parses the header first (`open_array`): height, width, bands and dtype are known, and
 judged by the caller (pixels against `max_image_pixels`, bands against the data module's `channels`,
@@ -29,7 +29,6 @@ ARRAY_MEMBERS = ("npy", "tif", "tiff")  # members that are always arrays (a PNG 
 # refused from its header, before its pixels take memory.
 MAX_BANDS = 1024
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PNG_BANDS = {0: 1, 2: 3, 4: 2, 6: 4}  # PNG colour type -> channels (PNG spec 11.2.2; 3 is a palette)
 
 
 class BadArray(ValueError):
@@ -148,7 +147,7 @@ def open_npy(data: bytes, channels: int | None = None) -> ArrayMember:
     )
     if len(data) - offset != count * dtype.itemsize:
         raise BadArray(
-            f"npy body holds {len(data) - offset:,} bytes, its header ({member.shape_text()}) says "
+            f"body holds {len(data) - offset:,} bytes, its header ({member.shape_text()}) says "
             f"{count * dtype.itemsize:,}"
         )
     return member
@@ -186,22 +185,29 @@ def png_bit_depth(data: bytes) -> int | None:
 
 
 def open_png16(data: bytes) -> ArrayMember:
-    """A 16-bit PNG: size, bands and bit depth from its IHDR; decoded by torchvision's `decode_png`,
-    which keeps 16 bits per sample (as uint16)."""
+    """A 16-bit PNG, its size and colour type from its IHDR. Grey is read exactly by PIL (mode I;16).
+    Colour ones (48-bit RGB, 64-bit RGBA, 32-bit grey + alpha) are refused: PIL keeps only the high
+    byte of each of their samples, and torchvision's `decode_png`, which keeps 16 bits, crashed the
+    process (a segmentation fault) on a truncated one here (torchvision 0.29), which a worker reading
+    untrusted shards must never do. Store such images as `.tif` or `.npy`."""
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    bands = PNG_BANDS.get(data[25])
-    if bands is None:
-        raise BadArray(f"PNG colour type {data[25]} at 16 bits")
+    colour = data[25]
+    if colour != 0:
+        kind = {2: "48-bit RGB", 4: "32-bit grey + alpha", 6: "64-bit RGBA"}.get(
+            colour, f"colour type {colour}"
+        )
+        raise BadArray(
+            f"is a {kind} PNG, which is not read (PIL keeps 8 of its 16 bits per sample): store it as "
+            ".tif or .npy"
+        )
 
     def read() -> np.ndarray:
-        import torch
-        from torchvision.io import ImageReadMode, decode_png
+        from PIL import Image
 
-        # bytearray: torch.frombuffer wants a writable buffer
-        image = decode_png(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
-        return image.permute(1, 2, 0).numpy()
+        with Image.open(io.BytesIO(data)) as image:
+            return np.array(image)[:, :, None]
 
-    return ArrayMember(height, width, bands, "uint16", read)
+    return ArrayMember(height, width, 1, "uint16", read)
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

@@ -49,7 +49,7 @@ from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ssl_vit.data import samples
-from ssl_vit.data.device_decode import collate_jpegs
+from ssl_vit.data.device_decode import DeferredCrop, collate_jpegs
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import (
@@ -329,6 +329,8 @@ class ShardStream(IterableDataset):
             "key": [s["__key__"] for s in samples_],
             **jpegs,
         }
+        if not jpegs and isinstance(self.transform, DeferredCrop):  # decode="device", nothing for it
+            batch["decoded_on_cpu"] = torch.tensor(len(images))
         if any("mask" in s for s in samples_):
             batch["mask"] = _stack(self._masks(samples_))
         if "__position__" in samples_[-1]:
