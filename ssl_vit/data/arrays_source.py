@@ -41,6 +41,11 @@ class ArrayFile:
     dtype: str
     first: Path
 
+    @property
+    def where(self) -> Path:
+        """What a warning about it names (`encode.encode_record`)."""
+        return self.path
+
 
 class ArrayRecords(list):
     """A split's records, with what the manifest records about them (`dtype`, and `band_names` where

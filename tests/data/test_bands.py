@@ -191,8 +191,8 @@ def mask_shards(root, with_masks: bool) -> str:
 
 @pytest.mark.parametrize("preset", ["pretrain", "eval"])
 def test_masks_follow_n_band_images_and_leave_them_as_they_are_without_masks(tmp_path, preset):
-    """Wherever a crop's band 0 is exactly one class's value (inside a block), the mask holds that
-    class; the images are those of the same shards without masks, seed for seed."""
+    """Wherever a crop's band 0 is one class's value (inside a block, to within float rounding), the
+    mask holds that class; the images are those of the same shards without masks, seed for seed."""
     batches = {}
     for with_masks in (True, False):
         urls = mask_shards(tmp_path / str(with_masks), with_masks)
@@ -206,10 +206,10 @@ def test_masks_follow_n_band_images_and_leave_them_as_they_are_without_masks(tmp
         band, mask = masked["image"][:, 0], masked["mask"]
         assert mask.dtype == torch.uint8 and mask.shape == band.shape
         for cls in (0, 1, 2):
-            exact = band == 1000 * (cls + 1)
+            exact = (band - 1000 * (cls + 1)).abs() < 0.01  # bilinear weights sum to 1 within rounding
             inside += int(exact.sum())
             assert (mask[exact] == cls).all()
-        assert (mask[band == 0] == 255).all()
+        assert (mask[band.abs() < 0.01] == 255).all()
     assert inside > 0.5 * batches[True][0]["mask"].numel() * len(batches[True])
 
 
@@ -248,12 +248,12 @@ def test_timm_mixup_and_cutmix_blend_every_band(signal_set):
     out, _, _ = signal_set
     batch = one_pass(module(str(out / "train-{000000..000002}.tar"), 5, mean="auto", std="auto"))
     x, y = batch["image"][:8].clone(), batch["label"][:8]
-    mixed, target = Mixup(mixup_alpha=1.0, cutmix_alpha=0.0, num_classes=2)(x.clone(), y)
+    mixed, target = Mixup(mixup_alpha=1.0, cutmix_alpha=0.0, label_smoothing=0.0, num_classes=2)(x.clone(), y)
     lam = float(target[0, y[0]]) if y[0] != y.flip(0)[0] else None
     assert mixed.shape == (8, 5, 16, 16)
     if lam is not None:
         torch.testing.assert_close(mixed, lam * x + (1 - lam) * x.flip(0), rtol=1e-5, atol=1e-5)
-    cut, _ = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, num_classes=2)(x.clone(), y)
+    cut, _ = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, label_smoothing=0.0, num_classes=2)(x.clone(), y)
     pasted = (cut != x).any(dim=0)  # [5, H, W]: where some image changed
     assert torch.equal(pasted[0], pasted[SIGNAL_BAND]) and torch.equal(pasted[0], pasted[4])
 
