@@ -240,16 +240,21 @@ def _transform_array(array: np.ndarray, array_transform, mask: np.ndarray | None
 
 def pixels(opened: Opened, bands: Bands = RGB) -> np.ndarray:
     """The opened image decoded in full as `bands` reads it: (H, W, C) in its stored dtype (8-bit images
-    read as RGB with 3 channels, as `transform_image` gives them to its transform)."""
+    read as RGB with 3 channels, as `transform_image` gives them to its transform). BadSample for bytes
+    that do not decode."""
     image = opened.image
-    if isinstance(image, ArrayMember):
-        array = image.read()
-        grey_as_rgb = image.bands == 1 and layout(image, bands) == (3, "uint8")
-        return np.repeat(array, 3, axis=2) if grey_as_rgb else array
-    mode = "RGB" if bands.channels == 3 else PIL_ARRAY_MODES[image.mode]
-    decoded = image.convert(mode) if mode is not None and image.mode != mode else image
-    array = np.asarray(decoded)
-    return array[:, :, None] if array.ndim == 2 else array
+    try:
+        if isinstance(image, ArrayMember):
+            array = image.read()
+            grey_as_rgb = image.bands == 1 and layout(image, bands) == (3, "uint8")
+            return np.repeat(array, 3, axis=2) if grey_as_rgb else array
+        mode = "RGB" if bands.channels == 3 else PIL_ARRAY_MODES[image.mode]
+        array = np.asarray(image.convert(mode) if mode is not None and image.mode != mode else image)
+        return array[:, :, None] if array.ndim == 2 else array
+    except BadArray as err:
+        raise BadSample(f"{opened.ext} {err}") from None
+    except Exception as err:
+        raise BadSample(f"{opened.ext} does not decode ({type(err).__name__}: {err})") from None
 
 
 def decode_image(
