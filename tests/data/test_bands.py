@@ -284,3 +284,31 @@ def test_data_module_mistakes_about_bands_are_one_line(signal_set, tmp_path):
         UserError, match="their manifest says 5 channels of uint16, data.init_args.channels is 3"
     ):
         rgb.exact_dataloader("val")
+
+
+def test_bench_feed_streams_n_band_shards_and_says_they_were_decoded_on_the_cpu(cli, signal_set, tmp_path):
+    """`ssl-vit bench feed --shards` over 5-band uint16 shards (channels, mean and std from their
+    manifest) with `--decode device`: arrays take the CPU path, and each row says so (100%). The step's
+    side comes from a `bench step` report given with `--step-json`, so nothing of the model runs."""
+    out, _, _ = signal_set
+    config = {
+        "variant": "Ti/8",
+        "depth": None,
+        "img_size": 16,
+        "batch_size": 2,
+        "device": "cpu",
+        "compile": False,
+    }
+    rows = [{"name": "plain", "images_per_s": 1.0}, {"name": "mae", "images_per_s": 50.0}]
+    (tmp_path / "step.json").write_text(json.dumps([{"config": config, "rows": rows}]))
+    shards, files = (
+        str(out / "train-{000000..000002}.tar"),
+        [str(tmp_path / "step.json"), str(tmp_path / "feed.json")],
+    )
+    proc = cli("bench", "feed", "--shards", shards, "--workers", "0", "--decode", "device", "--variant",
+               "Ti/8", "--img-size", "16", "--batch-size", "2", "--batches", "2", "--step-json", files[0],
+               "--json", files[1])  # fmt: skip
+    (row,) = json.loads((tmp_path / "feed.json").read_text())["rows"]
+    assert row["on_cpu"] == 1.0 and row["images_per_s"] > 0
+    assert "| workers | img/s | per worker | decoded on the CPU | feed / step (mae) |" in proc.stdout
+    assert "| 0 (in-process) |" in proc.stdout and "| 100% |" in proc.stdout
