@@ -128,13 +128,13 @@ def open_npy(data: bytes, channels: int | None = None) -> ArrayMember:
         elif version == (2, 0):
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
         else:  # 3.0 only adds utf-8 field names, which a plain numeric array has none of
-            raise BadArray(f"npy format version {version[0]}.{version[1]}: write it with numpy.save")
+            raise BadArray(f"format version {version[0]}.{version[1]}: write it with numpy.save")
     except BadArray:
         raise
     except Exception as err:
-        raise BadArray(f"npy header does not parse ({type(err).__name__}: {err})") from None
+        raise BadArray(f"header does not parse ({type(err).__name__}: {err})") from None
     if len(shape) not in (2, 3) or any(not isinstance(d, int) or d < 0 for d in shape):
-        raise BadArray(f"npy shape {shape}: an image is (H, W), (H, W, C) or (C, H, W)")
+        raise BadArray(f"shape {shape}: an image is (H, W), (H, W, C) or (C, H, W)")
     axis = None if len(shape) == 2 else band_axis(shape, channels)
     offset, count = stream.tell(), math.prod(shape)
     member = _member(

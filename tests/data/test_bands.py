@@ -312,3 +312,30 @@ def test_bench_feed_streams_n_band_shards_and_says_they_were_decoded_on_the_cpu(
     assert row["on_cpu"] == 1.0 and row["images_per_s"] > 0
     assert "| workers | img/s | per worker | decoded on the CPU | feed / step (mae) |" in proc.stdout
     assert "| 0 (in-process) |" in proc.stdout and "| 100% |" in proc.stdout
+
+
+def test_device_decoding_places_jpegs_beside_16_bit_arrays_in_model_units(tmp_path):
+    """`decode: device` (here on the CPU) with JPEGs and 3-band uint16 arrays in one batch: the JPEGs are
+    decoded where the batch lands, the arrays in the workers; the batch is float32 in model units, the
+    JPEGs' crops in [0, 1] and the arrays' at their stored 40,000, each at its place."""
+    samples = []
+    for i in range(4):
+        if i % 2:
+            samples.append(
+                {"__key__": f"a{i}", "npy": npy(np.full((24, 24, 3), 40_000, np.uint16)), "cls": "0"}
+            )
+        else:
+            buf = io.BytesIO()
+            Image.fromarray(smooth(i, 24)).save(buf, format="JPEG")
+            samples.append({"__key__": f"j{i}", "jpg": buf.getvalue(), "cls": "1"})
+    write_array_shard(tmp_path / "train-000000.tar", samples)
+    dm = module(str(tmp_path / "train-000000.tar"), 3, mean=(0.0,) * 3, std=(1.0,) * 3, batch_size=4,
+                train_batches=1, decode="device", shuffle_buffer=1)  # fmt: skip
+    dm.setup("fit")
+    (batch,) = [dm.prepare_batch(b) for b in dm.train_dataloader()]
+    assert int(batch["decoded_on_cpu"]) == 2 and batch["image"].dtype == torch.float32
+    for key, image in zip(batch["key"], batch["image"], strict=True):
+        if key.startswith("a"):
+            torch.testing.assert_close(image, torch.full_like(image, 40_000.0))  # float resampling
+        else:
+            assert 0 <= image.min() and image.max() <= 1 and image.max() > 0.2

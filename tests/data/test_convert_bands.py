@@ -12,6 +12,8 @@ from test_errors import error_line
 
 from ssl_vit.data.eurosat import BAND_NAMES, CLASSES
 
+pytest_plugins = ["server_helpers"]  # the `faulty_http` fixture
+
 
 def convert(cli, source: str, out, *extra: str, split: str = "train") -> dict:
     cli("data", "convert", source, str(out), "--split", split, "--no-progress", *extra)
@@ -159,3 +161,60 @@ def test_every_manifest_records_channels_dtype_and_exact_band_stats_and_inspect_
     for key in ("mean", "std", "min", "max"):
         assert again[key] == pytest.approx(stats[key], rel=1e-9, abs=1e-12), key
     assert full["band_stats"]["images"] == 7
+
+
+def test_inspect_stats_of_a_remote_manifest_are_printed_not_written(cli, tmp_path, faulty_http):
+    rng = np.random.default_rng(2)
+    for i in range(4):
+        write_tiff(tmp_path / "tifs" / "a" / f"{i}.tif", rng.integers(0, 5000, (8, 8, 3), dtype=np.uint16))
+    convert(cli, f"tiff:{tmp_path / 'tifs'}", faulty_http.root, "--shard-size", "2")
+    manifest = json.loads((faulty_http.root / "train.json").read_text())
+    bare = {k: v for k, v in manifest.items() if k != "band_stats"}
+    (faulty_http.root / "train.json").write_text(json.dumps(bare))
+    proc = cli("data", "inspect", f"{faulty_http.url}/train-{{000000..000001}}.tar", "--stats")
+    line = next(line for line in proc.stdout.splitlines() if "band_stats" in line)
+    assert line.startswith(
+        f"{faulty_http.url}/train.json: a remote manifest, which this command cannot write"
+    )
+    assert json.loads(line.split(" images are ", 1)[1]) == manifest["band_stats"]
+    assert json.loads((faulty_http.root / "train.json").read_text()) == bare
+
+
+def test_inspect_names_every_hostile_array_member_and_mask_with_its_reason(cli, tmp_path):
+    """A shard of members that lie in their headers, through `ssl-vit data inspect`: each a problem with
+    its reason, exit 1, no traceback; the good one counted."""
+    import io
+    import struct
+
+    import tifffile
+    from bands_helpers import npy, png16, write_array_shard
+    from PIL import Image
+
+    good = np.zeros((8, 8, 3), np.uint8)
+    tif = io.BytesIO()
+    tifffile.imwrite(tif, np.zeros((8, 8, 4), np.uint16), photometric="minisblack", planarconfig="contig")
+    header = repr({"descr": "<u2", "fortran_order": False, "shape": (30_000, 30_000, 4)}).encode()
+    header += b" " * (63 - (len(header) + 10) % 64) + b"\n"
+    huge_npy = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + bytes(64)
+    big_mask = io.BytesIO()
+    Image.new("L", (3000, 3000)).save(big_mask, format="PNG")
+    samples = [
+        {"__key__": "good", "npy": npy(good), "cls": "0"},
+        {"__key__": "huge", "npy": huge_npy, "cls": "0"},
+        {"__key__": "cut-header", "npy": huge_npy[:20], "cls": "0"},
+        {"__key__": "cut-tif", "tif": tif.getvalue()[:60], "cls": "0"},
+        {"__key__": "rgb48", "png": png16(np.zeros((4, 4, 3), np.uint16)), "cls": "0"},
+        {"__key__": "big-mask", "npy": npy(good), "seg.png": big_mask.getvalue(), "cls": "0"},
+    ]
+    write_array_shard(tmp_path / "train-000000.tar", samples)
+    proc = cli("data", "inspect", str(tmp_path / "train-000000.tar"), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "1 good samples in 1 shards" in proc.stdout
+    for key, reason in [
+        ("huge", "npy body holds 64 bytes"),
+        ("cut-header", "npy header does not parse"),
+        ("cut-tif", "tif "),
+        ("rgb48", "png is a 48-bit RGB PNG, which is not read"),
+        ("big-mask", "seg.png is 3000x3000 pixels, its image 8x8"),
+    ]:
+        assert f"train-000000.tar: {key}: {reason}" in proc.stdout, (key, proc.stdout)
