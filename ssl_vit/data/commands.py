@@ -29,8 +29,8 @@ def add_parser(subparsers) -> None:
         "--split",
         default="train",
         help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits, "
-        "imagenet and ade20k (train|val), cifar (train|test) and voc (its list in ImageSets/Segmentation: "
-        "train|val|trainval)",
+        "imagenet and ade20k (train|val), cifar (train|test), voc (its list in ImageSets/Segmentation: "
+        "train|val|trainval) and hf (the repository's own: train|validation|test|...)",
     )
     convert.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     convert.add_argument(

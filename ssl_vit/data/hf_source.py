@@ -291,7 +291,7 @@ def _inside(base: Path, name: str, root: Path, what: str) -> Path:
     return path
 
 
-SPLIT_IN_NAME = re.compile(r"([A-Za-z]\w*)(?:-.*)?")
+SPLIT_IN_NAME = re.compile(r"([A-Za-z]\w*(?:\.\w+)*)(?:-.*)?")  # the Hub's split names: \w+(\.\w+)*
 
 
 def _inferred(root: Path) -> dict[str, dict[str, list[Path]]]:

@@ -137,6 +137,10 @@ def test_plain_pyarrow_parquet_with_its_columns_named(cli, tmp_path):
     assert manifest["class_names"] == ["0", "1", "2", "3", "4"] and manifest["skipped"] == 0
     convert(cli, f"hf:{snap}", tmp_path / "out", *args, "--split", "validation")
     assert json.loads((tmp_path / "out/validation.json").read_text())["num_samples"] == 2
+    (snap / "data").mkdir()  # a split name with dots, as the Hub allows (train.clean.100)
+    pq.write_table(plain_table(rng, [0, 1, 0]), snap / "data/train.other-00000-of-00001.parquet")
+    convert(cli, f"hf:{snap}", tmp_path / "out", *args, "--split", "train.other")
+    assert json.loads((tmp_path / "out/train.other.json").read_text())["num_samples"] == 3
 
 
 CARD = """---
