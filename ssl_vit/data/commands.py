@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ssl_vit.data.sources import SOURCES_HELP
+from ssl_vit.data.sources import SOURCE_OPTIONS, SOURCES_HELP
 from ssl_vit.errors import UserError, check_at_least
 
 # `bench data` and `bench feed` hold their generated JPEGs in memory; larger sides only exhaust it
@@ -29,8 +29,8 @@ def add_parser(subparsers) -> None:
         "--split",
         default="train",
         help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits, "
-        "imagenet and ade20k (train|val), cifar (train|test) and voc (its list in ImageSets/Segmentation: "
-        "train|val|trainval)",
+        "imagenet and ade20k (train|val), cifar (train|test), voc (its list in ImageSets/Segmentation: "
+        "train|val|trainval) and hf (the repository's own: train|validation|test|...)",
     )
     convert.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     convert.add_argument(
@@ -62,6 +62,24 @@ def add_parser(subparsers) -> None:
         metavar="T",
         help="mosaic:URLS only: pixels whose grey level (the maximum of R, G and B) is below T (0-255) "
         "get an extra class 'background', numbered after the tiles' classes",
+    )
+    convert.add_argument(
+        "--subset",
+        metavar="NAME",
+        help="hf:DIR only: the configuration (subset) to read, one of the README's configs: or a top "
+        "folder; default: the only one, or the one marked default",
+    )
+    convert.add_argument(
+        "--image-column",
+        metavar="NAME",
+        help="hf:DIR only: the column of images (encoded image files, or the `datasets` Image struct); "
+        "default: the column the `datasets` features mark as Image",
+    )
+    convert.add_argument(
+        "--label-column",
+        metavar="NAME",
+        help="hf:DIR only: the column of integer labels; default: the column the `datasets` features mark "
+        "as ClassLabel (its names become the class names), else none (unlabelled)",
     )
     convert.add_argument(
         "--overwrite",
@@ -172,8 +190,7 @@ def _convert(args) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=args.progress,
-        grid=args.grid,
-        background_threshold=args.background_threshold,
+        **{name: getattr(args, name) for name in SOURCE_OPTIONS},
     )
     print(
         f"wrote {manifest['num_samples']} samples ({manifest['skipped']} unreadable skipped) in "

@@ -35,9 +35,10 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 
 @dataclass(frozen=True)
 class ShardImage:
-    """A sample's image file as a shard stores it, and the key it has there (kept in the new shards)."""
+    """A sample's image file as a shard stores it, and the key it has there (kept in the new shards); or
+    an image file a parquet row holds (`ssl_vit.data.hf_source`), without a key (the writer numbers it)."""
 
-    key: str
+    key: str | None
     data: bytes
     where: str  # "URL: KEY", for messages
 

@@ -65,14 +65,13 @@ def convert(
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
-    grid: int | None = None,
-    background_threshold: int | None = None,
+    **source_options: int | str | None,
 ) -> dict:
     """Write the shards and manifest for SOURCE `spec`, images shrunk to `max_side` pixels on their
-    longer side where larger; returns the manifest. `grid` and `background_threshold` are the
-    `mosaic:` source's (`ssl_vit.data.mosaic`). `image_format` (default png) and `quality` (default
-    95) are those of 8-bit sources; an array source (`tiff:`, `eurosat:`) stores `.npy` members at
-    their size, and refuses them and `max_side`."""
+    longer side where larger; returns the manifest. `source_options` are the sources' own
+    (`ssl_vit.data.sources.SOURCE_OPTIONS`: `grid=` of `mosaic:`, `subset=` of `hf:`, ...).
+    `image_format` (default png) and `quality` (default 95) are those of 8-bit sources; an array
+    source (`tiff:`, `eurosat:`) stores `.npy` members at their size, and refuses them and `max_side`."""
     check_split_name(split)
     if shard_size <= 0:
         raise UserError(f"--shard-size must be positive, got {shard_size}")
@@ -111,7 +110,7 @@ def convert(
             f"{outdir} already holds split {split!r} ({len(old)} files): pass --overwrite to replace it, "
             "or choose another OUTDIR or --split"
         )
-    source = open_source(spec, split, grid=grid, background_threshold=background_threshold)
+    source = open_source(spec, split, **source_options)
     options = {
         "source": spec,
         "split": split,
@@ -123,6 +122,7 @@ def convert(
         **source.options,
     }
 
+    created = not outdir.exists()
     outdir.mkdir(parents=True, exist_ok=True)
     partial = outdir / f".{split}.partial"
     finished = _finished_shards(partial, options)
@@ -130,6 +130,9 @@ def convert(
         manifest = _write_shards(source, partial, options, finished, workers, progress)
     except UserError:
         shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
+        if created:  # an OUTDIR made for a conversion that wrote nothing goes too
+            with contextlib.suppress(OSError):
+                outdir.rmdir()
         raise
     except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
         recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}
@@ -472,9 +475,11 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
         for entry in shards:
             pixels.update({int(k): v for k, v in entry["mask_pixels"].items()})
         manifest.update(
-            masks=True, ignore_index=IGNORE_INDEX, mask_pixels={str(k): v for k, v in sorted(pixels.items())}
+            masks=True,
+            ignore_index=IGNORE_INDEX,
+            mask_pixels={str(k): v for k, v in sorted(pixels.items())},
         )
-    manifest.update(source.manifest)  # the mosaic's options; an array source's dtype and band names
+    manifest.update(source.manifest)  # mosaic's options, hf's columns, an array source's dtype and band names
     return manifest
 
 
