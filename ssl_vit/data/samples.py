@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -98,6 +99,16 @@ def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
 # An array is also held to 4 bytes per pixel of that limit (an 8-bit RGBA image at the limit), however
 # its bytes are spread over bands.
 MAX_IMAGE_PIXELS = 89_478_485
+
+
+def max_member_bytes(max_pixels: int | None) -> int | None:
+    """The largest tar member a sample within `max_pixels` can need (None: no limit), which the tar
+    reader judges from each member's header and reads past, unheld, when exceeded: an array is held to 4
+    bytes per pixel of the limit, an 8-bit image file takes at most as many (an RGBA PNG of
+    incompressible pixels adds a filter byte per row and deflate's block headers, under 1%), and a
+    label, a mask or a json member far less. Without it a 400 MB member of a 389 KB `.tar.gz` is
+    read into memory before its header says it is too large."""
+    return None if max_pixels is None else math.ceil(4 * max_pixels * 1.01) + (1 << 20)
 
 
 @dataclass(frozen=True)

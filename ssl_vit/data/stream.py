@@ -58,6 +58,7 @@ from ssl_vit.data.samples import (
     BadSample,
     Bands,
     SkipCounter,
+    max_member_bytes,
     open_image,
     parse_label,
     read_mask,
@@ -214,7 +215,7 @@ class ShardStream(IterableDataset):
             draw = random.Random(stream_seed(*base, segment, 0))
             shards = [{"url": url} for url in draw.choices(self.urls, k=self.segment_shards)]
             raw = dry.source(shards)
-            for stage in tar_samples(counter, self.read_policy):
+            for stage in tar_samples(counter, self.read_policy, max_member_bytes(self.max_image_pixels)):
                 raw = stage(raw)
             raw = dry.passed(self._labelled(raw, counter))
             # shuffle raw bytes before decoding: cheap to buffer, and decoding is the expensive part
@@ -269,7 +270,7 @@ class ShardStream(IterableDataset):
             lambda shards: islice(shards, self.rank, None, self.world_size),  # rank from the main process
             wds.split_by_worker,
             lambda shards: dry.source(shards, exhaustive=True),
-            *tar_samples(counter, self.read_policy),
+            *tar_samples(counter, self.read_policy, max_member_bytes(self.max_image_pixels)),
             lambda raw: dry.passed(self._labelled(raw, counter)),
             wds.map(self.decode, handler=counter),
             counter.passed,
@@ -431,7 +432,12 @@ def _seeded_rngs(seed: int, restore: bool):
 
 
 def iter_samples(
-    urls: Iterable[str], handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT
+    urls: Iterable[str],
+    handler: Callable[[Exception], bool],
+    policy: ReadPolicy = DEFAULT,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> Iterator[dict]:
-    """Raw samples of `urls` in order, one process (for `inspect`)."""
-    return iter(wds.DataPipeline(wds.SimpleShardList(list(urls)), *tar_samples(handler, policy)))
+    """Raw samples of `urls` in order, one process (for `inspect`); members too large for an image of
+    `max_pixels` are skipped unread (`max_member_bytes`)."""
+    stages = tar_samples(handler, policy, max_member_bytes(max_pixels))
+    return iter(wds.DataPipeline(wds.SimpleShardList(list(urls)), *stages))
