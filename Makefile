@@ -4,16 +4,26 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quickstart study study-pretrain study-compare lint clean
+CONSTRAINTS := requirements/constraints.txt
+
+.PHONY: install constraints test quickstart study study-pretrain study-compare lint clean
 
 install: $(STAMP)
 
-# Reinstall whenever the project's dependencies change.
-$(STAMP): pyproject.toml
+# pyproject.toml declares the ranges ssl-vit works with (what `pip install` beside a cluster's torch
+# gets); .venv gets the exact versions of $(CONSTRAINTS), the ones the tests and the study ran with.
+# Reinstall whenever either changes.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
+
+# Rewrites $(CONSTRAINTS) from what .venv holds now: after a new dependency in pyproject.toml, or after
+# `.venv/bin/pip install NAME==VERSION` of a newer release that `make test` then passed with.
+constraints: $(STAMP)
+	$(PY) requirements/freeze.py > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 # Two test processes (pytest-xdist), each given whole files: about half the suite waits on one core
 # (single-threaded commands, servers, timeouts) while the other idles. TEST_JOBS=0: pytest alone.

@@ -1,6 +1,7 @@
 """Test servers shared by the test files, serving a directory over HTTP on 127.0.0.1: nginx, and a
-small Python server that fails on purpose (`faulty_http`)."""
+small Python server that fails or redirects on purpose (`faulty_http`, and `hub_http` beside it)."""
 
+import contextlib
 import email.utils
 import http.server
 import os
@@ -93,7 +94,7 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
 
     def _serve(self, head: bool) -> None:
         server: FaultyServer = self.server.owner
-        fault, then = server.fault_for(self.command, self.path)
+        fault, then = server.fault_for(self.command, self.path, dict(self.headers))
         try:
             self._respond(server, fault, head)
         finally:
@@ -107,6 +108,16 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         if fault is not None and fault.isdigit():  # an error status: "503", "403", ...
             self.send_error(int(fault), "(on purpose)")
             return
+        for prefix, target, code in server.redirects:
+            if self.path.startswith(prefix):
+                if server.token is not None and self.headers.get("Authorization") != f"Bearer {server.token}":
+                    self.send_error(401, "a gated dataset: no or another token")
+                    return
+                self.send_response(code)
+                self.send_header("Location", target + self.path[len(prefix) :])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
         path = server.root / self.path.lstrip("/").split("?")[0]
         if not path.is_file():
             self.send_error(404)
@@ -143,7 +154,10 @@ class FaultyServer:
     `fault`: an error status ("503", "403", ...), "half" (half the body, then the connection closes), "stall"
     (nothing at all until the test ends), "stall_body" (half the body, then nothing); `then` runs after
     the faulty response. `ranges=False` makes it ignore Range headers, as some servers do. `requests`
-    lists (method, path, fault) of every request in order."""
+    lists (method, path, fault) of every request in order, `headers` their headers.
+    `redirect(prefix, target, code)` answers every request whose path starts with `prefix` with a
+    redirect to `target` + the rest of the path, as the Hub's `resolve/` URLs redirect to its CDN; with
+    `token` set, only a request with `Authorization: Bearer TOKEN` (else 401, as for a gated dataset)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -151,6 +165,9 @@ class FaultyServer:
         self.faults: list[tuple] = []
         self.seen: Counter = Counter()
         self.requests: list[tuple[str, str, str | None]] = []
+        self.headers: list[dict[str, str]] = []
+        self.redirects: list[tuple[str, str, int]] = []
+        self.token: str | None = None
         self.lock = threading.Lock()
         self.released = threading.Event()
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FaultyHandler)
@@ -163,14 +180,18 @@ class FaultyServer:
         nth = {nth} if isinstance(nth, int) else nth
         self.faults.append((part, nth, fault, method, then))
 
+    def redirect(self, prefix: str, target: str, code: int = 302) -> None:
+        self.redirects.append((prefix, target, code))
+
     def reset(self) -> None:
         """No faults, nothing seen yet."""
         with self.lock:
             self.faults.clear()
             self.seen.clear()
             self.requests.clear()
+            self.headers.clear()
 
-    def fault_for(self, method: str, path: str) -> tuple:
+    def fault_for(self, method: str, path: str, headers: dict | None = None) -> tuple:
         """(fault, then) for this request: (None, None) when it is served as it should be."""
         with self.lock:
             found = (None, None)
@@ -180,17 +201,17 @@ class FaultyServer:
                     if found[0] is None and (nth is None or self.seen[i] in nth):
                         found = (fault, then)
             self.requests.append((method, path, found[0]))
+            self.headers.append(headers or {})
             return found
 
     def count(self, part: str, method: str = "GET") -> int:
         return sum(1 for m, path, _ in self.requests if m == method and part in path)
 
 
-@pytest.fixture
-def faulty_http(tmp_path):
-    """A `FaultyServer` serving tmp_path/www (empty: the test puts its files there); stopped afterwards."""
-    (tmp_path / "www").mkdir()
-    server = FaultyServer(tmp_path / "www")
+@contextlib.contextmanager
+def _running(root: Path):
+    root.mkdir()
+    server = FaultyServer(root)
     server.thread.start()
     try:
         yield server
@@ -198,3 +219,18 @@ def faulty_http(tmp_path):
         server.released.set()
         server.httpd.shutdown()
         server.httpd.server_close()
+
+
+@pytest.fixture
+def faulty_http(tmp_path):
+    """A `FaultyServer` serving tmp_path/www (empty: the test puts its files there); stopped afterwards."""
+    with _running(tmp_path / "www") as server:
+        yield server
+
+
+@pytest.fixture
+def hub_http(tmp_path):
+    """A second `FaultyServer` (tmp_path/hub), on another port: another host to a client, such as the
+    Hub in front of its CDN (`faulty_http`), set up with `redirect`."""
+    with _running(tmp_path / "hub") as server:
+        yield server

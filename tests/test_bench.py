@@ -394,7 +394,7 @@ def test_bench_feed_times_the_input_path_against_the_step(tmp_path):
     for row in report["rows"]:
         assert row["images_per_s"] > 0 and row["per_worker"] == row["images_per_s"]
         assert row["vs_step"]["mae"] == pytest.approx(row["images_per_s"] / report["step"]["mae"])
-    assert "| workers | img/s | per worker | feed / step (mae) |" in proc.stdout
+    assert "| workers | img/s | per worker | decoded on the CPU | feed / step (mae) |" in proc.stdout
     assert "| 0 (in-process) |" in proc.stdout and "| mae |" in proc.stdout  # and the step's own table
 
 

@@ -7,7 +7,10 @@ the user's own (`--shards`, e.g. what `ssl-vit data convert --max-side` wrote) -
 `ShardDataModule`'s training stream (tar reading, shuffle, decode, random resized crop with the
 imagenet1k recipes' scale (0.2, 1), flip, uint8 batches) through its DataLoader workers -> each batch
 moved to the device as Lightning moves it and passed through the data module's
-`on_after_batch_transfer` (normalised, as training gets it). The step is not run meanwhile: this is
+`on_after_batch_transfer` (normalised, as training gets it). Each row says which path its images took:
+the share decoded on the CPU (all of them with `--decode cpu`; with `--decode device`, the PNGs, CMYK
+JPEGs and the images read as arrays: npy, TIFF, 16-bit PNG, other band counts than 3, whose channels,
+mean and std come from the shards' manifest). The step is not run meanwhile: this is
 what the workers can deliver, to be read against what the step consumes.
 
 Each worker's first `WARMUP_BATCHES` batches are not timed (process start-up, first shards opened,
@@ -31,6 +34,7 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.bench import make_jpegs, write_shards
+from ssl_vit.data.urls import channel_choices, expand, read_manifest
 
 CROP_SCALE = (0.2, 1.0)  # the imagenet1k recipes' (MAE's pretraining crop)
 IMAGES, SHARDS = 256, 8  # distinct JPEGs, and the tars holding them (the stream resamples them)
@@ -46,11 +50,13 @@ def default_workers() -> list[int]:
 
 def feed_rate(
     urls: str, workers: int, batch_size: int, img_size: int, batches: int, device: torch.device, decode: str
-) -> float:
+) -> tuple[float, float]:
     """Images/s from `workers` DataLoader workers (0: the main process decodes) to normalised batches
-    on `device`, over `batches` timed batches per worker."""
+    on `device`, over `batches` timed batches per worker; and the share of those images decoded on the
+    CPU (with `decode="device"`, what the device decoder does not take: PNGs, arrays, CMYK JPEGs)."""
     rounds = max(1, workers)  # batches per round of the DataLoader over its workers
     data = ShardDataModule(
+        **band_args(urls),
         train_urls=urls,
         batch_size=batch_size,
         num_workers=workers,
@@ -61,13 +67,32 @@ def feed_rate(
         decode=decode,
     )
     data.setup("fit")
+    on_cpu = 0
     for i, batch in enumerate(data.train_dataloader()):
         batch = data.on_after_batch_transfer(move_data_to_device(batch, device), 0)
+        if i >= WARMUP_BATCHES * rounds:  # every image on the CPU unless the device decoded some
+            on_cpu += int(batch.get("decoded_on_cpu", len(batch["key"])))
         if i == WARMUP_BATCHES * rounds - 1:
             _sync(device)
             start = time.perf_counter()
     _sync(device)
-    return batches * rounds * batch_size / (time.perf_counter() - start)
+    images = batches * rounds * batch_size
+    return images / (time.perf_counter() - start), on_cpu / images
+
+
+def band_args(urls: str) -> dict:
+    """The data module's `channels`, `mean` and `std` for shards of another band count than RGB's, from
+    their manifest (the manifest's band_stats, else 0 and 1: the rate does not depend on them)."""
+    manifest = read_manifest(expand(urls, "--shards")[0]) or {}
+    choices = channel_choices(manifest)
+    if not choices or 3 in choices:
+        return {}
+    channels, auto = choices[0], "band_stats" in manifest
+    return {
+        "channels": channels,
+        "mean": "auto" if auto else (0.0,) * channels,
+        "std": "auto" if auto else (1.0,) * channels,
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -94,9 +119,11 @@ def run_feed(
     with tempfile.TemporaryDirectory(prefix="ssl-vit-bench-feed-") as tmp:
         urls = shards or write_shards(make_jpegs(IMAGES, stored, quality=quality), tmp, SHARDS)
         for n in workers:
-            rate = feed_rate(urls, n, batch_size, img_size, batches, torch.device(device), decode)
-            rows.append({"workers": n, "images_per_s": rate, "per_worker": rate / max(1, n)})
-            progress(f"{n} workers: {rate:.1f} img/s")
+            rate, on_cpu = feed_rate(urls, n, batch_size, img_size, batches, torch.device(device), decode)
+            rows.append(
+                {"workers": n, "images_per_s": rate, "per_worker": rate / max(1, n), "on_cpu": on_cpu}
+            )
+            progress(f"{n} workers: {rate:.1f} img/s, {100 * on_cpu:.0f}% decoded on the CPU")
     source = {"shards": shards} if shards else {"stored": list(stored), "quality": quality, "images": IMAGES}
     config = {
         **source, "img_size": img_size,
@@ -141,12 +168,19 @@ def format_feed(report: dict) -> str:
     lines = [
         head,
         "",
-        "| workers | img/s | per worker | " + " | ".join(f"feed / step ({name})" for name in steps) + " |",
-        "|---:|---:|---:|" + "---:|" * len(steps),
+        "| workers | img/s | per worker | decoded on the CPU | "
+        + " | ".join(f"feed / step ({name})" for name in steps)
+        + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(steps),
     ]
     for row in report["rows"]:
         workers = "0 (in-process)" if row["workers"] == 0 else str(row["workers"])
-        cells = [workers, f"{row['images_per_s']:.1f}", f"{row['per_worker']:.1f}"]
+        cells = [
+            workers,
+            f"{row['images_per_s']:.1f}",
+            f"{row['per_worker']:.1f}",
+            f"{100 * row['on_cpu']:.0f}%",
+        ]
         cells += [f"{ratio:.2f}" for ratio in row["vs_step"].values()]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "feed / step above 1: the step never waits for data"]

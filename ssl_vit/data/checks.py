@@ -58,7 +58,7 @@ def read_policy(args: dict[str, Any]) -> ReadPolicy:
 # The integer settings of a `ShardDataModule` and their smallest values (None: the default applies).
 COUNT_MINIMUMS = {
     "batch_size": 1, "image_size": 1, "num_workers": 0, "segment_shards": 1, "train_batches": 1,
-    "num_classes": 1, "seed": 0, "read_retries": 0, "max_image_pixels": 1,
+    "num_classes": 1, "seed": 0, "read_retries": 0, "max_image_pixels": 1, "channels": 1,
 }  # fmt: skip
 # Its settings in seconds: positive, finite numbers (None: the default applies).
 SECONDS = ("read_timeout_s", "loader_timeout_s")

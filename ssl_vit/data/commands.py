@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ssl_vit.data.sources import SOURCES_HELP
+from ssl_vit.data.sources import SOURCE_OPTIONS, SOURCES_HELP
 from ssl_vit.errors import UserError, check_at_least
 
 # `bench data` and `bench feed` hold their generated JPEGs in memory; larger sides only exhaust it
@@ -29,24 +29,24 @@ def add_parser(subparsers) -> None:
         "--split",
         default="train",
         help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits, "
-        "imagenet and ade20k (train|val), cifar (train|test) and voc (its list in ImageSets/Segmentation: "
-        "train|val|trainval)",
+        "imagenet and ade20k (train|val), cifar (train|test), voc (its list in ImageSets/Segmentation: "
+        "train|val|trainval) and hf (the repository's own: train|validation|test|...)",
     )
     convert.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     convert.add_argument(
         "--format",
         dest="image_format",
         choices=["png", "jpg"],
-        default="png",
-        help="png (lossless, default) or jpg",
+        help="png (lossless, default) or jpg; array sources (tiff, eurosat) store .npy and refuse it",
     )
-    convert.add_argument("--quality", type=int, default=95, help="JPEG quality (default 95)")
+    convert.add_argument("--quality", type=int, help="JPEG quality (default 95)")
     convert.add_argument(
         "--max-side",
         type=int,
         metavar="N",
         help="shrink images whose longer side exceeds N pixels to N (aspect kept, never enlarged) and "
-        "re-encode them in --format; smaller images in that format are stored byte for byte",
+        "re-encode them in --format; smaller images in that format are stored byte for byte (8-bit "
+        "sources only)",
     )
     convert.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
     convert.add_argument(
@@ -62,6 +62,24 @@ def add_parser(subparsers) -> None:
         metavar="T",
         help="mosaic:URLS only: pixels whose grey level (the maximum of R, G and B) is below T (0-255) "
         "get an extra class 'background', numbered after the tiles' classes",
+    )
+    convert.add_argument(
+        "--subset",
+        metavar="NAME",
+        help="hf:DIR only: the configuration (subset) to read, one of the README's configs: or a top "
+        "folder; default: the only one, or the one marked default",
+    )
+    convert.add_argument(
+        "--image-column",
+        metavar="NAME",
+        help="hf:DIR only: the column of images (encoded image files, or the `datasets` Image struct); "
+        "default: the column the `datasets` features mark as Image",
+    )
+    convert.add_argument(
+        "--label-column",
+        metavar="NAME",
+        help="hf:DIR only: the column of integer labels; default: the column the `datasets` features mark "
+        "as ClassLabel (its names become the class names), else none (unlabelled)",
     )
     convert.add_argument(
         "--overwrite",
@@ -81,6 +99,19 @@ def add_parser(subparsers) -> None:
     )
     inspect.add_argument("urls", metavar="URLS", nargs="+", help="shard URLs, brace ranges allowed")
     inspect.add_argument("--workers", type=int, default=1, help="shards inspected in parallel (default 1)")
+    inspect.add_argument(
+        "--stats",
+        action="store_true",
+        help="for each manifest without band_stats (per-band mean, std, min, max in model units), compute "
+        "them over the inspected shards' good images, at most --stats-images, and add them to it",
+    )
+    inspect.add_argument(
+        "--stats-images",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="--stats reads at most N images per manifest, spread evenly over its shards (default 10000)",
+    )
     inspect.set_defaults(func=_inspect)
 
 
@@ -159,8 +190,7 @@ def _convert(args) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=args.progress,
-        grid=args.grid,
-        background_threshold=args.background_threshold,
+        **{name: getattr(args, name) for name in SOURCE_OPTIONS},
     )
     print(
         f"wrote {manifest['num_samples']} samples ({manifest['skipped']} unreadable skipped) in "
@@ -170,12 +200,16 @@ def _convert(args) -> int:
 
 
 def _inspect(args) -> int:
-    from ssl_vit.data.inspect import format_report, inspect_urls
+    from ssl_vit.data.inspect import add_band_stats, format_report, inspect_urls
 
-    check_at_least(args, 1, "workers")
+    check_at_least(args, 1, "workers", "stats_images")
 
-    reports, problems = inspect_urls(args.urls, workers=args.workers)
+    reports, problems = inspect_urls(
+        args.urls, workers=args.workers, stats_images=args.stats_images if args.stats else None
+    )
     print(format_report(reports, problems))
+    for line in add_band_stats(reports) if args.stats else []:
+        print(line)
     return 1 if problems else 0
 
 

@@ -9,8 +9,10 @@
         image_size: 32
 
 Training reads a resampled stream with a fixed number of batches per rank per epoch; validation and
-test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float
-[B,3,H,W] (normalised; the DataLoaders give uint8, converted on the device by `prepare_batch`),
+test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float32
+[B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the DataLoaders give uint8 for
+8-bit images, float32 in model units for 16-bit and float ones, converted on the device by
+`prepare_batch`),
 `label` int64 [B] (-1 where unlabelled), `key` list[str], `mask` uint8 [B,H,W] when the samples carry
 segmentation masks (`seg.png`: a class index per pixel of `image`, 255 ignored; cropped, flipped and
 resized with the image, nearest-neighbour; passed through untouched), `skipped` (bad samples the
@@ -28,6 +30,7 @@ view all come from one reading.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection
 from dataclasses import replace
 from typing import Any, Literal
@@ -38,6 +41,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup
 from timm.data.mixup import mixup_target
 from torch.utils.data import DataLoader
 
+from ssl_vit.data.band_transforms import build_array_transform
 from ssl_vit.data.checks import (
     SPLITS,
     STAGE_SPLITS,
@@ -50,10 +54,10 @@ from ssl_vit.data.device_decode import device_transform, place_jpegs
 from ssl_vit.data.identity import changes, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
 from ssl_vit.data.masks import IGNORE_INDEX
-from ssl_vit.data.samples import MAX_IMAGE_PIXELS
+from ssl_vit.data.samples import MAX_IMAGE_PIXELS, Bands
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
-from ssl_vit.data.urls import expand, manifest_url, read_manifest
+from ssl_vit.data.urls import channel_choices, expand, manifest_url, read_manifest
 from ssl_vit.errors import BadValue, UserError
 
 log = logging.getLogger("ssl_vit.data")
@@ -87,7 +91,13 @@ class ShardDataModule(pl.LightningDataModule):
             drawn within `classes`); the other splits are not filtered. The stream still reads every
             shard and decodes only the kept samples.
         num_classes: overrides the manifest's class count.
-        mean, std: normalisation.
+        channels: bands of every image (C of the batches' `image`): 3 reads 8-bit images as RGB, as
+            always (grey ones expanded); any other count, and 16-bit or float images, are read as
+            arrays (npy, tif/tiff, 16-bit PNG; see data/README.md). A sample with another band count,
+            or another dtype than its split's manifest records, is skipped and counted.
+        mean, std: normalisation, one value per band, in model units (8-bit data / 255, as timm's
+            IMAGENET_DEFAULT_MEAN; other dtypes as stored); `auto`: the manifest's `band_stats`
+            (`ssl-vit data convert` records them, `ssl-vit data inspect --stats` adds them).
         draft: decode JPEGs at a reduced scale (1/2, 1/4, 1/8) when the crop's source region, or for
             `eval` the whole image, stays at least the size it is resized to.
         decode: where training JPEGs are decoded. `cpu`: in the DataLoader workers. `device`: the workers
@@ -139,8 +149,9 @@ class ShardDataModule(pl.LightningDataModule):
         classes: list[int] | None = None,
         train_keys: Collection[str] | None = None,
         num_classes: int | None = None,
-        mean: tuple[float, float, float] = IMAGENET_DEFAULT_MEAN,
-        std: tuple[float, float, float] = IMAGENET_DEFAULT_STD,
+        channels: int = 3,
+        mean: tuple[float, ...] | Literal["auto"] = IMAGENET_DEFAULT_MEAN,
+        std: tuple[float, ...] | Literal["auto"] = IMAGENET_DEFAULT_STD,
         draft: bool = True,
         decode: Literal["cpu", "device"] = "cpu",
         read_retries: int = 5,
@@ -157,9 +168,14 @@ class ShardDataModule(pl.LightningDataModule):
             {
                 "batch_size": batch_size, "image_size": image_size, "num_workers": num_workers,
                 "segment_shards": segment_shards, "train_batches": train_batches, "num_classes": num_classes,
-                "seed": seed, "max_image_pixels": max_image_pixels,
+                "seed": seed, "max_image_pixels": max_image_pixels, "channels": channels,
             }
         )  # fmt: skip
+        if randaugment and channels != 3:
+            raise BadValue(
+                f"randaugment is timm's RandAugment, which works on RGB images: with channels {channels} "
+                "leave it out (data.init_args.randaugment null)"
+            )
         check_seconds({"loader_timeout_s": loader_timeout_s})
         low, high = crop_scale
         if not 0 < low <= high <= 1:
@@ -180,16 +196,19 @@ class ShardDataModule(pl.LightningDataModule):
         self.loader_timeout_s = loader_timeout_s or 2 * self.read_policy.worst_case_s()
         if (mixup_alpha or cutmix_alpha) and train_preset != "supervised":
             raise BadValue(f"mixup/cutmix belong to train_preset 'supervised', not {train_preset!r}")
+        self.train_urls, self.val_urls, self.test_urls = train_urls, val_urls, test_urls
+        self.channels = channels
+        self.manifests: dict[str, dict | None] = {}
+        self.mean, self.std = self._normalisation("mean", mean), self._normalisation("std", std)
         # build once to validate the preset/randaugment combination at construction time
         build_transform(
             train_preset,
             image_size,
-            mean=mean,
+            mean=self.mean,
             crop_scale=crop_scale,
             randaugment=randaugment,
             crop_pct=eval_crop_pct,
         )
-        self.train_urls, self.val_urls, self.test_urls = train_urls, val_urls, test_urls
         self.batch_size, self.num_workers, self.image_size = batch_size, num_workers, image_size
         self.train_preset, self.crop_scale, self.randaugment = train_preset, tuple(crop_scale), randaugment
         self.mixup_args = {
@@ -209,20 +228,62 @@ class ShardDataModule(pl.LightningDataModule):
         self.classes = list(classes) if classes is not None else None
         self.train_keys = frozenset(train_keys) if train_keys is not None else None
         self._num_classes = num_classes
-        self.mean, self.std = tuple(mean), tuple(std)
         self.draft, self.decode = draft, decode
         self.epoch = 0
         self.rank, self.world_size = 0, 1
         self._urls: dict[str, list[str]] = {}
-        # Manifests read, by URL (None: there is none), each once: another data module of the same run
-        # may share this dict (evaluation's trained protocols, the few-shot monitor) so that both decide
-        # from one reading.
-        self.manifests: dict[str, dict | None] = {}
+        # `manifests`: read, by URL (None: there is none), each once: another data module of the same
+        # run may share this dict (evaluation's trained protocols, the few-shot monitor) so that both
+        # decide from one reading.
         self._views: dict[str, EvalView] = {}
         self.on_data_change = on_data_change
         self.require_labels, self.max_image_pixels = require_labels, max_image_pixels
         self._mixup: Mixup | None = None
         self._check_labels()
+
+    def _normalisation(self, name: str, given: tuple[float, ...] | str) -> tuple[float, ...]:
+        """`mean` or `std` as one float per band: as given, or with "auto" the manifest's `band_stats`
+        (a grey 8-bit set's one band standing for the three it is read as with channels 3). One line
+        for a wrong count, a std that is not positive, or "auto" without stats."""
+        if given == "auto":
+            values = self._auto(name)
+        elif isinstance(given, str):
+            raise BadValue(f"{name} {given!r}: give {self.channels} numbers (one per band) or 'auto'")
+        else:
+            values = tuple(float(v) for v in given)
+        if len(values) != self.channels:
+            imagenet = given in (tuple(IMAGENET_DEFAULT_MEAN), tuple(IMAGENET_DEFAULT_STD))
+            default = " (the default: ImageNet's RGB)" if imagenet else ""
+            raise BadValue(
+                f"{name} has {len(values)} values{default} for channels {self.channels}: give one per band "
+                "in model units (8-bit data / 255, other dtypes as stored), or 'auto' for the manifest's "
+                "band_stats"
+            )
+        if not all(math.isfinite(v) for v in values) or (name == "std" and min(values) <= 0):
+            raise BadValue(f"{name} {list(values)}: give finite numbers{', all above 0' * (name == 'std')}")
+        return values
+
+    def _auto(self, name: str) -> tuple[float, ...]:
+        manifest = self.manifest
+        stats = (manifest or {}).get("band_stats")
+        if not isinstance(stats, dict) or not isinstance(stats.get(name), list):
+            first = next((u for u in (self.train_urls, self.val_urls, self.test_urls) if u), None)
+            where = "the shards have no manifest" if manifest is None else "their manifest has no band_stats"
+            raise UserError(
+                f"{name} 'auto' reads the manifest's band_stats, and {where}: add them with `ssl-vit data "
+                f"inspect --stats {first if isinstance(first, str) else 'URLS'}`, or give "
+                f"data.init_args.{name} as {self.channels} numbers"
+            )
+        values = [float(v) for v in stats[name]]
+        if len(values) == 1 and self.channels == 3 and manifest.get("dtype", "uint8") == "uint8":
+            values *= 3  # a grey 8-bit set, read as RGB: three equal bands
+        if name == "std" and 0 in values:
+            log.warning(
+                "band(s) %s are constant over the manifest's band_stats (std 0): normalised with std 1",
+                ", ".join(str(i) for i, v in enumerate(values) if v == 0),
+            )
+            values = [v or 1.0 for v in values]
+        return tuple(values)
 
     # --- facts for linking (LightningCLI link_arguments) --------------------------------------------
 
@@ -398,10 +459,32 @@ class ShardDataModule(pl.LightningDataModule):
             self.setup({"val": "validate", "test": "test"}.get(split, "fit"))
         return self._manifest_of(self._urls[split][0])
 
+    def _bands(self, split: str) -> Bands:
+        """What the stream of `split` reads: `channels` bands, of the dtype its manifest records. One line
+        when the manifest records another band count (a grey 8-bit set is read as RGB with channels 3),
+        or a dtype RandAugment cannot take."""
+        manifest = self.split_manifest(split) or {}
+        dtype, stored = manifest.get("dtype"), manifest.get("channels")
+        if stored is not None and self.channels not in channel_choices(manifest):
+            raise UserError(
+                f"{split}_urls: their manifest says {stored} channels of {dtype}, data.init_args.channels is "
+                f"{self.channels}: set channels to {stored} (with mean and std per band, or 'auto')"
+            )
+        if self.randaugment and dtype not in (None, "uint8"):
+            raise UserError(
+                f"{split}_urls: their manifest says dtype {dtype}, and randaugment (timm's RandAugment) "
+                "works on 8-bit RGB images: leave it out (data.init_args.randaugment null)"
+            )
+        return Bands(self.channels, dtype)
+
     def _stream(self, split: str, preset: Preset, batches_per_epoch: int | None) -> ShardStream:
         masks = self.has_masks(split)
         if masks and preset == "supervised" and self.randaugment:
             raise UserError(f"{split}_urls: {RANDAUGMENT_AND_MASKS}")
+        bands = self._bands(split)
+        # a crop fraction of 1 keeps the whole image: the resize and the crop are both identities
+        crop_pct = 1.0 if preset == "eval" and self.eval_view(split) == "whole" else self.eval_crop_pct
+        randaugment = self.randaugment if preset == "supervised" else None
         transform = (
             device_transform(self.image_size, self.crop_scale, self.draft)
             if (self.decode == "device" and preset != "eval")
@@ -410,11 +493,15 @@ class ShardDataModule(pl.LightningDataModule):
                 self.image_size,
                 mean=self.mean,
                 crop_scale=self.crop_scale,
-                # a crop fraction of 1 keeps the whole image: the resize and the crop are both identities
-                crop_pct=1.0 if preset == "eval" and self.eval_view(split) == "whole" else self.eval_crop_pct,
-                randaugment=self.randaugment if preset == "supervised" else None,
+                crop_pct=crop_pct,
+                randaugment=randaugment,
                 draft=self.draft,
             )
+        )
+        array_transform = (
+            None
+            if randaugment
+            else build_array_transform(preset, self.image_size, crop_scale=self.crop_scale, crop_pct=crop_pct)
         )
         return ShardStream(
             self._urls[split],
@@ -422,6 +509,10 @@ class ShardDataModule(pl.LightningDataModule):
             world_size=self.world_size,
             batch_size=self.batch_size,
             transform=transform,
+            array_transform=array_transform,
+            bands=bands,
+            array_refusal="an image read as bands (not 8-bit RGB), and randaugment (timm's RandAugment) "
+            "works on 8-bit RGB images only",
             classes=self.classes,
             keys=self.train_keys if split == "train" else None,
             seed=self.seed,
@@ -478,9 +569,10 @@ class ShardDataModule(pl.LightningDataModule):
         return epoch, ResumePlan(workers, first=consumed % workers_now)
 
     def prepare_batch(self, batch: dict) -> dict:
-        """A batch as the DataLoaders give it (`image` uint8 [B,3,H,W]) -> as the model takes it
-        (`image` float32 [B,3,H,W], normalised with `mean`/`std`), on the batch's device; every other
-        entry (`label`, `key`, `mask` uint8 [B,H,W]) passes through as it is.
+        """A batch as the DataLoaders give it (`image` uint8 [B,C,H,W], or float32 in model units) -> as
+        the model takes it (`image` float32 [B,C,H,W], each band normalised with its `mean`/`std`), on
+        the batch's device; every other entry (`label`, `key`, `mask` uint8 [B,H,W]) passes through as
+        it is.
 
         Lightning calls it after moving each batch to the device (`on_after_batch_transfer`); callers
         of the DataLoaders outside Lightning (feature extraction) call it themselves, after `.to(device)`.

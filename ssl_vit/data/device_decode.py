@@ -15,7 +15,8 @@ as `mask` uint8 [B, size, size] like on the CPU path; it is a few bytes per pixe
 decode.
 
 Per sample, the worker keeps the CPU path for what the device decoder does not take: other formats
-(PNG, WebP, npy) and JPEGs in CMYK/YCCK (nvJPEG has no CMYK output). A JPEG the device decoder
+(PNG, WebP, and every image read as an array: npy, TIFF, 16-bit PNG, any image when the data module's
+`channels` is not 3) and JPEGs in CMYK/YCCK (nvJPEG has no CMYK output). A JPEG the device decoder
 refuses anyway (a corrupt body passes a header check) is decoded on the host from the same bytes with
 the same box, and one no decoder reads is dropped from its batch and counted as skipped. Every sample
 decoded on the host is counted in `decoded_on_cpu` (`data/decoded_on_cpu_train` in W&B).
@@ -136,13 +137,15 @@ def place_jpegs(batch: dict, size: int) -> dict:
     device = batch["image"].device
     crops, on_host = decode_crops(jpegs, boxes.tolist(), flips.tolist(), size, device)
     n = len(jpeg_index) + len(cpu_index)
-    image = torch.empty(n, 3, size, size, dtype=torch.uint8, device=device)
+    # the workers' images are float32 in model units where one of them is 16-bit or float (`collate`)
+    dtype = batch["image"].dtype if len(cpu_index) else torch.uint8
+    image = torch.empty(n, 3, size, size, dtype=dtype, device=device)
     if len(cpu_index):
         image[cpu_index.to(device)] = batch["image"]
     read = [j for j, crop in enumerate(crops) if crop is not None]
     if read:  # one stack and one conversion for the batch, written in place at once
         pixels = torch.stack([crops[j] for j in read]).round_().clamp_(0, 255).to(torch.uint8)
-        image[jpeg_index[read].to(device)] = pixels
+        image[jpeg_index[read].to(device)] = pixels if dtype == torch.uint8 else pixels.float().div_(255)
     keep = torch.ones(n, dtype=torch.bool)
     keep[jpeg_index[[j for j, crop in enumerate(crops) if crop is None]]] = False
     batch["image"] = image

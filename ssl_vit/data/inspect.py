@@ -1,27 +1,44 @@
 """`ssl-vit data inspect URLS`: samples and classes per shard, undecodable samples, segmentation masks,
 a verdict.
 
-Each sample is decoded the way training decodes it (full size, no draft), its label parsed and its
-mask (`seg.png`) read and checked as training checks it; a set is broken when any sample or shard
+Each sample is decoded the way training decodes it (full size, no draft; with the band count and dtype
+its manifest records, else as stored), its label parsed and its mask (`seg.png`) read and checked as
+training checks it; a set is broken when any sample or shard
 fails, when a label is beyond its manifest's class count, when a mask does not decode, does not match
 its image's size, holds a class beyond the manifest's count (other than 255, ignored) or is missing
 where the manifest says every sample has one, or when shard counts disagree with the manifest. Each
 shard is checked against the manifest of its own directory and split, so one command can inspect
 several splits or directories.
+
+`--stats` adds the per-band statistics (`ssl_vit.data.band_stats`) to each manifest that has none,
+over a bounded, deterministic sample of the inspected images (`plan_stats`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import multiprocessing
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
+from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.masks import IGNORE_INDEX, pixel_counts
-from ssl_vit.data.samples import BadSample, check_mask_size, decode_image, parse_label, read_mask
+from ssl_vit.data.samples import (
+    MAX_IMAGE_PIXELS,
+    RGB,
+    BadSample,
+    Bands,
+    layout,
+    open_image,
+    parse_label,
+    pixels,
+    read_mask,
+)
 from ssl_vit.data.stream import iter_samples
-from ssl_vit.data.transforms import decode
-from ssl_vit.data.urls import check_urls, expand, manifest_url, read_manifest
+from ssl_vit.data.urls import channel_choices, check_urls, expand, local_path, manifest_url, read_manifest
 
 
 @dataclass
@@ -33,30 +50,52 @@ class ShardReport:
     mask_pixels: Counter = field(default_factory=Counter)  # class (or 255) -> pixels, over those masks
     bad: list[str] = field(default_factory=list)  # "key: reason", one per unusable sample
     errors: list[str] = field(default_factory=list)  # the shard's own failures (unreadable, truncated tar)
+    stats: BandStats | None = None  # of the images sampled for `--stats`
+    dtypes: set[str] = field(default_factory=set)  # of those images
+
+    def stats_images(self) -> int:
+        return self.stats.images if self.stats is not None else 0
 
 
-def inspect_shard(url: str, num_classes: int | None = None, masks: bool = False) -> ShardReport:
-    """Read and decode every sample of `url`; a label of `num_classes` or more (the manifest's class
-    count) is a bad sample, as the training stream skips it, and so is a mask that training would skip
-    (`masks`: the manifest says every sample has one)."""
+@dataclass(frozen=True)
+class StatsSample:
+    """Which good images of a shard `--stats` reads: every `every`-th, at most `quota`."""
+
+    every: int
+    quota: int
+
+
+def inspect_shard(
+    url: str,
+    num_classes: int | None = None,
+    masks: bool = False,
+    bands: Bands = RGB,
+    sample: StatsSample | None = None,
+) -> ShardReport:
+    """Read and decode every sample of `url` as `bands` says (the manifest's channels and dtype); a label
+    of `num_classes` or more (the manifest's class count) is a bad sample, as the training stream skips
+    it, and so is a mask that training would skip (`masks`: the manifest says every sample has one).
+    With `sample`, the statistics of the bands of the good images it picks."""
     report = ShardReport(url)
 
     def on_error(exn: Exception) -> bool:
         report.errors.append(f"(shard) {' '.join(str(a) for a in exn.args if a is not None)}")
         return True
 
-    for sample in iter_samples([url], on_error):
+    for sample_ in iter_samples([url], on_error):
         try:
-            label = parse_label(sample)
+            label = parse_label(sample_)
             if num_classes is not None and label >= num_classes:
                 raise BadSample(f"label {label} is beyond the manifest's {num_classes} classes")
-            image = decode_image(sample, decode)
-            mask = read_mask(sample, num_classes, required=masks)
-            if mask is not None:
-                check_mask_size(image.size, mask)
+            opened = open_image(sample_, bands)
+            mask = read_mask(sample_, num_classes, masks, opened.size, MAX_IMAGE_PIXELS)
+            array = pixels(opened, bands)
         except BadSample as err:
-            report.bad.append(f"{sample['__key__']}: {err}")
+            report.bad.append(f"{sample_['__key__']}: {err}")
             continue
+        if sample is not None and report.samples % sample.every == 0 and report.stats_images() < sample.quota:
+            report.stats = merged([report.stats, BandStats.of(array)])
+            report.dtypes.add(layout(opened.image, bands)[1])
         report.samples += 1
         report.classes[label] += 1
         if mask is not None:
@@ -65,9 +104,19 @@ def inspect_shard(url: str, num_classes: int | None = None, masks: bool = False)
     return report
 
 
-def inspect_urls(urls: str | list[str], workers: int = 1) -> tuple[list[ShardReport], list[str]]:
+def manifest_bands(manifest: dict | None) -> Bands:
+    """How `inspect` reads the images of a manifest's set: with the channels and dtype it records
+    (a grey 8-bit set as RGB, as training reads it by default), else as stored."""
+    choices = channel_choices(manifest or {})
+    return Bands(max(choices) if choices else None, (manifest or {}).get("dtype"))
+
+
+def inspect_urls(
+    urls: str | list[str], workers: int = 1, stats_images: int | None = None
+) -> tuple[list[ShardReport], list[str]]:
     """Reports per shard, and the problems of the whole set (bad samples, broken shards, manifest
-    mismatches), each shard checked against the manifest next to it."""
+    mismatches), each shard checked against the manifest next to it. With `stats_images`, each shard
+    whose manifest has no `band_stats` also samples the statistics of its bands (`plan_stats`)."""
     urls = expand(urls, "URLS")
     check_urls(urls, "URLS")
     manifests: dict[str | None, dict | None] = {}  # manifest URL -> manifest, each read once
@@ -75,8 +124,16 @@ def inspect_urls(urls: str | list[str], workers: int = 1) -> tuple[list[ShardRep
         if manifest_url(url) not in manifests:
             manifests[manifest_url(url)] = read_manifest(url)
     own = [manifests[manifest_url(u)] for u in urls]
+    plan = plan_stats(urls, own, stats_images) if stats_images else {}
     jobs = [
-        (u, m["num_classes"] if m else None, bool(m and m.get("masks") is True)) for u, m in zip(urls, own)
+        (
+            u,
+            m and m["num_classes"],
+            bool(m and m.get("masks") is True),
+            manifest_bands(m),
+            plan.get(u),
+        )
+        for u, m in zip(urls, own)
     ]
     if workers > 1:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
@@ -91,6 +148,64 @@ def inspect_urls(urls: str | list[str], workers: int = 1) -> tuple[list[ShardRep
         if name in expected and expected[name] != read:
             problems.append(f"{r.url}: {read} samples, the manifest says {expected[name]}")
     return reports, problems
+
+
+def plan_stats(urls: list[str], own: list[dict | None], images: int) -> dict[str, StatsSample]:
+    """`--stats`: for each manifest without `band_stats`, which images of its inspected shards to read:
+    `images` at most, spread over the shards (an equal share each) and, within a shard, evenly over its
+    samples (every k-th, k from the manifest's count of the shard). Deterministic: the same shards give
+    the same statistics."""
+    groups: dict[str, list[str]] = {}
+    for url, manifest in zip(urls, own):
+        if manifest is not None and "band_stats" not in manifest:
+            groups.setdefault(manifest_url(url), []).append(url)
+    plan = {}
+    for shard_urls in groups.values():
+        counts = {s["url"]: s["num_samples"] for s in read_manifest(shard_urls[0])["shards"]}
+        for i, url in enumerate(shard_urls):
+            quota = images // len(shard_urls) + (i < images % len(shard_urls))
+            held = counts.get(PurePosixPath(url).name)
+            every = max(1, math.ceil(held / quota)) if held and quota else 1
+            plan[url] = StatsSample(every, quota)
+    return plan
+
+
+def add_band_stats(reports: list[ShardReport]) -> list[str]:
+    """Each sampled manifest with `band_stats` (and `channels` and `dtype` where it has none) added from
+    the reports' statistics, rewritten in one step (a temporary file moved over it); a remote one cannot
+    be written from here: the line says so and gives the statistics. Returns one line per manifest."""
+    lines = []
+    groups: dict[str, list[ShardReport]] = {}
+    for r in reports:
+        if r.stats is not None:
+            groups.setdefault(manifest_url(r.url), []).append(r)
+    for url, group in groups.items():
+        stats = merged(r.stats for r in group)
+        dtypes = set().union(*(r.dtypes for r in group))
+        if len(dtypes) > 1:
+            lines.append(
+                f"{url}: no band_stats added: its images have several dtypes, {', '.join(sorted(dtypes))}"
+            )
+            continue
+        manifest = read_manifest(group[0].url)
+        dtype = manifest.get("dtype", dtypes.pop())
+        band_stats = stats.manifest(dtype)
+        updated = {**manifest, "channels": manifest.get("channels", stats.channels), "dtype": dtype}
+        updated["band_stats"] = band_stats
+        path = local_path(url)
+        if path is None:
+            lines.append(
+                f"{url}: a remote manifest, which this command cannot write: its band_stats over "
+                f"{stats.images} images are {json.dumps(band_stats)}"
+            )
+            continue
+        tmp = path.with_name(f".{path.name}.stats.tmp")
+        tmp.write_text(json.dumps(updated, indent=1) + "\n")
+        os.replace(tmp, path)
+        lines.append(
+            f"{url}: band_stats added, over {stats.images} images ({stats.channels} bands of {dtype})"
+        )
+    return lines
 
 
 def format_report(reports: list[ShardReport], problems: list[str]) -> str:

@@ -8,6 +8,7 @@ scored. Read and checked the same way where shards are written (`ssl-vit data co
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 from PIL import Image
@@ -17,15 +18,32 @@ IGNORE_INDEX = 255
 MASK_MODES = ("L", "P")
 
 
-def decode_mask(data: bytes) -> np.ndarray:
+class MaskSizeError(ValueError):
+    """A mask whose header says it does not cover its image pixel for pixel."""
+
+
+def decode_mask(
+    data: bytes, image_size: tuple[int, int] | None = None, max_pixels: int | None = None
+) -> np.ndarray:
     """PNG bytes -> uint8 [H, W] class indices (P: the palette indices). ValueError for a file that does
-    not decode or is not single-channel 8-bit."""
-    with Image.open(io.BytesIO(data)) as mask:
+    not decode, is not single-channel 8-bit or has more than `max_pixels` pixels; MaskSizeError for one
+    whose size is not `image_size` (W, H). All judged from the header, before a pixel is decoded."""
+    with warnings.catch_warnings():  # PIL's warning on size: `max_pixels` decides here
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        mask = Image.open(io.BytesIO(data))
+    with mask:
         if mask.mode not in MASK_MODES:
             raise ValueError(
                 f"a mode {mask.mode} image, not single-channel 8-bit (mode L, or P whose indices are the "
                 "classes)"
             )
+        if max_pixels is not None and mask.width * mask.height > max_pixels:
+            raise ValueError(
+                f"is {mask.width}x{mask.height} ({mask.width * mask.height:,} pixels), more than "
+                f"max_image_pixels {max_pixels:,}: skipped without decoding"
+            )
+        if image_size is not None and (wrong := size_mismatch(image_size, mask.size)):
+            raise MaskSizeError(wrong)
         return np.array(mask)
 
 
@@ -44,11 +62,16 @@ def beyond_message(beyond: np.ndarray, num_classes: int) -> str:
     )
 
 
-def size_mismatch(image_size: tuple[int, int], mask: np.ndarray) -> str | None:
-    """What is wrong when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
-    if image_size == (mask.shape[1], mask.shape[0]):
+def size_mismatch(image_size: tuple[int, int], mask_size: tuple[int, int]) -> str | None:
+    """What is wrong when a mask of size (W, H) does not cover an image of size (W, H) pixel for pixel."""
+    if tuple(image_size) == tuple(mask_size):
         return None
-    return f"is {mask.shape[1]}x{mask.shape[0]} pixels, its image {image_size[0]}x{image_size[1]}"
+    return f"is {mask_size[0]}x{mask_size[1]} pixels, its image {image_size[0]}x{image_size[1]}"
+
+
+def array_size(mask: np.ndarray) -> tuple[int, int]:
+    """(W, H) of a mask [H, W]."""
+    return mask.shape[1], mask.shape[0]
 
 
 def pixel_counts(mask: np.ndarray) -> dict[int, int]:

@@ -13,6 +13,13 @@ each try, gives up on a read that gets no byte for a while, and continues where 
   (403, 405, 501: presigned URLs, servers without HEAD) with a one-byte ranged GET.
 - `url_opener`: the stage that opens shards in a stream, webdataset's `url_opener` with a policy.
 
+http(s) redirects (the Hugging Face Hub answers a `resolve/` URL with a redirect to its CDN) are
+followed, at most MAX_REDIRECTS of them per request: a longer chain or a loop fails at once with one
+line. A HEAD stays a HEAD through them and a `Range` goes along, so probes and resumed reads work through
+redirects. A Hub token (`HF_TOKEN`, as huggingface_hub reads it) is sent as `Authorization: Bearer` to
+the Hub only (`HF_ENDPOINT`'s scheme, host and port; `https://huggingface.co` unless set), never to the
+host a redirect leads to, and it is never written anywhere (messages, logs, configs, checkpoints).
+
 A fetch that breaks off after some bytes continues at the next byte rather than starting again: an
 HTTP range request (`Range: bytes=N-`; from a server that ignores ranges, the first N bytes are read
 again and dropped), a seek for fsspec files, and for a `pipe:` command the command run again with its
@@ -95,6 +102,10 @@ class _Changed(OSError):
     """The file changed between two tries of one fetch: its two parts would not be one file."""
 
 
+class _TooManyRedirects(OSError):
+    """A request redirected more than MAX_REDIRECTS times: a loop, never mended by trying again."""
+
+
 def is_remote(url: str) -> bool:
     """Whether `url` is read by this module (not a local path or `file://`)."""
     return urlparse(url).scheme not in ("", "file")
@@ -130,8 +141,7 @@ def probe(url: str, policy: ReadPolicy = DEFAULT) -> None:
 
         def head() -> None:
             try:
-                request = urllib.request.Request(url, method="HEAD")
-                with urllib.request.urlopen(request, timeout=policy.timeout_s):
+                with _http_open(url, policy.timeout_s, method="HEAD"):
                     return
             except urllib.error.HTTPError as err:
                 if err.code not in HEAD_REFUSED:
@@ -139,8 +149,7 @@ def probe(url: str, policy: ReadPolicy = DEFAULT) -> None:
             # Presigned S3 and GCS URLs sign the method, so HEAD is refused (403) where GET is allowed;
             # some servers have no HEAD (405, 501). One byte of a GET tells (200: a server that ignores
             # ranges; the body is not read).
-            request = urllib.request.Request(url, headers={"Range": "bytes=0-0"})
-            with urllib.request.urlopen(request, timeout=policy.timeout_s):
+            with _http_open(url, policy.timeout_s, headers={"Range": "bytes=0-0"}):
                 pass
 
         _tried(url, policy, head, _http_verdict)
@@ -200,6 +209,8 @@ def _tried(url: str, policy: ReadPolicy, attempt: Callable[[], object], verdict:
 def _after_failure(url: str, policy: ReadPolicy, err: Exception, kind: str, tries: int) -> None:
     """Raise what a failure of try number `tries` comes to, or wait before the next try."""
     reason = _reason(err, policy)
+    if isinstance(err, urllib.error.HTTPError) and err.code in (401, 403) and _on_hub(url):
+        reason += " (a gated or private dataset: set HF_TOKEN to a Hugging Face token with access to it)"
     if kind == MISSING:
         raise Missing(f"{url}: {reason}") from None
     if kind == FATAL:
@@ -225,7 +236,8 @@ def _reason(err: BaseException, policy: ReadPolicy) -> str:
     if isinstance(err, TimeoutError) and str(err) in ("", "timed out"):  # the socket's own
         return f"no byte for {policy.timeout_s:g} s"
     text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    if isinstance(err, (ConnectionError, TimeoutError, ChildProcessError, _Changed)) and text:
+    ours = (_Changed, _TooManyRedirects)
+    if isinstance(err, (ConnectionError, TimeoutError, ChildProcessError, *ours)) and text:
         return text  # ours, or the system's "[Errno N] ..."
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
@@ -236,7 +248,7 @@ def _http_verdict(err: Exception) -> str:
             return MISSING
         transient = err.code >= 500 and err.code not in PERMANENT_5XX
         return RETRY if transient or err.code in (408, 425, 429) else FATAL
-    if isinstance(err, _Changed):
+    if isinstance(err, (_Changed, _TooManyRedirects)):
         return FATAL
     if isinstance(err, urllib.error.URLError) and isinstance(err.reason, ssl.SSLCertVerificationError):
         return FATAL
@@ -345,9 +357,7 @@ class _Http:
 
     def open(self, offset: int):
         headers = {"Range": f"bytes={offset}-"} if offset else {}
-        response = urllib.request.urlopen(
-            urllib.request.Request(self.url, headers=headers), timeout=self.timeout_s
-        )
+        response = _http_open(self.url, self.timeout_s, headers=headers)
         try:
             if offset and response.status == 206:
                 start, _, total = response.headers.get("Content-Range", "").partition(" ")[2].partition("/")
@@ -370,6 +380,61 @@ class _Http:
         except BaseException:
             response.close()
             raise
+
+
+MAX_REDIRECTS = 10  # per request; a Hub `resolve/` URL takes one (to the CDN), two for a renamed repository
+HUB = "https://huggingface.co"
+
+
+def _http_open(url: str, timeout_s: float, method: str = "GET", headers: dict | None = None):
+    """urllib's response to one request, redirects followed (`_Redirects`), the Hub token added on the Hub."""
+    request = urllib.request.Request(url, method=method, headers=headers or {})
+    _authorize(request)
+    return _OPENER.open(request, timeout=timeout_s)
+
+
+def _authorize(request: urllib.request.Request) -> None:
+    """`Authorization: Bearer $HF_TOKEN` on a request to the Hub, none on any other."""
+    request.remove_header("Authorization")
+    token = os.environ.get("HF_TOKEN")
+    if token and _on_hub(request.full_url):
+        request.add_header("Authorization", f"Bearer {token}")
+
+
+def _on_hub(url: str) -> bool:
+    """Whether `url` is on the Hub: the scheme, host and port of HF_ENDPOINT, as huggingface_hub uses it."""
+    return _origin(url) == _origin(os.environ.get("HF_ENDPOINT") or HUB)
+
+
+def _origin(url: str) -> tuple:
+    parts = urlparse(url)
+    try:
+        port = parts.port
+    except ValueError:  # a port that is not a number names no origin
+        return (None,)
+    return parts.scheme, parts.hostname, port or {"http": 80, "https": 443}.get(parts.scheme)
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, with three changes. A HEAD stays a HEAD: urllib's handler (Python 3.11's
+    `redirect_request`) follows it with a GET, and a probe would start downloading the shard. The token
+    is decided again for every hop (`_authorize`): urllib copies every header to the next host. More
+    than MAX_REDIRECTS hops fail with `_TooManyRedirects` (urllib's own loop error has three lines)."""
+
+    max_repeats = max_redirections = MAX_REDIRECTS + 1  # so that the count below decides
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        hops = getattr(req, "hops", 0) + 1
+        if hops > MAX_REDIRECTS:
+            fp.close()
+            raise _TooManyRedirects(f"redirected more than {MAX_REDIRECTS} times (a redirect loop?)")
+        new.hops, new.method = hops, req.get_method()
+        _authorize(new)
+        return new
+
+
+_OPENER = urllib.request.build_opener(_Redirects)
 
 
 def _int(text: str | None) -> int | None:

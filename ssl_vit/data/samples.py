@@ -7,15 +7,27 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+import torch
 from PIL import Image
 
+from ssl_vit.data.arrays import ARRAY_MEMBERS, ArrayMember, BadArray, open_array, open_png16, png_bit_depth
 from ssl_vit.data.device_decode import JpegCrop
-from ssl_vit.data.masks import MASK_MEMBER, beyond_message, classes_beyond, decode_mask, size_mismatch
+from ssl_vit.data.masks import (
+    MASK_MEMBER,
+    MaskSizeError,
+    array_size,
+    beyond_message,
+    classes_beyond,
+    decode_mask,
+    size_mismatch,
+)
 from ssl_vit.data.tar_reader import IMAGE_MEMBERS
 from ssl_vit.errors import UserError
 
@@ -47,18 +59,27 @@ def parse_label(sample: dict) -> int:
     return label
 
 
-def read_mask(sample: dict, num_classes: int | None, required: bool) -> np.ndarray | None:
+def read_mask(
+    sample: dict,
+    num_classes: int | None,
+    required: bool,
+    image_size: tuple[int, int] | None = None,
+    max_pixels: int | None = None,
+) -> np.ndarray | None:
     """The sample's `seg.png` as uint8 [H, W] class indices, or None when it has none and none is
     `required` (its split's manifest says `"masks": true`). BadSample for a missing required mask, one
-    that does not decode or is not single-channel 8-bit, and one holding a class of `num_classes` or
-    more other than 255 (ignored)."""
+    that does not decode or is not single-channel 8-bit, one of more than `max_pixels` pixels or whose
+    size is not `image_size` (W, H) (both judged from its header, before it is decoded), and one holding
+    a class of `num_classes` or more other than 255 (ignored)."""
     data = sample.get(MASK_MEMBER)
     if data is None:
         if required:
             raise BadSample(f"no {MASK_MEMBER} member, and its split's manifest says every sample has a mask")
         return None
     try:
-        mask = decode_mask(data)
+        mask = decode_mask(data, image_size, max_pixels)
+    except MaskSizeError as err:
+        raise BadSample(f"{MASK_MEMBER} {err}") from None
     except Exception as err:
         raise BadSample(f"{MASK_MEMBER} does not decode ({type(err).__name__}: {err})") from None
     if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
@@ -68,14 +89,183 @@ def read_mask(sample: dict, num_classes: int | None, required: bool) -> np.ndarr
 
 def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
     """BadSample when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
-    if wrong := size_mismatch(image_size, mask):
+    if wrong := size_mismatch(image_size, array_size(mask)):
         raise BadSample(f"{MASK_MEMBER} {wrong}")
 
 
 # PIL's own limit (`Image.MAX_IMAGE_PIXELS`, 1024^3 / 4 / 3): beyond it PIL warns and decodes, and
 # refuses only at twice as many. `max_image_pixels` of the data module skips an image above its limit from
 # the header, before any pixel is decoded: one 144 Mpx image would otherwise take 0.5 GB in a worker.
+# An array is also held to 4 bytes per pixel of that limit (an 8-bit RGBA image at the limit), however
+# its bytes are spread over bands.
 MAX_IMAGE_PIXELS = 89_478_485
+
+
+def max_member_bytes(max_pixels: int | None) -> int | None:
+    """The largest tar member a sample within `max_pixels` can need (None: no limit), which the tar
+    reader judges from each member's header and reads past, unheld, when exceeded: an array is held to 4
+    bytes per pixel of the limit, an 8-bit image file takes at most as many (an RGBA PNG of
+    incompressible pixels adds a filter byte per row and deflate's block headers, under 1%), and a
+    label, a mask or a json member far less. Without it a 400 MB member of a 389 KB `.tar.gz` is
+    read into memory before its header says it is too large."""
+    return None if max_pixels is None else math.ceil(4 * max_pixels * 1.01) + (1 << 20)
+
+
+@dataclass(frozen=True)
+class Bands:
+    """The images a data module reads: `channels` bands (None: as stored, for `ssl-vit data inspect`),
+    of `dtype` where its split's manifest records one (None: any of `arrays.ARRAY_DTYPES`, each in its
+    own model units)."""
+
+    channels: int | None = 3
+    dtype: str | None = None
+
+
+RGB = Bands()
+# PIL modes read as arrays (`channels` other than 3) -> the mode they are read in (None: as they are)
+PIL_ARRAY_MODES = {
+    "1": "L", "L": "L", "LA": "LA", "P": "RGB", "RGB": "RGB", "RGBA": "RGBA", "CMYK": "RGB", "YCbCr": "RGB",
+    "I;16": None, "I;16L": None, "I;16B": None, "F": None,
+}  # fmt: skip
+PIL_ARRAY_LAYOUT = {
+    "L": (1, "uint8"), "LA": (2, "uint8"), "RGB": (3, "uint8"), "RGBA": (4, "uint8"), "I;16": (1, "uint16"),
+    "I;16L": (1, "uint16"), "I;16B": (1, "uint16"), "F": (1, "float32"),
+}  # fmt: skip
+
+
+@dataclass
+class Opened:
+    """A sample's image member, its header read and judged, nothing decoded: `image` is an opened PIL
+    image or an `arrays.ArrayMember`; `data` its bytes."""
+
+    ext: str
+    data: bytes
+    image: Image.Image | ArrayMember
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.image.size
+
+
+def open_image(sample: dict, bands: Bands = RGB, max_pixels: int | None = MAX_IMAGE_PIXELS) -> Opened:
+    """The sample's first image member, opened from its header: BadSample for one that does not parse,
+    one of more than `max_pixels` pixels (None: no limit), and one whose band count or dtype is not
+    what `bands` reads (`layout`), all before a pixel is decoded. `npy`, `tif` and `tiff` members and
+    16-bit PNGs are arrays (`ssl_vit.data.arrays`); the rest PIL images."""
+    ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
+    if ext is None:
+        raise BadSample(f"no image member (one of {', '.join(IMAGE_MEMBERS)}); members: {_members(sample)}")
+    data = sample[ext]
+    try:
+        if ext in ARRAY_MEMBERS:
+            image = open_array(ext, data, bands.channels)
+        else:
+            with warnings.catch_warnings():  # PIL's warning on size: `max_pixels` decides here
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(data))
+            if image.format == "PNG" and png_bit_depth(data) == 16:
+                image = open_png16(data)
+    except BadArray as err:
+        raise BadSample(f"{ext} {err}") from None
+    except Exception as err:
+        raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        raise BadSample(
+            f"{ext} is {width}x{height} ({width * height:,} pixels), more than max_image_pixels "
+            f"{max_pixels:,}: skipped without decoding"
+        )
+    if max_pixels is not None and isinstance(image, ArrayMember) and image.nbytes > 4 * max_pixels:
+        raise BadSample(
+            f"{ext} is {image.shape_text()} ({image.nbytes:,} bytes), more than 4 bytes per pixel of "
+            f"max_image_pixels {max_pixels:,}: skipped without decoding"
+        )
+    channels, dtype = layout(image, bands)
+    if bands.channels is not None and channels != bands.channels:
+        raise BadSample(
+            f"{ext} has {channels} band{'s' * (channels != 1)}, the data module reads channels "
+            f"{bands.channels}"
+        )
+    if bands.dtype is not None and dtype != bands.dtype:
+        raise BadSample(f"{ext} is {dtype}, its split's manifest says dtype {bands.dtype}")
+    return Opened(ext, data, image)
+
+
+def layout(image: Image.Image | ArrayMember, bands: Bands) -> tuple[int, str]:
+    """(channels, dtype) an opened image is read as: with 3 channels, 8-bit images (PIL's, and uint8
+    arrays of 1 or 3 bands) are RGB, as they always were (grey expanded); otherwise as stored."""
+    if isinstance(image, ArrayMember):
+        if bands.channels == 3 and image.dtype == "uint8" and image.bands in (1, 3):
+            return 3, "uint8"
+        return image.bands, image.dtype
+    if bands.channels == 3:
+        return 3, "uint8"
+    if image.mode not in PIL_ARRAY_MODES:
+        raise BadSample(f"a mode {image.mode} image: not read as bands")
+    return PIL_ARRAY_LAYOUT[PIL_ARRAY_MODES[image.mode] or image.mode]
+
+
+def transform_image(
+    opened: Opened,
+    transform: Callable[[Image.Image], T],
+    array_transform: Callable | None = None,
+    bands: Bands = RGB,
+    mask: np.ndarray | None = None,
+    refusal: str = "",
+):
+    """`transform` applied to an 8-bit image read as RGB, as it always was: an opened (not decoded) PIL
+    image, which the transform decodes (so that a crop can choose the JPEG draft scale), or a uint8
+    array of 1 or 3 bands made one. Every other image is read into an array and given to
+    `array_transform` as a tensor [C, H, W] (`ssl_vit.data.band_transforms`); without one it is a
+    BadSample whose reason is `refusal`. With `mask` (uint8 [H, W] of the image's size): `(image,
+    mask)` from the transform's `pair`, which gives the mask the image's crop, flip and resize.
+    Anything the image bytes make the decoders raise becomes a BadSample."""
+    image, ext = opened.image, opened.ext
+    try:
+        if bands.channels == 3 and not isinstance(image, ArrayMember):
+            pil = image
+        elif bands.channels == 3 and layout(image, bands) == (3, "uint8"):
+            array = image.read()
+            pil = Image.fromarray(array[:, :, 0] if image.bands == 1 else array)
+        else:
+            return _transform_array(pixels(opened, bands), array_transform, mask, refusal)
+        out = transform(pil) if mask is None else transform.pair(pil, Image.fromarray(mask))
+        crop = out if mask is None else out[0]
+        if isinstance(crop, JpegCrop):
+            crop.data = opened.data  # decoded later, on the device
+        return out
+    except (BadSample, UserError):
+        raise
+    except BadArray as err:
+        raise BadSample(f"{ext} {err}") from None
+    except Exception as err:
+        raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
+
+
+def _transform_array(array: np.ndarray, array_transform, mask: np.ndarray | None, refusal: str):
+    if array_transform is None:
+        raise BadSample(refusal)
+    image = torch.from_numpy(array if array.flags.writeable else array.copy()).permute(2, 0, 1)
+    return array_transform(image) if mask is None else array_transform.pair(image, torch.from_numpy(mask))
+
+
+def pixels(opened: Opened, bands: Bands = RGB) -> np.ndarray:
+    """The opened image decoded in full as `bands` reads it: (H, W, C) in its stored dtype (8-bit images
+    read as RGB with 3 channels, as `transform_image` gives them to its transform). BadSample for bytes
+    that do not decode."""
+    image = opened.image
+    try:
+        if isinstance(image, ArrayMember):
+            array = image.read()
+            grey_as_rgb = image.bands == 1 and layout(image, bands) == (3, "uint8")
+            return np.repeat(array, 3, axis=2) if grey_as_rgb else array
+        mode = "RGB" if bands.channels == 3 else PIL_ARRAY_MODES[image.mode]
+        array = np.asarray(image.convert(mode) if mode is not None and image.mode != mode else image)
+        return array[:, :, None] if array.ndim == 2 else array
+    except BadArray as err:
+        raise BadSample(f"{opened.ext} {err}") from None
+    except Exception as err:
+        raise BadSample(f"{opened.ext} does not decode ({type(err).__name__}: {err})") from None
 
 
 def decode_image(
@@ -84,44 +274,13 @@ def decode_image(
     mask: np.ndarray | None = None,
     max_pixels: int | None = MAX_IMAGE_PIXELS,
 ):
-    """`transform` applied to the sample's first image member, opened but not decoded: the transform
-    decodes it (see `ssl_vit.data.transforms.decode`), so that a crop can choose the JPEG draft scale.
-    `npy` members are raw uint8 arrays. Anything the image bytes make PIL or numpy raise becomes a
-    BadSample.
-
-    With `mask` (uint8 [H, W], `read_mask`): `(image, mask)` from `transform.pair`, which gives the mask
-    the image's crop, flip and resize; a mask whose size is not the image's is a BadSample. An image of
-    more than `max_pixels` pixels (None: no limit) is a BadSample, read from its header only."""
-    ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
-    if ext is None:
-        raise BadSample(f"no image member (one of {', '.join(IMAGE_MEMBERS)}); members: {_members(sample)}")
-    try:
-        if ext == "npy":
-            array = np.load(io.BytesIO(sample[ext]), allow_pickle=False)
-            if array.dtype != np.uint8 or array.ndim not in (2, 3):
-                raise ValueError(f"npy image must be uint8 (H, W[, C]), got {array.dtype} {array.shape}")
-            img = Image.fromarray(array)
-        else:
-            with warnings.catch_warnings():  # PIL's warning on size: `max_pixels` decides here
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                img = Image.open(io.BytesIO(sample[ext]))
-        if max_pixels is not None and img.width * img.height > max_pixels:
-            raise BadSample(
-                f"{ext} is {img.width}x{img.height} ({img.width * img.height:,} pixels), more than "
-                f"max_image_pixels {max_pixels:,}: skipped without decoding"
-            )
-        if mask is None:
-            out = transform(img)
-        else:
-            check_mask_size(img.size, mask)
-            out, mask_out = transform.pair(img, Image.fromarray(mask))
-        if isinstance(out, JpegCrop):
-            out.data = sample[ext]  # decoded later, on the device
-        return out if mask is None else (out, mask_out)
-    except (BadSample, UserError):
-        raise
-    except Exception as err:
-        raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
+    """`transform` applied to the sample's first image member read as RGB (`open_image`,
+    `transform_image`); with `mask` (uint8 [H, W]), `(image, mask)`, and a BadSample when the mask is
+    not the image's size."""
+    opened = open_image(sample, RGB, max_pixels)
+    if mask is not None:
+        check_mask_size(opened.size, mask)
+    return transform_image(opened, transform, mask=mask)
 
 
 def _members(sample: dict) -> str:

@@ -4,8 +4,9 @@ A source is parsed from a SOURCE string (`ssl-vit data convert SOURCE`) into a `
 and its records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or
 `(H, W, 3)`, a path to an image file (read in the writer's worker processes, so the parent never
 holds a whole image folder in memory), or an image file's bytes read from a shard (`wds:`, see
-`ssl_vit.data.wds_source`). `label` is -1 for unlabelled images. Records are a list, or for `wds:` an
-iterable read lazily (a large set of shards is never held in memory).
+`ssl_vit.data.wds_source`) or a parquet row (`hf:`, `ssl_vit.data.hf_source`). `label` is -1 for
+unlabelled images. Records are a list, or for `wds:` and `hf:` an iterable read lazily (a large set of
+shards or parquet files is never held in memory).
 
 Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`; `Source.masks`) give each record a
 third element, its mask (`ssl_vit.data.segmentation_sources`), or a payload that composes image and
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data import imagenet, segmentation_sources
+from ssl_vit.data import arrays_source, eurosat, imagenet, segmentation_sources
 from ssl_vit.errors import UserError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
@@ -43,9 +44,24 @@ SOURCES_HELP = (
     "ignored as 255), voc:DIR (VOCdevkit/VOC2012: ImageSets/Segmentation/SPLIT.txt, JPEGImages, "
     "SegmentationClass; 21 classes, 255 borders kept), mosaic:URLS --grid K [--background-threshold T] "
     "(K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with its "
-    "class: a dense task built from real images)"
+    "class: a dense task built from real images); hf:DIR [--subset NAME] [--image-column NAME] "
+    "[--label-column NAME] (a local snapshot of a Hugging Face Hub dataset repository in parquet, as "
+    "`huggingface-cli download --repo-type dataset ORG/NAME --local-dir DIR` leaves it: the image and "
+    "label columns found from its `datasets` Image and ClassLabel features, or named); "
+    "of any band count and bit depth (stored as npy): "
+    "tiff:DIR (DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, "
+    "uint16, int16 or float32), eurosat:DIR (EuroSAT's 13-band Sentinel-2 tifs, --split train|val|test)"
 )
 MASK_SOURCES = ("ade20k", "voc", "mosaic")
+ARRAY_SOURCES = ("tiff", "eurosat")  # stored as .npy arrays, not 8-bit PNG/JPEG
+# The `ssl-vit data convert` flags that belong to one source each (argument name -> that source)
+SOURCE_OPTIONS = {
+    "grid": "mosaic:URLS",
+    "background_threshold": "mosaic:URLS",
+    "subset": "hf:DIR",
+    "image_column": "hf:DIR",
+    "label_column": "hf:DIR",
+}
 
 
 @dataclass
@@ -57,21 +73,23 @@ class Source:
     # `wds_source.ShardImage` / `wds_source.Broken`
     total: int | None  # the number of records, where known before reading them (progress, resume)
     masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
+    arrays: bool = False  # records are `arrays_source.ArrayFile`s, stored as .npy
     manifest: dict = field(default_factory=dict)  # more to record in the manifest, complete once the
     # records have been read to their end
     options: dict = field(default_factory=dict)  # the source's own options (a rerun with others starts over)
 
 
-def open_source(
-    spec: str, split: str, grid: int | None = None, background_threshold: int | None = None
-) -> Source:
-    """Parse a SOURCE string and load its records for `split`. `grid` and `background_threshold` are
-    the `mosaic:` source's options, refused with any other."""
+def open_source(spec: str, split: str, **options: int | str | None) -> Source:
+    """Parse a SOURCE string and load its records for `split`. `options` are the sources' own
+    (`SOURCE_OPTIONS`: `grid` and `background_threshold` of `mosaic:`; `subset`, `image_column` and
+    `label_column` of `hf:`), each refused with any other source."""
     kind, _, arg = spec.partition(":")
-    options = {"grid": grid, "background_threshold": background_threshold}
-    given = [f"--{name.replace('_', '-')}" for name, value in options.items() if value is not None]
-    if kind != "mosaic" and given:
-        raise UserError(f"{', '.join(given)}: only for the mosaic:URLS source, not {spec!r}: leave it out")
+    own = {name: options.get(name) for name, owner in SOURCE_OPTIONS.items() if owner.startswith(f"{kind}:")}
+    wrong = [name for name, value in options.items() if value is not None and name not in own]
+    if wrong:
+        owner = SOURCE_OPTIONS[wrong[0]]
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in wrong if SOURCE_OPTIONS[name] == owner)
+        raise UserError(f"{flags}: only for the {owner} source, not {spec!r}: leave it out")
     loaders = {
         "digits": _digits,
         "synthetic": _synthetic,
@@ -84,7 +102,10 @@ def open_source(
         "imagenet": imagenet.load,
         "ade20k": segmentation_sources.ade20k,
         "voc": segmentation_sources.voc,
-        "mosaic": lambda arg, split: _mosaic(arg, split, grid, background_threshold),
+        "mosaic": lambda arg, split: _mosaic(arg, split, **own),
+        "hf": lambda arg, split: _hf(arg, split, **own),
+        "tiff": arrays_source.load,
+        "eurosat": eurosat.load,
     }
     if kind not in loaders:
         raise UserError(f"unknown source {spec!r}: use one of {SOURCES_HELP}")
@@ -103,8 +124,9 @@ def open_source(
         records,
         total,
         masks=kind in MASK_SOURCES,
-        manifest=getattr(records, "manifest", {}),  # the mosaic's
-        options=options if kind == "mosaic" else {},
+        arrays=kind in ARRAY_SOURCES,
+        manifest=getattr(records, "manifest", {}),  # what mosaic: and hf: record of themselves
+        options=own,
     )
 
 
@@ -115,10 +137,16 @@ def _wds(arg: str, split: str):
     return wds_source.load(arg, split)
 
 
-def _mosaic(arg: str, split: str, grid: int | None, threshold: int | None):
+def _mosaic(arg: str, split: str, grid: int | None, background_threshold: int | None):
     from ssl_vit.data import mosaic  # imported here, as `wds_source` is (see `_wds`)
 
-    return mosaic.load(arg, split, grid, threshold)
+    return mosaic.load(arg, split, grid, background_threshold)
+
+
+def _hf(arg: str, split: str, subset: str | None, image_column: str | None, label_column: str | None):
+    from ssl_vit.data import hf_source  # imported here, as `wds_source` is (see `_wds`)
+
+    return hf_source.load(arg, split, image_column, label_column, subset)
 
 
 def _digits(_: str, split: str):

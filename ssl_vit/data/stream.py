@@ -21,9 +21,10 @@ most one segment's raw bytes per worker, never decoding them again. Stepping ove
 never consumed (a loss-spike rollback) works the same way: the position says how many samples the
 worker passes over, undecoded, before its next batch (`WorkerPosition.skip`).
 
-Bad samples (undecodable image, missing image member, unparsable label or one beyond `num_classes`,
-a mask that does not decode, does not match its image's size or holds a class beyond `num_classes`, a
-missing mask where the split's manifest says every sample has one, unreadable shard) are skipped,
+Bad samples (undecodable image, missing image member, an image whose band count or dtype is not the
+data module's, unparsable label or one beyond `num_classes`, a mask that does not decode, does not
+match its image's size or holds a class beyond `num_classes`, a missing mask where the split's
+manifest says every sample has one, unreadable shard) are skipped,
 logged with their key and shard, and counted; each batch carries in
 `skipped` how many its worker dropped since its previous batch (and in `unreadable` the shards it could
 not open since then, by URL), so the count reaches the main process
@@ -48,16 +49,20 @@ from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ssl_vit.data import samples
-from ssl_vit.data.device_decode import collate_jpegs
+from ssl_vit.data.device_decode import DeferredCrop, collate_jpegs
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import (
     MAX_IMAGE_PIXELS,
+    RGB,
     BadSample,
+    Bands,
     SkipCounter,
-    decode_image,
+    max_member_bytes,
+    open_image,
     parse_label,
     read_mask,
+    transform_image,
 )
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.errors import UserError
@@ -115,6 +120,9 @@ class ShardStream(IterableDataset):
         world_size: int,
         batch_size: int,
         transform: Callable[[Image.Image], torch.Tensor],
+        array_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        bands: Bands = RGB,
+        array_refusal: str = "",
         classes: Sequence[int] | None = None,
         keys: Collection[str] | None = None,
         num_classes: int | None = None,
@@ -131,7 +139,8 @@ class ShardStream(IterableDataset):
         self.urls = list(urls)
         self.rank, self.world_size = rank, world_size
         self.batch_size = batch_size
-        self.transform = transform
+        self.transform, self.array_transform = transform, array_transform
+        self.bands, self.array_refusal = bands, array_refusal
         self.classes = frozenset(classes) if classes is not None else None
         self.keys = frozenset(keys) if keys is not None else None
         self.num_classes = num_classes
@@ -206,7 +215,7 @@ class ShardStream(IterableDataset):
             draw = random.Random(stream_seed(*base, segment, 0))
             shards = [{"url": url} for url in draw.choices(self.urls, k=self.segment_shards)]
             raw = dry.source(shards)
-            for stage in tar_samples(counter, self.read_policy):
+            for stage in tar_samples(counter, self.read_policy, max_member_bytes(self.max_image_pixels)):
                 raw = stage(raw)
             raw = dry.passed(self._labelled(raw, counter))
             # shuffle raw bytes before decoding: cheap to buffer, and decoding is the expensive part
@@ -261,7 +270,7 @@ class ShardStream(IterableDataset):
             lambda shards: islice(shards, self.rank, None, self.world_size),  # rank from the main process
             wds.split_by_worker,
             lambda shards: dry.source(shards, exhaustive=True),
-            *tar_samples(counter, self.read_policy),
+            *tar_samples(counter, self.read_policy, max_member_bytes(self.max_image_pixels)),
             lambda raw: dry.passed(self._labelled(raw, counter)),
             wds.map(self.decode, handler=counter),
             counter.passed,
@@ -289,8 +298,11 @@ class ShardStream(IterableDataset):
         uint8 [H, W] when it has a `seg.png`. Raises BadSample for an image or mask that cannot be
         used."""
         try:
-            mask = read_mask(sample, self.num_classes, required=self.masks)
-            image = decode_image(sample, self.transform, mask, self.max_image_pixels)
+            opened = open_image(sample, self.bands, self.max_image_pixels)
+            mask = read_mask(sample, self.num_classes, self.masks, opened.size, self.max_image_pixels)
+            image = transform_image(
+                opened, self.transform, self.array_transform, self.bands, mask, self.array_refusal
+            )
         except BadSample as err:
             raise BadSample(f"{sample.get('__key__')} in {sample.get('__url__')}: {err}") from None
         out = {"__key__": sample["__key__"], "label": sample["__label__"]}
@@ -301,19 +313,25 @@ class ShardStream(IterableDataset):
         return out
 
     def collate(self, samples_: list[dict]) -> dict:
-        """Samples -> batch: `image` [B,3,H,W] uint8, `label` [B] int64, `key` list[str], and `mask`
-        [B,H,W] uint8 (pixel for pixel with `image`; 255 ignored) when the samples carry masks. The
-        datamodule turns `image` into normalised floats on the device (`ShardDataModule.prepare_batch`),
-        and leaves `mask` as it is. JPEGs left for the device (`decode="device"`) come as bytes and
-        crop boxes instead (`device_decode`), and `image` holds only the others; `mask` always holds
-        every sample's, cropped in the worker."""
+        """Samples -> batch: `image` [B,C,H,W] uint8 (8-bit pixels) or, when any sample is 16-bit or
+        float, float32 in model units (8-bit ones divided by 255), `label` [B] int64, `key` list[str],
+        and `mask` [B,H,W] uint8 (pixel for pixel with `image`; 255 ignored) when the samples carry
+        masks. The datamodule turns `image` into normalised floats on the device
+        (`ShardDataModule.prepare_batch`), and leaves `mask` as it is. JPEGs left for the device
+        (`decode="device"`) come as bytes and crop boxes instead (`device_decode`), and `image` holds
+        only the others; `mask` always holds every sample's, cropped in the worker."""
         images, jpegs = collate_jpegs([s["image"] for s in samples_])
+        if any(i.dtype != torch.uint8 for i in images):
+            images = [i.float().div_(255) if i.dtype == torch.uint8 else i for i in images]
+        empty = torch.empty(0, self.bands.channels, 0, 0, dtype=torch.uint8)
         batch = {
-            "image": _stack(images) if images else torch.empty(0, 3, 0, 0, dtype=torch.uint8),
+            "image": _stack(images) if images else empty,
             "label": torch.tensor([s["label"] for s in samples_], dtype=torch.int64),
             "key": [s["__key__"] for s in samples_],
             **jpegs,
         }
+        if not jpegs and isinstance(self.transform, DeferredCrop):  # decode="device", nothing for it
+            batch["decoded_on_cpu"] = torch.tensor(len(images))
         if any("mask" in s for s in samples_):
             batch["mask"] = _stack(self._masks(samples_))
         if "__position__" in samples_[-1]:
@@ -338,7 +356,7 @@ class ShardStream(IterableDataset):
 
 
 def _stack(images: list[torch.Tensor]) -> torch.Tensor:
-    """uint8 [3,H,W] images -> [B,3,H,W].
+    """Images [C,H,W] -> [B,C,H,W].
 
     The transforms give channel-first views of HWC pixels (`transforms.to_uint8_tensor`): stack the HWC
     memory (one plain copy per image) rather than transpose every image into CHW; the batch is then a
@@ -414,7 +432,12 @@ def _seeded_rngs(seed: int, restore: bool):
 
 
 def iter_samples(
-    urls: Iterable[str], handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT
+    urls: Iterable[str],
+    handler: Callable[[Exception], bool],
+    policy: ReadPolicy = DEFAULT,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> Iterator[dict]:
-    """Raw samples of `urls` in order, one process (for `inspect`)."""
-    return iter(wds.DataPipeline(wds.SimpleShardList(list(urls)), *tar_samples(handler, policy)))
+    """Raw samples of `urls` in order, one process (for `inspect`); members too large for an image of
+    `max_pixels` are skipped unread (`max_member_bytes`)."""
+    stages = tar_samples(handler, policy, max_member_bytes(max_pixels))
+    return iter(wds.DataPipeline(wds.SimpleShardList(list(urls)), *stages))

@@ -29,7 +29,7 @@ _RECENT = 256  # member names kept to judge the sample in progress at a break: f
 
 # The members a sample's image may be, in the order `samples.decode_image` looks for them, and those
 # `samples.parse_label` reads its label from.
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy")
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy", "tif", "tiff")
 LABEL_MEMBERS = ("cls", "json")
 
 
@@ -38,20 +38,25 @@ class GzipTarError(tarfile.ReadError):
     the stream, so the member read last may hold what a damaged stream decompressed to."""
 
 
-def tar_samples(handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT) -> list:
+def tar_samples(
+    handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT, max_member_bytes: int | None = None
+) -> list:
     """Stages: shard URLs -> samples `{"__key__", "__url__", ext: bytes ...}`, as webdataset's
     `tarfile_to_samples` (a URL opener and its grouping of members by key), with remote shards read
     with `policy` (`ssl_vit.data.remote`) and the tar headers parsed by `tar_files` instead of Python's
-    `tarfile`."""
+    `tarfile`. A member larger than `max_member_bytes` (None: no limit) is passed over unread, and its
+    sample skipped and counted (`OversizeMember`)."""
     return [
         # a handler that tells shards it could not open from broken samples (`SkipCounter.shard_failed`)
         partial(url_opener, handler=getattr(handler, "shard_failed", handler), policy=policy),
-        partial(tar_file_members, handler=handler),
+        partial(tar_file_members, handler=handler, max_member_bytes=max_member_bytes),
         partial(group_by_keys, handler=handler),
     ]
 
 
-def tar_file_members(sources: Iterable[dict], handler: Callable[[Exception], bool]) -> Iterator[dict]:
+def tar_file_members(
+    sources: Iterable[dict], handler: Callable[[Exception], bool], max_member_bytes: int | None = None
+) -> Iterator[dict]:
     """webdataset's `tar_file_expander`: opened shards -> `{"fname", "data", "__url__"}` per member,
     `{}` at the end of each shard (so that `group_by_keys` never joins samples across shards).
 
@@ -66,14 +71,14 @@ def tar_file_members(sources: Iterable[dict], handler: Callable[[Exception], boo
     for source in sources:
         stream, url = source["stream"], source["url"]
         recent: deque[str] = deque(maxlen=_RECENT)
-        links: list[LinkMember] = []  # link members `tar_files` passed over since the last member
+        dropped: list[DroppedMember] = []  # members `tar_files` passed over since the last one it gave
         try:
-            for fname, data in tar_files(stream, links.append):
-                if not (yield from _dropped(links, handler, url)):
+            for fname, data in tar_files(stream, dropped.append, max_member_bytes):
+                if not (yield from _dropped(dropped, handler, url)):
                     return
                 recent.append(fname)
                 yield {"fname": fname, "data": data, "__url__": url}
-            if not (yield from _dropped(links, handler, url)):
+            if not (yield from _dropped(dropped, handler, url)):
                 return
             stream.close()
             yield {}
@@ -91,27 +96,43 @@ def tar_file_members(sources: Iterable[dict], handler: Callable[[Exception], boo
                 stream.close()
 
 
-class LinkMember(Exception):
-    """A symbolic or hard link member of a shard (`name -> target`). Shards hold regular files only: a
-    link's data is not in the shard (a symlink may point anywhere on the reader's machine), so the
-    sample it belongs to is skipped, and counted."""
+class DroppedMember(Exception):
+    """A member of a shard that `tar_files` passes over instead of giving its data; its sample is
+    skipped, and counted. `name` is the member's name."""
 
-    def __init__(self, name: str, target: str, symbolic: bool) -> None:
-        kind = "symbolic" if symbolic else "hard"
-        super().__init__(f"{name}: a {kind} link to {target!r}, not a file (its sample is dropped)")
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message} (its sample is dropped)")
         self.name = name
 
 
-def _dropped(links: list[LinkMember], handler: Callable[[Exception], bool], url: str):
-    """Each link member in `links` (emptied) counted by `handler`, and its sample marked bad, so that
+class LinkMember(DroppedMember):
+    """A symbolic or hard link member (`name -> target`). Shards hold regular files only: a link's data
+    is not in the shard (a symlink may point anywhere on the reader's machine)."""
+
+    def __init__(self, name: str, target: str, symbolic: bool) -> None:
+        super().__init__(name, f"a {'symbolic' if symbolic else 'hard'} link to {target!r}, not a file")
+
+
+class OversizeMember(DroppedMember):
+    """A regular member larger than the reader's limit, judged from its tar header: its data is read
+    past in chunks and never held, so a shard of a few hundred KB that decompresses to a 400 MB member
+    costs no memory."""
+
+    def __init__(self, name: str, size: int, limit: int) -> None:
+        message = f"{size:,} bytes, more than the {limit:,} an image within max_image_pixels takes"
+        super().__init__(name, message)
+
+
+def _dropped(dropped: list[DroppedMember], handler: Callable[[Exception], bool], url: str):
+    """Each member in `dropped` (emptied) counted by `handler`, and its sample marked bad, so that
     `group_by_keys` drops it whole, before the member after it in the shard's order. Returns False
     when the handler says to stop."""
-    while links:
-        link = links.pop(0)
-        link.args = (*link.args, url)
-        if not handler(link):
+    while dropped:
+        member = dropped.pop(0)
+        member.args = (*member.args, url)
+        if not handler(member):
             return False
-        key = base_plus_ext(link.name)[0]
+        key = base_plus_ext(member.name)[0]
         if key is not None:
             yield {"fname": f"{key}.__bad__", "data": True, "__url__": url}
     return True
@@ -132,11 +153,16 @@ def _whole_at_break(names: deque[str]) -> bool:
     return before_known and last >= runs[-2]
 
 
-def tar_files(stream, on_link: Callable[[LinkMember], None] | None = None) -> Iterator[tuple[str, bytes]]:
+def tar_files(
+    stream,
+    on_dropped: Callable[[DroppedMember], None] | None = None,
+    max_member_bytes: int | None = None,
+) -> Iterator[tuple[str, bytes]]:
     """Yields `(name, bytes)` for each regular file of a tar stream (ustar, pax and GNU headers, plain
     or gzip-compressed), in order; raises `tarfile.ReadError` for anything malformed or cut short.
-    Symbolic and hard link members are passed to `on_link`, as they come, instead of being dropped
-    without a word; other members that hold no file (directories, devices, fifos) are skipped.
+    Symbolic and hard link members, and regular members of more than `max_member_bytes` (read past,
+    never held), are passed to `on_dropped` as they come instead of being dropped without a word; other
+    members that hold no file (directories, devices, fifos) are skipped.
 
     Hand-written rather than `tarfile.open(mode="r|")` as webdataset does: `tarfile` spends about
     0.12 ms per sample (two members, each with a pax header as `webdataset.TarWriter` writes them) in
@@ -156,7 +182,7 @@ def tar_files(stream, on_link: Callable[[LinkMember], None] | None = None) -> It
     if head[:2] == b"\x1f\x8b":
         try:
             gunzipped = gzip.GzipFile(fileobj=_Rewound(head, stream), mode="rb")
-            yield from _members(gunzipped, gunzipped.read(_BLOCK), on_link)
+            yield from _members(gunzipped, gunzipped.read(_BLOCK), on_dropped, max_member_bytes)
         except (gzip.BadGzipFile, EOFError, zlib.error) as err:
             raise GzipTarError(f"gzip data does not decompress ({err})") from None
         except tarfile.ReadError as err:
@@ -164,10 +190,12 @@ def tar_files(stream, on_link: Callable[[LinkMember], None] | None = None) -> It
     elif (head[:3] == b"BZh" and head[4:10] == b"1AY&SY") or head.startswith((b"\xfd7zXZ", b"\x5d\0\0\x80")):
         raise tarfile.ReadError("bz2/xz-compressed tar stream: store shards as .tar or .tar.gz")
     else:
-        yield from _members(stream, head, on_link)
+        yield from _members(stream, head, on_dropped, max_member_bytes)
 
 
-def _members(stream, header: bytes, on_link: Callable | None) -> Iterator[tuple[str, bytes]]:
+def _members(
+    stream, header: bytes, on_dropped: Callable | None, max_member_bytes: int | None
+) -> Iterator[tuple[str, bytes]]:
     """`tar_files` on an uncompressed stream whose first header block has been read already."""
     read = stream.read
     if not header:
@@ -204,11 +232,16 @@ def _members(stream, header: bytes, on_link: Callable | None) -> Iterator[tuple[
             size = _number(header[124:136], "size", offset)
             if size < 0:
                 raise _error(f"negative member size {size}", offset)
-        data = read(size) if size <= _CHUNK else b""
-        if len(data) != size:
-            data = _fill(read, data, size)
+        oversize = max_member_bytes is not None and size > max_member_bytes and kind in _REGULAR
+        if oversize:
+            data, got = b"", _pass(read, size)
+        else:
+            data = read(size) if size <= _CHUNK else b""
             if len(data) != size:
-                raise _error(f"the data ends inside a tar member ({len(data)} of {size} bytes)", offset)
+                data = _fill(read, data, size)
+            got = len(data)
+        if got != size:
+            raise _error(f"the data ends inside a tar member ({got} of {size} bytes)", offset)
         pad = -size % _BLOCK
         cut = False  # the data ends inside the padding: raised after the member, which is whole
         if pad:
@@ -216,11 +249,15 @@ def _members(stream, header: bytes, on_link: Callable | None) -> Iterator[tuple[
             cut = len(padding) != pad and len(_fill(read, padding, pad)) != pad
         if kind in _REGULAR:
             name = _member_name(header, path, global_path)
-            if not (name.startswith("__") and _is_meta(name)):
+            if name.startswith("__") and _is_meta(name):
+                pass
+            elif not oversize:
                 yield name, data
-        elif kind in _LINKS and on_link is not None:
+            elif on_dropped is not None:
+                on_dropped(OversizeMember(name, size, max_member_bytes))
+        elif kind in _LINKS and on_dropped is not None:
             target = (link if link is not None else _name(header[157:257])).decode("utf-8", "surrogateescape")
-            on_link(LinkMember(_member_name(header, path, global_path), target, symbolic=kind == b"2"))
+            on_dropped(LinkMember(_member_name(header, path, global_path), target, symbolic=kind == b"2"))
         elif kind in _PAX:
             records = _pax_records(data, offset)
             if kind == b"g":  # a later global header overrides an earlier one
@@ -265,6 +302,18 @@ def _fill(read: Callable[[int], bytes], data: bytes, size: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def _pass(read: Callable[[int], bytes], size: int) -> int:
+    """Reads past `size` bytes in chunks of at most `_CHUNK`, holding none; returns how many there were
+    (fewer at the end of the data)."""
+    got = 0
+    while got < size:
+        chunk = read(min(size - got, _CHUNK))
+        if not chunk:
+            break
+        got += len(chunk)
+    return got
 
 
 def _number(field: bytes, what: str, offset: int) -> int:

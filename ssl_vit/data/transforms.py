@@ -288,10 +288,15 @@ class RandomResizedCrop:
 
 
 def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """uint8 [B,3,H,W] (any memory layout) -> contiguous float32 (images / 255 - mean) / std, on the
-    images' device."""
-    shift = torch.tensor(mean, device=images.device).view(1, 3, 1, 1) * 255
-    scale = 1 / (torch.tensor(std, device=images.device).view(1, 3, 1, 1) * 255)
+    """Images [B,C,H,W] (any memory layout) -> contiguous float32 (x - mean) / std per band, on the
+    images' device; `mean`/`std` in model units, one per band. uint8 images are 8-bit pixels (model
+    units: / 255, folded into the shift and scale); float32 images are in model units already."""
+    if images.dtype != torch.uint8:
+        shift = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
+        scale = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
+        return (images.to(torch.float32, memory_format=torch.contiguous_format) - shift).div_(scale)
+    shift = torch.tensor(mean, device=images.device).view(1, -1, 1, 1) * 255
+    scale = 1 / (torch.tensor(std, device=images.device).view(1, -1, 1, 1) * 255)
     return (images.to(torch.float32, memory_format=torch.contiguous_format) - shift).mul_(scale)
 
 

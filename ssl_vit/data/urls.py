@@ -10,6 +10,7 @@ trusted input (they name the command); a manifest never supplies a URL.
 from __future__ import annotations
 
 import json
+import math
 import re
 import urllib.request
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from braceexpand import UnbalancedBracesError
 from webdataset.shardlists import expand_urls
 
 from ssl_vit.data import remote
+from ssl_vit.data.arrays import ARRAY_DTYPES
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError
 
@@ -196,3 +198,43 @@ def check_manifest(manifest: object, where: str) -> None:
             isinstance(entry, dict) and isinstance(entry.get("url"), str) and count(entry.get("num_samples"))
         ):
             raise bad("shards", shard, f"[{i}]", entry)
+    _check_bands(manifest, bad, count)
+
+
+BAND_STATS_KEYS = ("mean", "std", "min", "max")
+
+
+def _check_bands(manifest: dict, bad, count) -> None:
+    """The keys of the images' bands, when present: `channels`, `dtype`, `band_names`, `band_stats`."""
+    channels = manifest.get("channels")
+    if channels is not None and not (count(channels) and channels > 0):
+        raise bad("channels", "a positive integer")
+    if "dtype" in manifest and manifest["dtype"] not in ARRAY_DTYPES:
+        raise bad("dtype", f"one of {', '.join(ARRAY_DTYPES)}")
+    names = manifest.get("band_names")
+    if names is not None and not (
+        isinstance(names, list) and all(isinstance(n, str) for n in names) and len(names) == channels
+    ):
+        raise bad("band_names", "a list of strings, one per channel")
+    stats = manifest.get("band_stats")
+    if stats is None:
+        return
+    per_band = "{" + ", ".join(f'"{k}": [one number per band]' for k in BAND_STATS_KEYS) + ', "images": K}'
+    if not isinstance(stats, dict) or not count(stats.get("images")):
+        raise bad("band_stats", per_band)
+    for key in BAND_STATS_KEYS:
+        values = stats.get(key)
+        numbers = isinstance(values, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+        )
+        if not numbers or len(values) != (channels or len(values)) or not values:
+            raise bad("band_stats", "one finite number per band", f"[{key!r}]", values)
+
+
+def channel_choices(manifest: dict) -> tuple[int, ...]:
+    """The `channels` a data module may read a manifest's images with (none recorded: any): its
+    `channels`, and for a grey 8-bit set also 3, which reads grey images as RGB, as it always has."""
+    channels = manifest.get("channels")
+    if channels is None:
+        return ()
+    return (1, 3) if channels == 1 and manifest.get("dtype", "uint8") == "uint8" else (channels,)

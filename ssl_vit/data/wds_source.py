@@ -25,7 +25,7 @@ from pathlib import PurePosixPath
 
 import webdataset as wds
 
-from ssl_vit.data.samples import BadSample, parse_label
+from ssl_vit.data.samples import MAX_IMAGE_PIXELS, BadSample, max_member_bytes, parse_label
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.data.urls import check_urls, expand, read_manifest
 
@@ -35,9 +35,10 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 
 @dataclass(frozen=True)
 class ShardImage:
-    """A sample's image file as a shard stores it, and the key it has there (kept in the new shards)."""
+    """A sample's image file as a shard stores it, and the key it has there (kept in the new shards); or
+    an image file a parquet row holds (`ssl_vit.data.hf_source`), without a key (the writer numbers it)."""
 
-    key: str
+    key: str | None
     data: bytes
     where: str  # "URL: KEY", for messages
 
@@ -64,7 +65,8 @@ class ShardRecords:
             return True
 
         renamed: list[str] = []  # "KEY -> NAME" of the keys that were paths outside their shard
-        for sample in wds.DataPipeline(wds.SimpleShardList(self.urls), *tar_samples(failed)):
+        stages = tar_samples(failed, max_member_bytes=max_member_bytes(MAX_IMAGE_PIXELS))
+        for sample in wds.DataPipeline(wds.SimpleShardList(self.urls), *stages):
             while failures:
                 yield Broken(failures.pop(0)), -1
             key = member_key(sample["__key__"])

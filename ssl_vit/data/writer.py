@@ -1,11 +1,12 @@
 """Source -> WebDataset shards plus a manifest (`ssl-vit data convert`).
 
-Shards are `OUTDIR/{split}-000000.tar ...`, each sample `KEY.png` or `KEY.jpg` plus `KEY.cls` (the
-label as ASCII digits, absent when unlabelled) and, from a source with masks, `KEY.seg.png` (its
-segmentation mask, `ssl_vit.data.masks`), written by `webdataset.TarWriter` with a fixed mtime
-so the same source gives byte-identical shards. Keys are `{source}-{split}-{index:08d}`, or for `wds:`
-the samples' own keys. Records are encoded by `--workers` processes (`ssl_vit.data.encode`). The
-manifest `OUTDIR/{split}.json` is described in data/README.md.
+Shards are `OUTDIR/{split}-000000.tar ...`, each sample `KEY.png` or `KEY.jpg` (from an array source,
+`KEY.npy`) plus `KEY.cls` (the label as ASCII digits, absent when unlabelled) and, from a source with
+masks, `KEY.seg.png` (its segmentation mask, `ssl_vit.data.masks`), written by `webdataset.TarWriter`
+with a fixed mtime so the same source gives byte-identical shards. Keys are
+`{source}-{split}-{index:08d}`, or for `wds:` the samples' own keys. Records are encoded by
+`--workers` processes (`ssl_vit.data.encode`). The manifest `OUTDIR/{split}.json` is described in
+data/README.md.
 
 Everything is written into `OUTDIR/.{split}.partial/` first and moved into place at the end, so a
 failed or interrupted run never leaves a half-written set next to (or instead of) a good one. Each
@@ -37,9 +38,10 @@ from pathlib import Path
 
 import webdataset as wds
 
+from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.encode import encode_star
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
-from ssl_vit.data.sources import Source, open_source
+from ssl_vit.data.sources import ARRAY_SOURCES, Source, open_source
 from ssl_vit.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -57,22 +59,32 @@ def convert(
     *,
     split: str = "train",
     shard_size: int = 1000,
-    image_format: str = "png",
-    quality: int = 95,
+    image_format: str | None = None,
+    quality: int | None = None,
     max_side: int | None = None,
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
-    grid: int | None = None,
-    background_threshold: int | None = None,
+    **source_options: int | str | None,
 ) -> dict:
     """Write the shards and manifest for SOURCE `spec`, images shrunk to `max_side` pixels on their
-    longer side where larger; returns the manifest. `grid` and `background_threshold` are the
-    `mosaic:` source's (`ssl_vit.data.mosaic`)."""
+    longer side where larger; returns the manifest. `source_options` are the sources' own
+    (`ssl_vit.data.sources.SOURCE_OPTIONS`: `grid=` of `mosaic:`, `subset=` of `hf:`, ...).
+    `image_format` (default png) and `quality` (default 95) are those of 8-bit sources; an array
+    source (`tiff:`, `eurosat:`) stores `.npy` members at their size, and refuses them and `max_side`."""
     check_split_name(split)
     if shard_size <= 0:
         raise UserError(f"--shard-size must be positive, got {shard_size}")
-    if image_format not in ("png", "jpg"):
+    if spec.partition(":")[0] in ARRAY_SOURCES:
+        given = {"--format": image_format, "--quality": quality, "--max-side": max_side}
+        if named := [flag for flag, value in given.items() if value is not None]:
+            raise UserError(
+                f"{', '.join(named)}: for 8-bit PNG/JPEG sources; {spec.partition(':')[0]}: stores its "
+                "arrays losslessly as .npy members at their own size: leave it out"
+            )
+        image_format = "npy"
+    image_format, quality = image_format or "png", 95 if quality is None else quality
+    if image_format not in ("png", "jpg", "npy"):
         raise UserError(f"--format must be png or jpg, got {image_format!r}")
     if not 1 <= quality <= 100:
         raise UserError(f"--quality must be in 1..100, got {quality}")
@@ -98,7 +110,7 @@ def convert(
             f"{outdir} already holds split {split!r} ({len(old)} files): pass --overwrite to replace it, "
             "or choose another OUTDIR or --split"
         )
-    source = open_source(spec, split, grid=grid, background_threshold=background_threshold)
+    source = open_source(spec, split, **source_options)
     options = {
         "source": spec,
         "split": split,
@@ -110,6 +122,7 @@ def convert(
         **source.options,
     }
 
+    created = not outdir.exists()
     outdir.mkdir(parents=True, exist_ok=True)
     partial = outdir / f".{split}.partial"
     finished = _finished_shards(partial, options)
@@ -117,6 +130,9 @@ def convert(
         manifest = _write_shards(source, partial, options, finished, workers, progress)
     except UserError:
         shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
+        if created:  # an OUTDIR made for a conversion that wrote nothing goes too
+            with contextlib.suppress(OSError):
+                outdir.rmdir()
         raise
     except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
         recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}
@@ -251,6 +267,8 @@ def _finished_shards(partial: Path, options: dict) -> list[dict]:
         path = partial / str(entry.get("url")) if isinstance(entry, dict) else None
         if path is None or not path.is_file() or path.stat().st_size != entry.get("bytes"):
             break
+        if "band_stats" not in entry:  # recorded by an ssl-vit that did not compute them
+            break
         finished.append(entry)
     keep = {entry["url"] for entry in finished}
     for path in partial.iterdir():
@@ -304,11 +322,20 @@ class _Shard:
         self.class_counts: Counter = Counter()
         self.sizes: Counter = Counter()
         self.mask_pixels: Counter = Counter()
+        self.stats: BandStats | None = None
 
     def write(
-        self, key: str, image_format: str, data: bytes, size: tuple[int, int], label: int, mask: tuple | None
+        self,
+        key: str,
+        image_format: str,
+        data: bytes,
+        size: tuple[int, int],
+        label: int,
+        mask: tuple | None,
+        stats: BandStats,
     ) -> None:
-        """`mask`: None, or the encoder's `(PNG bytes, {class: pixels})`, stored as `KEY.seg.png`."""
+        """`mask`: None, or the encoder's `(PNG bytes, {class: pixels})`, stored as `KEY.seg.png`;
+        `stats`: the image's bands' statistics, merged into the shard's."""
         sample = {"__key__": key, image_format: data}
         if label >= 0:
             sample["cls"] = str(label)
@@ -319,6 +346,7 @@ class _Shard:
         self.samples += 1
         self.class_counts[label] += 1
         self.sizes[size] += 1
+        self.stats = stats if self.stats is None else self.stats.merge(stats)
 
     def abandon(self) -> None:
         """Close the tar, whatever state a signal left it in. Not deleted here: a signal right after
@@ -340,6 +368,7 @@ class _Shard:
             "class_counts": {str(k): v for k, v in self.class_counts.items()},
             "sizes": [[h, w, n] for (h, w), n in self.sizes.items()],
             "mask_pixels": {str(k): v for k, v in self.mask_pixels.items()},
+            "band_stats": self.stats.to_json(),
         }
 
 
@@ -362,7 +391,7 @@ def _write_shards(
     shard, skipped = None, 0  # skipped: unreadable records since the last shard closed
     try:
         with _Progress(show, split, source.total, consumed) as progress:
-            for data, size, label, key, mask in encoded:
+            for data, size, label, key, mask, stats in encoded:
                 consumed += 1
                 progress.advance()
                 if data is None:
@@ -372,7 +401,7 @@ def _write_shards(
                 if shard is None:
                     shard = _Shard(partial, f"{split}-{len(shards):06d}.tar")
                 shard.write(
-                    key or f"{source.name}-{split}-{index:08d}", image_format, data, size, label, mask
+                    key or f"{source.name}-{split}-{index:08d}", image_format, data, size, label, mask, stats
                 )
                 index += 1
                 if shard.samples == shard_size:
@@ -422,6 +451,8 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
     if class_names is None:  # from the labels written
         class_names = [str(c) for c in range(max(class_counts) + 1)]
     height, width = sizes.most_common(1)[0][0]
+    stats = merged(BandStats.from_json(entry["band_stats"]) for entry in shards)
+    dtype = source.manifest.get("dtype", "uint8")
     manifest = {
         "version": MANIFEST_VERSION,
         "source": source.spec,
@@ -431,6 +462,9 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
         "image_format": options["image_format"],
         "max_side": options["max_side"],
         "image_size": [height, width] if len(sizes) == 1 else None,
+        "channels": stats.channels,
+        "dtype": dtype,
+        "band_stats": stats.manifest(dtype),
         "num_classes": len(class_names),
         "class_names": class_names,
         "class_counts": {str(k): v for k, v in sorted(class_counts.items())},
@@ -444,8 +478,8 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
             masks=True,
             ignore_index=IGNORE_INDEX,
             mask_pixels={str(k): v for k, v in sorted(pixels.items())},
-            **source.manifest,
         )
+    manifest.update(source.manifest)  # mosaic's options, hf's columns, an array source's dtype and band names
     return manifest
 
 
