@@ -37,6 +37,23 @@ def digits_shards(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def band_shards(tmp_path_factory):
+    """Five-band uint16 shards of 4 classes, 32 px, by `ssl-vit data convert tiff:`: train (48 images, 2
+    shards) and val (16, 1 shard); see `band_shards.py`."""
+    from band_shards import convert_band_tiffs
+
+    return convert_band_tiffs(tmp_path_factory.mktemp("bands"), {"train": 12, "val": 4})
+
+
+@pytest.fixture(scope="session")
+def band_masks(tmp_path_factory):
+    """Five-band mosaics with segmentation masks: train (40 images, 2 shards) and test (20, 1 shard)."""
+    from band_shards import write_band_masks
+
+    return write_band_masks(tmp_path_factory.mktemp("band_masks"), {"train": 40, "test": 20})
+
+
+@pytest.fixture(scope="session")
 def digits_batch():
     """16 real digit images as a normalised model batch (B, 3, 32, 32), ImageNet mean/std."""
     import torch

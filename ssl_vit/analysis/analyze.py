@@ -77,8 +77,8 @@ def analyze(
     )
     # A few hundred images: decoded in this process, without starting DataLoader workers.
     data = ShardDataModule(
-        test_urls=urls, batch_size=batch_size, num_workers=0, image_size=config.img_size, mean=mean, std=std,
-        **({} if rgb else {"channels": config.in_chans}),
+        test_urls=urls, batch_size=batch_size, num_workers=0, image_size=config.img_size,
+        channels=config.in_chans, mean=mean, std=std,
     )  # fmt: skip
     inputs, keys = read_images(data, "test", images)
 

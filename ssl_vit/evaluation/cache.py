@@ -44,6 +44,14 @@ def datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in data.items() if key in DATA_KEYS}
 
 
+def with_normalisation(data: dict[str, Any], datamodule: ShardDataModule) -> dict[str, Any]:
+    """A data block with its `mean` and `std` as `datamodule` (its own) resolved them: `auto` becomes
+    the band statistics of the manifest of its first split, the training split's. Data modules built
+    for one split alone (a scoring pass over the test split, a trained protocol's training split,
+    compare's attention images) then normalise every split alike, as the frozen features are."""
+    return {**data, "mean": list(datamodule.mean), "std": list(datamodule.std)}
+
+
 class FeatureCache:
     """Frozen features of a dataset's splits (train, test, and val when the data block gives
     `val_urls`): every kind the suite reads from one pass over each split (`extract_feature_set`), made
@@ -53,9 +61,10 @@ class FeatureCache:
     def __init__(
         self, backbone: ViT, config: ViTConfig, data: dict[str, Any], kinds: tuple[str, ...]
     ) -> None:
-        self.backbone, self.config, self.data = backbone, config, data
+        self.backbone, self.config = backbone, config
         self.kinds = tuple(kinds)
         self.datamodule = self.datamodule_of(data)
+        self.data = with_normalisation(data, self.datamodule)
         self._cache: dict[str, dict[str, Features]] = {}
         self._index: dict[str, Index] = {}  # labels and keys of splits read without features
 

@@ -112,9 +112,9 @@ class FewShotMonitor(pl.Callback):
                     "read_retries": data.read_policy.retries,
                     "read_timeout_s": data.read_policy.timeout_s,
                     "loader_timeout_s": data.loader_timeout_s,
+                    "channels": data.channels,
                     "mean": data.mean,
                     "std": data.std,
-                    **({"channels": data.channels} if getattr(data, "channels", 3) != 3 else {}),
                 }
                 if isinstance(data, ShardDataModule)
                 else {}

@@ -32,7 +32,7 @@ from ssl_vit.analysis.images import read_images
 from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
-from ssl_vit.evaluation.cache import datamodule_args
+from ssl_vit.evaluation.cache import FeatureCache, datamodule_args, with_normalisation
 from ssl_vit.evaluation.plots import (
     plot_bars,
     plot_compute,
@@ -164,7 +164,8 @@ def write_comparison(
 
 def attention_images(suite: Suite) -> torch.Tensor:
     """(n, C, H, W): the first `ATTENTION_IMAGES` images of the first dataset's test split, normalised."""
-    data = next(iter(suite.datasets.values()))
+    first = next(iter(suite.datasets.values()))
+    data = with_normalisation(first, FeatureCache.datamodule_of(first))
     datamodule = ShardDataModule(test_urls=data["test_urls"], **datamodule_args(data))
     return read_images(datamodule, "test", ATTENTION_IMAGES)[0]
 

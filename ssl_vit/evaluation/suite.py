@@ -195,12 +195,7 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
 def _with_bands(backbone: ViTConfig, datasets: dict, given: dict, path: Path) -> ViTConfig:
     """The suite's backbone reading its data's bands: `in_chans` = the datasets' `channels` (3 unless
     given), which every dataset of a suite shares (a checkpoint reads one band count)."""
-    bands = {name: data.get("channels", 3) for name, data in datasets.items()}
-    for name, count in bands.items():
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise UserError(
-                f"{path}: {name}.channels is {count!r}: give the number of bands, a positive integer"
-            )
+    bands = {name: data.get("channels", 3) for name, data in datasets.items()}  # checked: check_counts
     if len(set(bands.values())) > 1:
         listed = ", ".join(f"{name} {count}" for name, count in bands.items())
         raise UserError(

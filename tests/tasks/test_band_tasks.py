@@ -1,14 +1,13 @@
 """The tasks on images of other band counts: every masked preset that works on them and supervised
 pretraining fit five bands, their checkpoints record the bands and their normalisation, and the colour
-targets are refused in one line, in the task and through `ssl-vit fit` (with the stand-in data module
-of `bands_standin`, until the data module reads N-band shards itself)."""
+targets are refused in one line, in the task and through `ssl-vit fit` on five-band shards."""
 
+import json
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
-from bands_standin import PRELUDE
 from cli_helpers import run_cli
 from PIL import Image
 from task_helpers import trainer
@@ -125,36 +124,36 @@ def test_display_bands_are_checked():
     )
 
 
-def bands_fit(digits_shards: Path, run: Path, *options: str, recipe: str = "mae", check: bool = True):
-    """`ssl-vit fit` of a quickstart recipe on five bands (the stand-in data module repeats the digits'
-    RGB bands), 4 steps."""
+def bands_fit(shards: Path, run: Path, *options: str, recipe: str = "mae", check: bool = True):
+    """`ssl-vit fit` of a quickstart recipe on the five-band shards (`band_shards`), their own per-band
+    normalisation (`auto`: the manifest's band statistics)."""
     return run_cli(
         "fit", "--config", str(ROOT / f"recipes/quickstart/{recipe}.yaml"),
-        "--data.init_args.channels", "5", "--data.init_args.mean", str(list(MEAN)),
-        "--data.init_args.std", str(list(STD)),
-        "--data.init_args.train_urls", str(digits_shards / "train-{000000..000004}.tar"),
-        "--data.init_args.val_urls", str(digits_shards / "val-{000000..000003}.tar"),
+        "--data.init_args.channels", "5", "--data.init_args.mean", "auto", "--data.init_args.std", "auto",
+        "--data.init_args.train_urls", str(shards / "train-{000000..000001}.tar"),
+        "--data.init_args.val_urls", str(shards / "val-000000.tar"), "--data.init_args.batch_size", "8",
         "--data.init_args.num_workers", "0", "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
         "--model.init_args.backbone.width", "32", "--model.init_args.backbone.depth", "1",
-        "--trainer.default_root_dir", str(run), *options,
-        prelude=PRELUDE, check=check, cwd=ROOT,
+        "--trainer.default_root_dir", str(run), *options, check=check, cwd=ROOT,
     )  # fmt: skip
 
 
 @pytest.mark.slow
-def test_fit_links_the_data_bands_into_the_task_and_resumes_them(digits_shards, tmp_path):
-    """The data module's `channels` becomes the backbone's `in_chans` and its per-band mean and std the
-    task's; a resume rebuilds that task; the same run with the data's default three bands is one line."""
+def test_fit_links_the_data_bands_into_the_task_and_resumes_them(band_shards, digits_shards, tmp_path):
+    """The data module's `channels` becomes the backbone's `in_chans` and its per-band mean and std (read
+    from the manifest) the task's; a resume rebuilds that task; the same run directory with the digits'
+    three bands is one line."""
     run = tmp_path / "run"
-    bands_fit(digits_shards, run, "--trainer.max_steps", "2", "--model.init_args.picture_every_n_steps", "1")
+    bands_fit(band_shards, run, "--trainer.max_steps", "2", "--model.init_args.picture_every_n_steps", "1")
     checkpoint = torch.load(run / "checkpoints/last.ckpt", weights_only=True, map_location="cpu")
     hparams = checkpoint["hyper_parameters"]
-    assert (
-        hparams["backbone"]["in_chans"] == 5 and hparams["mean"] == list(MEAN) and hparams["std"] == list(STD)
-    )
+    stats = json.loads((band_shards / "train.json").read_text())["band_stats"]
+    assert hparams["backbone"]["in_chans"] == 5
+    assert hparams["mean"] == pytest.approx(stats["mean"]) and hparams["std"] == pytest.approx(stats["std"])
+    assert 1000 < hparams["mean"][1] - hparams["mean"][0] < 1001  # band b holds 1000 b + ...
     assert checkpoint["state_dict"]["backbone.patch_embed.proj.weight"].shape[1] == 5
     assert len(list((run / "pictures").glob("train_predictions_*.png"))) == 2
-    proc = bands_fit(digits_shards, run, "--trainer.max_steps", "3", "--ckpt_path", "last")
+    proc = bands_fit(band_shards, run, "--trainer.max_steps", "3", "--ckpt_path", "last")
     assert "Restored all states" in proc.stdout + proc.stderr
     assert (
         torch.load(run / "checkpoints/last.ckpt", weights_only=True, map_location="cpu")["global_step"] == 3
@@ -172,8 +171,8 @@ def test_fit_links_the_data_bands_into_the_task_and_resumes_them(digits_shards, 
 
 
 @pytest.mark.slow
-def test_mpp_on_five_bands_is_one_line_through_the_cli(digits_shards, tmp_path):
-    proc = bands_fit(digits_shards, tmp_path / "run", "--trainer.max_steps", "1", recipe="mpp", check=False)
+def test_mpp_on_five_bands_is_one_line_through_the_cli(band_shards, tmp_path):
+    proc = bands_fit(band_shards, tmp_path / "run", "--trainer.max_steps", "1", recipe="mpp", check=False)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "ssl-vit: error: preset 'vit_mpp''s target 'color3bit' quantises the mean colour of 3 RGB bands, and "
