@@ -40,6 +40,7 @@ from ssl_vit.checkpoints import integrity
 from ssl_vit.data.checks import check_shard_urls
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
+from ssl_vit.run_lock import LOCK_NAME, RunLock, job_leader
 from ssl_vit.tasks.base import Throughput
 from ssl_vit.tasks.checkpointing import (
     DAMAGED_FIX,
@@ -54,7 +55,6 @@ from ssl_vit.tasks.nonfinite import NonFiniteGuard, check_rollback
 from ssl_vit.tasks.preemption import Preemption
 from ssl_vit.tasks.resume import RandomState
 from ssl_vit.tasks.rollback import SafeSteps
-from ssl_vit.tasks.run_lock import LOCK_NAME, RunLock, job_leader
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
 
