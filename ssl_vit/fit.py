@@ -37,6 +37,7 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 from ssl_vit.checkpoints import integrity
+from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data.checks import check_shard_urls
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
@@ -503,7 +504,7 @@ def check_ckpt_path(path: str | Path) -> dict:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch_load(path, map_location="cpu")
     except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
         raise UserError(
             f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
