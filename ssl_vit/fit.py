@@ -37,9 +37,11 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 from ssl_vit.checkpoints import integrity
+from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data.checks import check_shard_urls
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
+from ssl_vit.run_lock import LOCK_NAME, RunLock, job_leader
 from ssl_vit.tasks.base import Throughput
 from ssl_vit.tasks.checkpointing import (
     DAMAGED_FIX,
@@ -54,7 +56,6 @@ from ssl_vit.tasks.nonfinite import NonFiniteGuard, check_rollback
 from ssl_vit.tasks.preemption import Preemption
 from ssl_vit.tasks.resume import RandomState
 from ssl_vit.tasks.rollback import SafeSteps
-from ssl_vit.tasks.run_lock import LOCK_NAME, RunLock, job_leader
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
 # What the model takes from the data module once that is built (`link_arguments(..., apply_on=
@@ -532,7 +533,7 @@ def check_ckpt_path(path: str | Path) -> dict:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch_load(path, map_location="cpu")
     except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
         raise UserError(
             f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"

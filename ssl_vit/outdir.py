@@ -1,35 +1,104 @@
-"""Output directories of the commands that write one (`evaluate`, `compare`, `analyze`): checked before
-any work, written complete or not at all.
+"""What the commands that write a directory or a file for the user (`evaluate`, `compare`, `analyze`,
+`export`, `data convert`) may write, and how: the rules are here, once.
 
-`check_out` refuses, in one line, an --out that is a file, lies under one, cannot be written, or is a
-non-empty directory without --overwrite. `staged` gives a temporary directory next to it to write
-into, renamed into place at the end; an old --out is removed only once the new one is complete.
+- An output that is, holds or lies inside one of the command's inputs (a checkpoint, the run directory
+  around it, a shard's directory, the suite or claims file, a data source) is refused in one line,
+  `--overwrite` or not: a results directory renamed over a run directory would delete its checkpoints.
+  Input and output trees are disjoint. `check_out` also refuses a file, a path under a file, a place that
+  cannot be written, the current directory or one above it, and a non-empty directory without
+  `--overwrite`.
+- A job holds a lock on its output while it writes (`ssl_vit.run_lock`, the lock `fit` holds on its run
+  directory: `.NAME.lock` beside the output, `OUTDIR/.SPLIT.lock` for a conversion), so a second job is
+  refused in one line naming the holder, before it computes anything.
+- Everything is written beside the output and renamed into place at the end (`Output.staged`). The
+  rename never replaces what another job put there meanwhile (a directory with files is never renamed
+  over; a file is linked, which fails if the name exists): the job then says so in one line and keeps its
+  results beside the output. Only `--overwrite` replaces an output, once the new one is complete, and under
+  the lock no two jobs do so at once.
+- What was computed is written and committed before anything optional (pictures, the W&B run,
+  `Output.optional`): a picture that fails costs that picture, one warning line and a note, never the
+  numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
+from ssl_vit.atomic import Staged
 from ssl_vit.errors import UserError
+from ssl_vit.run_lock import RunLock, job_leader
+
+T = TypeVar("T")
 
 
-def check_out(out: str | Path, overwrite: bool = False) -> Path:
+class Input(NamedTuple):
+    """A path a command reads, and what it is for the messages (`the checkpoint runs/a/last.ckpt`)."""
+
+    path: Path
+    what: str
+
+
+def checkpoint_inputs(source: str) -> list[Input]:
+    """What a checkpoint source reads on this machine: the file (or exported folder) and, for a file in a
+    run directory (`RUN/checkpoints/NAME.ckpt`, or beside a `config.yaml`), the run directory, whose
+    checkpoints, config.yaml and W&B run are a fit's. None for `scratch`, `timm:NAME` and URLs."""
+    if source == "scratch" or source.startswith("timm:") or "://" in source:
+        return []
+    path = Path(source)
+    found = [Input(path, f"the checkpoint {source}")]
+    parent = path.parent
+    if parent.name == "checkpoints":
+        found.append(Input(parent.parent, f"the run directory of {source}"))
+    elif path.is_file() and ((parent / "config.yaml").is_file() or (parent / "checkpoints").is_dir()):
+        found.append(Input(parent, f"the run directory of {source}"))
+    return found
+
+
+def refuse_inputs(out: str | Path, inputs: Iterable[Input], label: str = "--out") -> None:
+    """A one-line UserError when `out` is, holds or lies inside one of `inputs` (symbolic links followed:
+    two names of one directory are one directory)."""
+    target = Path(os.path.realpath(out))
+    found = []  # (closeness, relation, what): the input itself first, then the outermost one held, then
+    # the innermost one around it (`holds the run directory of X` rather than `holds the checkpoint X`)
+    for path, what in inputs:
+        place = Path(os.path.realpath(path))
+        if target == place:
+            found.append(((0, 0), "is", what))
+        elif place.is_relative_to(target):
+            found.append(((1, len(place.parts)), "holds", what))
+        elif target.is_relative_to(place):
+            found.append(((2, -len(place.parts)), "lies inside", what))
+    if found:
+        _, relation, what = min(found, key=lambda item: item[0])
+        raise UserError(
+            f"{label} {out} {relation} {what}, which this command reads: give an {label} outside every input"
+        )
+
+
+def check_out(
+    out: str | Path, overwrite: bool = False, inputs: Iterable[Input] = (), label: str = "--out"
+) -> Path:
     """`out` as a Path after checking that the command may write it; a one-line UserError if not.
     Writes nothing (a directory made and removed at once tests that the parent is writable)."""
     out = Path(out)
+    refuse_inputs(out, inputs, label)
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file: give a directory")
+        raise UserError(f"{label} {out} is a file: give a directory")
     where = Path(os.path.abspath(out))  # `..` resolved: the parent the staging directory goes in
     if Path.cwd().is_relative_to(where):  # `--out .` or above: it would be renamed away
-        raise UserError(f"--out {out} holds the current directory: give a directory of its own")
+        raise UserError(f"{label} {out} holds the current directory: give a directory of its own")
     existing = next(p for p in (where, *where.parents) if p.exists())
     if not existing.is_dir():
-        raise UserError(f"--out {out} lies under the file {existing}: give a directory")
+        raise UserError(f"{label} {out} lies under the file {existing}: give a directory")
     # The staging directory goes next to `out`, in its parent: try making one where it would be
     # (permissions alone do not tell, e.g. root under /proc or a read-only mount).
     parent = where.parent if where.parent.exists() else existing
@@ -37,30 +106,151 @@ def check_out(out: str | Path, overwrite: bool = False) -> Path:
         Path(tempfile.mkdtemp(prefix=f".{where.name}.", dir=parent)).rmdir()
     except OSError as err:
         raise UserError(
-            f"--out {out} cannot be written ({err.strerror}): give a writable directory"
+            f"{label} {out} cannot be written ({err.strerror}): give a writable directory"
         ) from None
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(
-            f"--out {out} exists and is not empty: give a new directory, or --overwrite to replace it"
-        )
+    refuse_used(out, overwrite, label)
     return out
 
 
-@contextmanager
-def staged(out: str | Path) -> Iterator[Path]:
-    """A temporary directory next to `out` to write into: put at `out` when the block ends (an old
-    `out`, from --overwrite, is removed only then), removed when it raises."""
-    out = Path(os.path.abspath(out))  # a real `out.name` and `out.parent` for paths such as `runs/..` too
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    # mkdtemp makes it 0700 whatever the umask; the finished --out gets what mkdir would have given it.
-    temp.chmod(0o777 & ~_umask())
+def refuse_used(out: Path, overwrite: bool, label: str = "--out") -> None:
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(
+            f"{label} {out} exists and is not empty: give a new directory, or --overwrite to replace it"
+        )
+
+
+def out_lock(out: str | Path, command: str, label: str = "--out") -> contextlib.AbstractContextManager:
+    """The lock of one job on `out`: `.NAME.lock` beside it (the parent made if missing, removed again if
+    it stays empty). Only the job's rank 0 takes it: every rank of a torchrun job runs the command."""
+    if not job_leader():
+        return contextlib.nullcontext()
+    where = Path(os.path.abspath(out))
+    return RunLock(
+        where.parent, name=f".{where.name}.lock", command=command, subject=f"{label} {out}",
+        rule="one job per output", alternative=f"give another {label}",
+    )  # fmt: skip
+
+
+def split_lock(outdir: Path, split: str) -> RunLock:
+    """The lock of one `data convert` on one split of OUTDIR, `OUTDIR/.SPLIT.lock` (OUTDIR made if
+    missing, removed again if it stays empty): conversions of other splits into OUTDIR run beside it."""
+    return RunLock(
+        outdir, name=f".{split}.lock", command="data convert", subject=f"split {split!r} of OUTDIR {outdir}",
+        rule="one conversion per split", alternative="give another OUTDIR or --split",
+    )  # fmt: skip
+
+
+def commit(staged: Path, out: Path, replace: bool = False, label: str = "--out") -> None:
+    """Put the finished `staged` (a directory or a file beside `out`, same filesystem) at `out`.
+
+    Never over what another job put there meanwhile: a directory is renamed, which POSIX refuses onto a
+    directory holding files (onto an empty one it succeeds: nothing is lost); a file is hard-linked,
+    which fails if the name exists. Then `staged` is kept beside `out` under a visible name, and the
+    line says where. With `replace` an old `out` is moved aside and removed once the new one is in."""
+    if replace and out.is_dir() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        staged.rename(out)
+        shutil.rmtree(old)
+        return
     try:
-        yield temp
-        _replace(temp, out)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+        if staged.is_dir():
+            staged.rename(out)
+        else:
+            os.link(staged, out)
+            staged.unlink()
+    except OSError as err:
+        if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise
+        token = secrets.token_hex(4)
+        kept = out.with_name(f"{out.name}.{token}" if staged.is_dir() else f"{out.stem}.{token}{out.suffix}")
+        staged.rename(kept)
+        raise UserError(
+            f"{label} {out} was written by another job while this one ran (its files are kept): this job's "
+            f"results are in {kept}; move them, or run again with another {label} or --overwrite"
+        ) from None
+
+
+class Output:
+    """`with Output(out, command, inputs, overwrite) as output:` an output directory checked (`check_out`)
+    and locked (`out_lock`) from the start of the job to its end; `with output.staged() as temp:` the
+    directory to write the computed results into, committed at the end of the block (`commit`); then
+    `output.optional` for what may fail without costing them (pictures, W&B), whose failures are collected
+    as `notes`. Under torchrun every rank checks, rank 0 locks and writes."""
+
+    def __init__(
+        self, out: str | Path, command: str, inputs: Iterable[Input] = (), overwrite: bool = False
+    ) -> None:
+        self.path = Path(out)
+        self.command, self.inputs, self.overwrite = command, list(inputs), overwrite
+        self.notes: list[str] = []
+        self._held = contextlib.ExitStack()
+
+    def __enter__(self) -> Output:
+        check_out(self.path, self.overwrite, self.inputs)
+        with contextlib.ExitStack() as held:
+            held.enter_context(out_lock(self.path, self.command))
+            # Again under the lock: a job that held it until now may have filled it.
+            refuse_used(self.path, self.overwrite)
+            self._held = held.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._held.close()
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[Path]:
+        """A temporary directory next to the output to write into, committed when the block ends (an old
+        output, from --overwrite, is removed only then), removed when it raises."""
+        out = Path(os.path.abspath(self.path))  # a real name and parent for paths such as `runs/..` too
+        out.parent.mkdir(parents=True, exist_ok=True)
+        temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        # mkdtemp makes it 0700 whatever the umask; the finished output gets what mkdir would have given it.
+        temp.chmod(0o777 & ~_umask())
+        try:
+            yield temp
+            commit(temp, out, self.overwrite)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+
+    def optional(self, what: str, make: Callable[[], T]) -> T | None:
+        """`make()`'s result; when it raises (an Exception: a signal still ends the command), one warning
+        line and a note naming `what`, and None: the results committed before stay as they are."""
+        try:
+            return make()
+        except Exception as err:
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            why = f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
+            self.notes.append(f"{what} failed ({why}); the results are complete without it")
+            print(f"ssl-vit: warning: {self.notes[-1]}", file=sys.stderr, flush=True)
+            return None
+
+    def rewrite(self, name: str, text: str) -> None:
+        """The committed output's file `name` replaced whole by `text` (a reader sees the old or the new)."""
+        with Staged(Path(self.path) / name) as staged, open(staged.create(), "w", closefd=False) as f:
+            f.write(text)
+            f.flush()
+            staged.sync()
+            staged.replace()
+
+    def picture(self, name: str, draw: Callable[[Path], object]) -> Path | None:
+        """`draw(path)` writes the picture `name` (or decides there is none to draw: nothing at `path`);
+        drawn beside the committed output and renamed into it, so a failed drawing leaves no half file.
+        The picture's path in the output, or None."""
+        out = Path(os.path.abspath(self.path))
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch:
+            drawn = Path(scratch) / name
+
+            def make() -> bool:
+                draw(drawn)
+                return drawn.is_file()  # False: nothing to draw (no few-shot protocol for fewshot.png)
+
+            if not self.optional(name, make):
+                return None
+            os.replace(drawn, out / name)
+        return out / name
 
 
 def _umask() -> int:
@@ -70,13 +260,7 @@ def _umask() -> int:
     return mask
 
 
-def _replace(temp: Path, out: Path) -> None:
-    """Put the finished `temp` directory at `out`; an old `out` is moved aside and removed after."""
-    if not out.exists():
-        temp.rename(out)
-        return
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    out.rename(old)
-    temp.rename(out)
-    shutil.rmtree(old)
+__all__ = [
+    "Input", "Output", "check_out", "checkpoint_inputs", "commit", "out_lock", "refuse_inputs", "refuse_used",
+    "split_lock",
+]  # fmt: skip

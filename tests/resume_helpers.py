@@ -1,12 +1,14 @@
 """Callbacks tests add to `ssl-vit fit` (`--trainer.callbacks+=resume_helpers.StepRecorder`): one JSON
 line per training step with what the resume tests compare; NaN gradients on one rank; a hold before
 training; the learning rate each optimizer step applied, every rank's weights at the end. And a prelude
-that makes chosen losses spike."""
+that makes chosen losses spike, and bytes of a checkpoint overwritten."""
 
 import hashlib
 import json
 import os
+import struct
 import time
+import zipfile
 
 import pytorch_lightning as pl
 import torch
@@ -222,3 +224,16 @@ def fit_args(
         "--trainer.callbacks+=resume_helpers.StepRecorder", "--trainer.callbacks.path", str(record),
         *extra,
     ]  # fmt: skip
+
+
+def flip(path, count: int = 32) -> None:
+    """Overwrite `count` bytes in the middle of the largest record's data (a tensor's storage), in place."""
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda r: r.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        data = f.read(count)
+        f.seek(-len(data), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))

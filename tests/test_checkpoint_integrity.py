@@ -4,38 +4,23 @@ file, and `--ckpt_path last` resumes from the newest checkpoint that verifies in
 uninterrupted run continues from there."""
 
 import os
-import struct
 import subprocess
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import run_cli
-from resume_helpers import ROOT, fit_args, read_steps
+from resume_helpers import ROOT, fit_args, flip, read_steps
 from test_errors import error_line, listing
 from test_run_dir_safety import stamps
 
 from ssl_vit.checkpoints import integrity, read_weights
 from ssl_vit.errors import UserError
 from ssl_vit.fit import check_ckpt_path
+from ssl_vit.run_lock import LOCK_NAME
 from ssl_vit.tasks.checkpointing import SafeCheckpointIO, load_checkpoint, resumable
-from ssl_vit.tasks.run_lock import LOCK_NAME
 
 ENV = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
-
-
-def flip(path: Path, count: int = 32) -> None:
-    """Overwrite `count` bytes in the middle of the largest record's data (a tensor's storage), in place."""
-    with zipfile.ZipFile(path) as archive:
-        record = max(archive.infolist(), key=lambda r: r.file_size)
-    with open(path, "r+b") as f:
-        f.seek(record.header_offset + 26)
-        name_length, extra_length = struct.unpack("<HH", f.read(4))
-        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
-        data = f.read(count)
-        f.seek(-len(data), os.SEEK_CUR)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def truncate(path: Path) -> None:

@@ -398,11 +398,11 @@ def test_a_signal_during_a_trained_protocol_of_evaluate_is_one_line_and_nothing_
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750)])
 def test_out_directories_get_the_permissions_the_umask_gives(umask, mode, tmp_path):
-    from ssl_vit.outdir import staged
+    from ssl_vit.outdir import Output
 
     previous = os.umask(umask)
     try:
-        with staged(tmp_path / "out") as temp:
+        with Output(tmp_path / "out", "evaluate") as output, output.staged() as temp:
             (temp / "results.json").write_text("{}")
     finally:
         os.umask(previous)

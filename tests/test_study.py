@@ -157,7 +157,7 @@ def test_make_study_end_to_end_at_toy_size(tmp_path):
     suite["backbone"].update(width=32, depth=1, heads=2)
     for name in ("fmnist", "fmnist_finetune"):
         suite["datasets"][name].update(train_urls=train, test_urls=test, num_workers=0)
-    mosaics = shards / "mosaic"  # the script's: 150 and 50 mosaics of the toy images
+    mosaics = tmp_path / "shards_mosaic"  # the script's, beside its OUTDIR: 150 and 50 toy mosaics
     toy_mosaics = {
         "train_urls": str(mosaics / "train-000000.tar"),
         "test_urls": str(mosaics / "test-000000.tar"),

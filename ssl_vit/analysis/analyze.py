@@ -14,8 +14,10 @@ bands (`--display-bands`; by default a masked-pretraining checkpoint's own `disp
 three), each stretched between its 2nd and 98th percentile (`ssl_vit.tasks.pictures.false_colour`); the
 filter components are computed over all bands and drawn in those three (`embeddings`).
 
-OUT is complete or absent: everything is computed first, written into a temporary directory next to
-OUT, and renamed into place.
+
+Everything is computed first; analysis.json is written into a temporary directory next to OUT and
+renamed into place, then the pictures are drawn into it, each of which may fail without costing the
+numbers (one warning line, and a note in analysis.json: `ssl_vit.outdir`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,9 +36,10 @@ from ssl_vit.analysis import attention, embeddings, pictures
 from ssl_vit.analysis.images import read_images
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.urls import shard_directories
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.outdir import check_out, staged
+from ssl_vit.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.masked import check_display_bands
 from ssl_vit.tasks.pictures import false_colour, masked_prediction_picture
@@ -58,10 +62,30 @@ def analyze(
     the shards `urls`; write the pictures and analysis.json into `out_dir`. Returns the json record.
     `display_bands`: the bands drawn as red, green and blue for checkpoints of other than 3 bands."""
     start = time.time()
-    out = Path(out_dir)
-    check_out(out, overwrite)
-    if images < 1 or batch_size < 1:
-        raise UserError(f"--images {images} and --batch-size {batch_size} must be positive")
+    data = [
+        Input(folder, f"the --data shards' directory {folder}")
+        for folder in shard_directories(urls, "--data")
+    ]
+    with Output(out_dir, "analyze", [*checkpoint_inputs(source), *data], overwrite) as output:
+        if images < 1 or batch_size < 1:
+            raise UserError(f"--images {images} and --batch-size {batch_size} must be positive")
+        record, drawings = _analysis(source, urls, images, batch_size, display_bands)
+        record["seconds"] = round(time.time() - start, 1)
+        with output.staged() as temp:  # the numbers first: a picture that fails costs only that picture
+            (temp / "analysis.json").write_text(json.dumps(record, indent=1) + "\n")
+        drawn = [output.picture(name, draw) for name, draw in drawings.items()]
+        record["pictures"] = sorted(path.name for path in drawn if path is not None)
+        output.optional("the W&B log", lambda: _log_to_wandb(record, output.path))
+        if output.notes:  # what failed, said beside the numbers
+            record["notes"] = output.notes
+            output.rewrite("analysis.json", json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def _analysis(
+    source: str, urls: str, images: int, batch_size: int, display_bands: tuple[int, int, int] | None
+) -> tuple[dict, dict]:
+    """The json record of `analyze` and its pictures: name -> a function that draws it at a path."""
     checkpoint = _lightning_checkpoint(source)
     hparams = (checkpoint or {}).get("hyper_parameters") or {}
     backbone, config = load_backbone(source)
@@ -126,20 +150,19 @@ def analyze(
         },
         "masked_prediction": masked,
     }
-
-    with staged(out) as temp:
-        pictures.attention_distance_plot(per_head, backbone.pixels_per_token, temp / "attention_distance.png")
-        pictures.position_similarity_plot(similarity, backbone.grid_size, temp / "position_embeddings.png")
-        if filters is not None:
-            pictures.filter_components_grid(filters[0], temp / "patch_embedding_pcs.png")
-        pictures.rollout_grid(pixels, maps, temp / "attention_rollout.png")
-        if masked_picture is not None:
-            pictures.image_grid(masked_picture, config.img_size, temp / "masked_predictions.png")
-        record["pictures"] = sorted(p.name for p in temp.glob("*.png"))
-        record["seconds"] = round(time.time() - start, 1)
-        (temp / "analysis.json").write_text(json.dumps(record, indent=1) + "\n")
-    _log_to_wandb(record, out)
-    return record
+    drawings = {
+        "attention_distance.png": partial(
+            pictures.attention_distance_plot, per_head, backbone.pixels_per_token
+        ),
+        "position_embeddings.png": partial(pictures.position_similarity_plot, similarity, backbone.grid_size),
+        "attention_rollout.png": partial(pictures.rollout_grid, pixels, maps),
+    }
+    if filters is not None:
+        drawings["patch_embedding_pcs.png"] = partial(pictures.filter_components_grid, filters[0])
+    if masked_picture is not None:
+        drawings["masked_predictions.png"] = partial(pictures.image_grid, masked_picture, config.img_size)
+    record["pictures"] = sorted(drawings)
+    return record, drawings
 
 
 def _lightning_checkpoint(source: str) -> dict | None:

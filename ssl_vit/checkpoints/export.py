@@ -38,6 +38,7 @@ from ssl_vit.checkpoints.load import (
 )
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig, parse_variant
+from ssl_vit.outdir import checkpoint_inputs, commit, out_lock, refuse_inputs
 
 Format = Literal["timm", "hf"]
 TIMM_SIZES = {"Ti": "tiny", "S": "small", "M": "medium", "B": "base", "L": "large", "H": "huge"}
@@ -59,6 +60,7 @@ def export(source: str, out: str, fmt: Format, with_head: bool, weights: Weights
     Python call that loads it. `out` must not exist; it appears whole or not at all. `weights`:
     `teacher` writes the EMA teacher of a latent-target checkpoint (I-JEPA, data2vec 2.0) instead."""
     target = Path(out).absolute()
+    refuse_inputs(out, checkpoint_inputs(source), "OUT")
     if target.exists() or target.is_symlink():
         raise UserError(f"{out} already exists; give a new path, or remove it first")
     if not target.parent.is_dir():
@@ -69,6 +71,36 @@ def export(source: str, out: str, fmt: Format, with_head: bool, weights: Weights
             f"{out} does not end in .safetensors, which timm needs to load it: name OUT "
             f"{target.with_suffix('.safetensors').name}, or give --format hf for a folder"
         )
+    with out_lock(target, "export", "OUT"):
+        written = _write(source, target, fmt, with_head, weights)
+    if fmt == "hf":
+        return f'timm.create_model("local-dir:{target}", pretrained=True)'
+    overlay = dict(file=str(target), num_classes=written.num_classes)
+    defaults = get_pretrained_cfg(written.carrier.name)
+    config, (mean, std) = written.config, written.normalisation
+    size = (config.in_chans, config.img_size, config.img_size)
+    if tuple(defaults.input_size) != size:
+        overlay["input_size"] = size
+    for key, value in (("mean", mean), ("std", std)):
+        if value is not None and tuple(getattr(defaults, key)) != tuple(value):
+            overlay[key] = tuple(value)
+    arguments = {"pretrained": True, "pretrained_cfg_overlay": overlay, "num_classes": written.num_classes}
+    arguments.update(written.carrier.kwargs)
+    return f'timm.create_model("{written.carrier.name}", {_python_arguments(arguments)})'
+
+
+class Written(NamedTuple):
+    carrier: TimmModel
+    config: ViTConfig
+    num_classes: int
+    normalisation: tuple  # (mean, std) the checkpoint recorded, or Nones
+
+
+def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: WeightsKind) -> Written:
+    """`source`'s weights written to `target` in `fmt`: beside it first, then linked or renamed into
+    place, never over what another job put there meanwhile (`outdir.commit`)."""
+    if target.exists() or target.is_symlink():  # again, under the lock: another export's
+        raise UserError(f"{target} already exists; give a new path, or remove it first")
     weights = read_weights(source, weights)
     if weights.config is None:
         raise UserError(
@@ -100,21 +132,10 @@ def export(source: str, out: str, fmt: Format, with_head: bool, weights: Weights
             metadata = export_metadata(weights.config, state, config_json)
             save_file(state, written / WEIGHTS_FILE, metadata=metadata)
         _default_permissions(written)
-        written.rename(target)
+        commit(written, target, label="OUT")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    if fmt == "hf":
-        return f'timm.create_model("local-dir:{target}", pretrained=True)'
-    overlay = dict(file=str(target), num_classes=num_classes)
-    defaults = get_pretrained_cfg(carrier.name)
-    size = (weights.config.in_chans, weights.config.img_size, weights.config.img_size)
-    if tuple(defaults.input_size) != size:
-        overlay["input_size"] = size
-    for key, value in (("mean", mean), ("std", std)):
-        if value is not None and tuple(getattr(defaults, key)) != tuple(value):
-            overlay[key] = tuple(value)
-    arguments = {"pretrained": True, "pretrained_cfg_overlay": overlay, "num_classes": num_classes}
-    return f'timm.create_model("{carrier.name}", {_python_arguments({**arguments, **carrier.kwargs})})'
+    return Written(carrier, weights.config, num_classes, (mean, std))
 
 
 def timm_model(config: ViTConfig) -> TimmModel:

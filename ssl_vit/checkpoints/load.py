@@ -34,9 +34,10 @@ import json
 import math
 import re
 import sys
+import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from timm.models import adapt_input_conv, clean_state_dict
@@ -171,6 +172,24 @@ def _no_teacher(source) -> UserError:
     )
 
 
+# torch's weights-only unpickler warns (two lines) before it reads a pickle of another protocol than its own
+# (2): files that `pickle.dump` wrote, never `torch.save`. Either it reads the file, and the warning was
+# needless, or it refuses it and ssl-vit says so in one line (a pickle that needs code, or not a
+# checkpoint): the warning only pushes that line down.
+PICKLE_PROTOCOL_WARNING = (
+    r"Detected pickle protocol \d+ in the checkpoint, which was not the default pickle protocol used by "
+    + re.escape("`torch.load`")
+)
+
+
+def torch_load(file, **kwargs) -> Any:
+    """`torch.load(file, weights_only=True, **kwargs)`, the one way ssl-vit reads a torch file whole,
+    without torch's warning about the pickle protocol (`PICKLE_PROTOCOL_WARNING`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PICKLE_PROTOCOL_WARNING, category=UserWarning)
+        return torch.load(file, weights_only=True, **kwargs)
+
+
 def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
     # torch.load checks no checksum: a damaged file would load whatever its bytes now say. Files without
     # checksums (torch's legacy format, other tools' files) load unchecked.
@@ -178,7 +197,7 @@ def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
     try:
         # MAE's training checkpoints keep their argparse.Namespace of arguments: plain data.
         with torch.serialization.safe_globals([argparse.Namespace]):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch_load(path, map_location="cpu")
     except Exception as err:  # a non-checkpoint file fails in many ways; all mean the same to the user
         raise UserError(
             f"{path} is not a checkpoint torch can load safely ({type(err).__name__}); give {SOURCES}"

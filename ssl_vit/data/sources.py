@@ -29,6 +29,7 @@ import numpy as np
 
 from ssl_vit.data import arrays_source, eurosat, imagenet, segmentation_sources
 from ssl_vit.errors import UserError
+from ssl_vit.outdir import Input
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 DIGITS_SIZE = 32
@@ -128,6 +129,23 @@ def open_source(spec: str, split: str, **options: int | str | None) -> Source:
         manifest=getattr(records, "manifest", {}),  # what mosaic: and hf: record of themselves
         options=own,
     )
+
+
+def source_inputs(spec: str) -> list[Input]:
+    """The local files and folders a SOURCE string reads (`wds:`/`mosaic:` shards: their directories),
+    which OUTDIR must keep out of (`ssl_vit.outdir`); none for `digits` and `synthetic:N`."""
+    kind, _, arg = spec.partition(":")
+    if kind in ("digits", "synthetic") or not arg:
+        return []
+    if kind in ("wds", "mosaic"):
+        from ssl_vit.data.urls import shard_directories  # (see `_wds`)
+
+        return [
+            Input(folder, f"the directory of the source's shards {folder}")
+            for folder in shard_directories(arg, spec)
+        ]
+    # DIR, FILE, or IMAGES,LABELS
+    return [Input(Path(part), f"the source {part}") for part in arg.split(",") if part]
 
 
 def _wds(arg: str, split: str):

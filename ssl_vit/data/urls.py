@@ -55,6 +55,13 @@ def local_path(url: str) -> Path | None:
     return None
 
 
+def shard_directories(urls: str | Sequence[str], what: str) -> list[Path]:
+    """The directories holding the local files among `urls` (brace-expanded), each once: what a command
+    that reads them must not write into (`ssl_vit.outdir`)."""
+    paths = (local_path(url) for url in expand(urls, what))
+    return list(dict.fromkeys(path.parent for path in paths if path is not None))
+
+
 def _problem(url: str, policy: ReadPolicy = DEFAULT) -> str | None:
     """Why `url` cannot be read, or None when it can (or cannot be checked: `pipe:`). A remote URL is
     asked with `policy`'s retries: a server that fails now and then is not a missing shard."""

@@ -41,8 +41,9 @@ import webdataset as wds
 from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.encode import encode_star
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
-from ssl_vit.data.sources import ARRAY_SOURCES, Source, open_source
+from ssl_vit.data.sources import ARRAY_SOURCES, Source, open_source, source_inputs
 from ssl_vit.errors import UserError
+from ssl_vit.outdir import refuse_inputs, split_lock
 
 log = logging.getLogger(__name__)
 MANIFEST_VERSION = 1
@@ -93,67 +94,65 @@ def convert(
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise UserError(f"OUTDIR {outdir} exists and is not a directory: choose another OUTDIR")
-    if outdir.is_dir():
-        if _finish_interrupted_swap(outdir, split):
-            log.warning("%s: finished the interrupted conversion of split %r found there", outdir, split)
-        ours = [outdir / f".{split}.partial", outdir / f".{split}.old"]
-        in_the_way = [p for p in _split_entries(outdir, split) if not p.is_file()]
-        in_the_way += [p for p in ours if (p.exists() or p.is_symlink()) and not p.is_dir()]
-        if in_the_way:
+    refuse_inputs(outdir, source_inputs(spec), "OUTDIR")
+    with split_lock(outdir, split):  # the rest under it: one conversion of a split at a time
+        if outdir.is_dir():
+            if _finish_interrupted_swap(outdir, split):
+                log.warning("%s: finished the interrupted conversion of split %r found there", outdir, split)
+            ours = [outdir / f".{split}.partial", outdir / f".{split}.old"]
+            in_the_way = [p for p in _split_entries(outdir, split) if not p.is_file()]
+            in_the_way += [p for p in ours if (p.exists() or p.is_symlink()) and not p.is_dir()]
+            if in_the_way:
+                raise UserError(
+                    f"{in_the_way[0]} is in the way of split {split!r} (not a regular file): move it out of "
+                    f"{outdir} or choose another OUTDIR or --split"
+                )
+        old = _split_files(outdir, split)
+        if old and not overwrite:
             raise UserError(
-                f"{in_the_way[0]} is in the way of split {split!r} (not a regular file): move it out of "
-                f"{outdir} or choose another OUTDIR or --split"
+                f"{outdir} already holds split {split!r} ({len(old)} files): pass --overwrite to replace it, "
+                "or choose another OUTDIR or --split"
             )
-    old = _split_files(outdir, split)
-    if old and not overwrite:
-        raise UserError(
-            f"{outdir} already holds split {split!r} ({len(old)} files): pass --overwrite to replace it, "
-            "or choose another OUTDIR or --split"
-        )
-    source = open_source(spec, split, **source_options)
-    options = {
-        "source": spec,
-        "split": split,
-        "shard_size": shard_size,
-        "image_format": image_format,
-        "quality": quality,
-        "max_side": max_side,
-        "source_records": source.total,
-        **source.options,
-    }
+        source = open_source(spec, split, **source_options)
+        options = {
+            "source": spec,
+            "split": split,
+            "shard_size": shard_size,
+            "image_format": image_format,
+            "quality": quality,
+            "max_side": max_side,
+            "source_records": source.total,
+            **source.options,
+        }
 
-    created = not outdir.exists()
-    outdir.mkdir(parents=True, exist_ok=True)
-    partial = outdir / f".{split}.partial"
-    finished = _finished_shards(partial, options)
-    try:
-        manifest = _write_shards(source, partial, options, finished, workers, progress)
-    except UserError:
-        shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
-        if created:  # an OUTDIR made for a conversion that wrote nothing goes too
-            with contextlib.suppress(OSError):
-                outdir.rmdir()
-        raise
-    except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
-        recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}
-        # Whatever the record does not name goes: the progress record's temporary file, and a shard the
-        # signal caught between its file's creation and the record (even before `_write_shards` knew it)
-        for path in partial.iterdir() if partial.is_dir() else ():
-            if path.name not in recorded and path.name != PROGRESS:
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        kept = len(recorded)
-        if kept:
-            log.warning(
-                "kept the %d finished shards in %s: run the same command again to continue", kept, partial
-            )
-        else:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-    # The manifest is written into .partial first: while it is there, the swap is not done.
-    (partial / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    _swap_in(outdir, split, partial, manifest)
-    shutil.rmtree(partial, ignore_errors=True)  # what is left: the progress record
-    return manifest
+        outdir.mkdir(parents=True, exist_ok=True)
+        partial = outdir / f".{split}.partial"
+        finished = _finished_shards(partial, options)
+        try:
+            manifest = _write_shards(source, partial, options, finished, workers, progress)
+        except UserError:
+            shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
+            raise
+        except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
+            recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}
+            # Whatever the record does not name goes: the progress record's temporary file, and a shard the
+            # signal caught between its file's creation and the record (even before `_write_shards` knew it)
+            for path in partial.iterdir() if partial.is_dir() else ():
+                if path.name not in recorded and path.name != PROGRESS:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            kept = len(recorded)
+            if kept:
+                log.warning(
+                    "kept the %d finished shards in %s: run the same command again to continue", kept, partial
+                )
+            else:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        # The manifest is written into .partial first: while it is there, the swap is not done.
+        (partial / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        _swap_in(outdir, split, partial, manifest)
+        shutil.rmtree(partial, ignore_errors=True)  # what is left: the progress record
+        return manifest
 
 
 SPLIT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")

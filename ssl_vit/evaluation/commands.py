@@ -128,13 +128,15 @@ def _compare(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation.report import OUTPUTS, compare
     from ssl_vit.evaluation.suite import load_suite
     from ssl_vit.evaluation.verdicts import load_claims
+    from ssl_vit.outdir import Input
 
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
     for line in repeated_checkpoints(checkpoints):
         print(f"ssl-vit: warning: {line}", file=sys.stderr)
     suite = load_suite(args.suite)
     claims = load_claims(args.claims, suite, list(checkpoints)) if args.claims else None
-    rows = compare(checkpoints, suite, args.out, args.baseline, args.overwrite, claims)
+    read = [Input(Path(args.claims), f"the claims file {args.claims}")] if args.claims else []
+    rows = compare(checkpoints, suite, args.out, args.baseline, args.overwrite, claims, read)
     if rows is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     console = Console()

@@ -16,14 +16,17 @@ attention_distance.png and .json (the ViT paper's mean attention
 distance against depth, sec 4.5, one curve per checkpoint, on `ATTENTION_IMAGES` images of the first
 dataset's test split), each checkpoint's own results.json (a group's runs under NAME/1, NAME/2, ...),
 and an offline W&B run with the table and the pictures. A checkpoint that fails gets its error in its
-row; the others' results are never lost. The files are written beside the output directory and moved
-into place at the end (`ssl_vit.outdir`): it holds one comparison, complete.
+row; the others' results are never lost. The numbers are written beside the output directory and moved
+into place before the pictures and the W&B run, which may fail without costing them (`ssl_vit.outdir`):
+it holds one comparison.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -43,7 +46,7 @@ from ssl_vit.evaluation.plots import (
 )
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import Difference, Score, interval, paired_difference
-from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, write_record
+from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, evaluation_inputs, write_record
 from ssl_vit.evaluation.tables import (
     COST,
     all_notes,
@@ -55,7 +58,7 @@ from ssl_vit.evaluation.tables import (
     write_label_efficiency,
 )
 from ssl_vit.evaluation.verdicts import Claim, baseline_text, claims_text
-from ssl_vit.outdir import check_out, staged
+from ssl_vit.outdir import Input, Output
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
 ATTENTION_IMAGES = 64
@@ -75,39 +78,58 @@ def compare(
     baseline: str | None = None,
     overwrite: bool = False,
     claims: list[Claim] | None = None,
+    inputs: Iterable[Input] = (),
 ) -> list[dict] | None:
     """checkpoints: name -> sources (path, timm:NAME or scratch), several for replicate pretraining runs
     of one method. baseline: a name; adds the paired differences of every other row against it.
     claims: `verdicts.Claim`s (checked against the rows and columns) to give verdicts on in
-    verdicts.md; without them a baseline's differences are the verdicts.
-    out_dir is checked before anything runs (`outdir.check_out`: a non-empty one only with `overwrite`)
-    and replaced whole once every file is written, so it never mixes two comparisons.
+    verdicts.md; without them a baseline's differences are the verdicts. inputs: files read besides the
+    checkpoints and the suite (the claims file), which out_dir must keep out of.
+    out_dir is checked and locked before anything is evaluated (`outdir.Output`: a non-empty one only with
+    `overwrite`, never one that is, holds or lies inside an input) and replaced whole once the numbers
+    are written, so it never mixes two comparisons; the pictures and the W&B run follow.
     Returns the rows written; under torchrun the runs are spread over the ranks (`ranks.py`) and only
     rank 0 writes and returns them (None on the others); every rank checks out_dir alike."""
-    out = check_out(out_dir, overwrite)
     check_inputs(checkpoints, suite)
-    outcomes = evaluate_checkpoints(checkpoints, suite)
-    if outcomes is None:
-        return None
-    with staged(out) as temp:
-        rows, pictures, columns, differences = write_comparison(
-            outcomes, checkpoints, suite, temp, baseline, claims
+    inputs = [*evaluation_inputs(checkpoints, suite), *inputs]
+    with Output(out_dir, "compare", inputs, overwrite) as output:
+        outcomes = evaluate_checkpoints(checkpoints, suite)
+        if outcomes is None:
+            return None
+        with output.staged() as temp:
+            report = write_results(outcomes, checkpoints, suite, temp, baseline, claims)
+        pictures = draw_pictures(report, suite, baseline, output)
+        output.optional(
+            "the W&B run",
+            lambda: log_to_wandb(report.rows, report.columns, pictures, output.path, report.differences),
         )
-    log_to_wandb(rows, columns, [out / p.name for p in pictures], out, differences)
-    return rows
+        if output.notes:  # what failed above, said where the numbers are
+            output.rewrite("results.md", results_markdown(report, suite, baseline, output.notes))
+    return report.rows
 
 
-def write_comparison(
+class Report(NamedTuple):
+    """What `compare` computed, as `write_results` wrote it: the pictures are drawn from it."""
+
+    rows: list[dict]
+    columns: list[str]
+    differences: dict | None
+    curves: dict[str, torch.Tensor]  # name -> (L, H) mean attention distance in pixels
+    notes: list[str]  # the runs' notes (`tables.all_notes`)
+
+
+def write_results(
     outcomes: dict[str, list],
     checkpoints: dict[str, list[str]],
     suite: Suite,
     out: Path,
     baseline: str | None,
     claims: list[Claim] | None = None,
-) -> tuple[list[dict], list[Path], list[str], dict | None]:
-    """`compare`'s files in `out` from the runs' outcomes: (rows, pictures drawn, columns, differences)."""
+) -> Report:
+    """`compare`'s numbers in `out` from the runs' outcomes: each run's results.json, results.csv,
+    results.md, verdicts.md, label_efficiency.csv and attention_distance.json."""
     rows = []
-    curves: dict[str, torch.Tensor] = {}  # name -> (L, H) mean attention distance in pixels
+    curves: dict[str, torch.Tensor] = {}
     images = None
     for name, sources in checkpoints.items():
         row = {"name": name, "checkpoint": ",".join(sources), "runs": len(sources), "error": ""}
@@ -137,29 +159,46 @@ def write_comparison(
     differences = paired(rows, columns, baseline, suite) if baseline else None
     write_csv(rows, columns, out / "results.csv")
     records = [run.record for runs in outcomes.values() for run in runs if not isinstance(run, Failed)]
-    notes = "".join(f"- {note}\n" for note in all_notes(records))
-    table = markdown_table(rows, columns, suite, baseline, differences)
-    (out / "results.md").write_text(table + (f"\nNotes:\n\n{notes}" if notes else ""))
+    report = Report(rows, columns, differences, curves, all_notes(records))
+    (out / "results.md").write_text(results_markdown(report, suite, baseline))
     if claims:
         (out / "verdicts.md").write_text(claims_text(claims, rows, suite))
     elif differences:
         (out / "verdicts.md").write_text(baseline_text(differences, baseline, suite))
-    pictures = [
-        plot_fewshot(rows, suite, out / "fewshot.png"),
-        plot_bars(rows, columns, suite, out / "bars.png"),
-        plot_compute(rows, suite, out / "compute.png"),
-        plot_training_curves(rows, suite, out / "training_curves.png"),
-    ]
     if label_efficiency_protocols(suite):
         write_label_efficiency(rows, suite, out / "label_efficiency.csv")
-        pictures.append(plot_label_efficiency(rows, suite, out / "label_efficiency.png"))
-    if differences:
-        pictures.append(plot_differences(differences, columns, baseline, out / "differences.png"))
     if curves:
         write_attention_distance(curves, len(images), out / "attention_distance.json")
-        attention_distance_curves(curves, out / "attention_distance.png")
-        pictures.append(out / "attention_distance.png")
-    return rows, [p for p in pictures if p is not None], columns, differences
+    return report
+
+
+def results_markdown(report: Report, suite: Suite, baseline: str | None, more: Iterable[str] = ()) -> str:
+    """results.md: the table, then the notes of the runs and `more` (what failed after it was written)."""
+    table = markdown_table(report.rows, report.columns, suite, baseline, report.differences)
+    notes = "".join(f"- {note}\n" for note in [*report.notes, *more])
+    return table + (f"\nNotes:\n\n{notes}" if notes else "")
+
+
+def draw_pictures(report: Report, suite: Suite, baseline: str | None, output: Output) -> list[Path]:
+    """`compare`'s pictures from the numbers written, into the committed output; each one that fails is
+    a warning and a note (`Output.picture`). The pictures drawn."""
+    rows, columns = report.rows, report.columns
+    drawings = {
+        "fewshot.png": lambda path: plot_fewshot(rows, suite, path),
+        "bars.png": lambda path: plot_bars(rows, columns, suite, path),
+        "compute.png": lambda path: plot_compute(rows, suite, path),
+        "training_curves.png": lambda path: plot_training_curves(rows, suite, path),
+    }
+    if label_efficiency_protocols(suite):
+        drawings["label_efficiency.png"] = lambda path: plot_label_efficiency(rows, suite, path)
+    if report.differences:
+        drawings["differences.png"] = lambda path: plot_differences(
+            report.differences, columns, baseline, path
+        )
+    if report.curves:
+        drawings["attention_distance.png"] = lambda path: attention_distance_curves(report.curves, path)
+    drawn = [output.picture(name, draw) for name, draw in drawings.items()]
+    return [path for path in drawn if path is not None]
 
 
 def attention_images(suite: Suite) -> torch.Tensor:
@@ -254,18 +293,20 @@ def log_to_wandb(
         job_type="compare",
         config={"columns": columns},
     )
-    names = stat_columns(columns)
-    results = wandb.Table(columns=names)
-    for row in rows:
-        values = stat_values(row)
-        results.add_data(*[values.get(name) for name in names])
-    tables = {"results": results}
-    if differences:
-        diff_names = ["name", *[f"{c}{s}" for c in columns for s in ("", "_low", "_high", "_verdict")]]
-        tables["paired_differences"] = wandb.Table(columns=diff_names)
-        for name, by_column in differences.items():
-            cells = [[d.mean, d.low, d.high, d.verdict] for d in (by_column[c] for c in columns)]
-            tables["paired_differences"].add_data(name, *[cell for group in cells for cell in group])
-    run.log({**tables, **{p.stem: wandb.Image(str(p)) for p in pictures}})
-    run.finish()
+    try:  # finished whatever fails: the run is not left open for the rest of the process
+        names = stat_columns(columns)
+        results = wandb.Table(columns=names)
+        for row in rows:
+            values = stat_values(row)
+            results.add_data(*[values.get(name) for name in names])
+        tables = {"results": results}
+        if differences:
+            diff_names = ["name", *[f"{c}{s}" for c in columns for s in ("", "_low", "_high", "_verdict")]]
+            tables["paired_differences"] = wandb.Table(columns=diff_names)
+            for name, by_column in differences.items():
+                cells = [[d.mean, d.low, d.high, d.verdict] for d in (by_column[c] for c in columns)]
+                tables["paired_differences"].add_data(name, *[cell for group in cells for cell in group])
+        run.log({**tables, **{p.stem: wandb.Image(str(p)) for p in pictures}})
+    finally:
+        run.finish()
     (out / "wandb-run.json").write_text(json.dumps({"id": run.id, "dir": str(run.dir)}) + "\n")

@@ -39,6 +39,7 @@ checkpoint recorded it (`ssl_vit.tasks.base.COST_KEY`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import time
@@ -53,6 +54,7 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data.checks import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
+from ssl_vit.data.urls import shard_directories
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation import kinds  # noqa: F401  (registers the protocol kinds)
 from ssl_vit.evaluation.cache import DATA_KEYS, FeatureCache
@@ -60,7 +62,7 @@ from ssl_vit.evaluation.features import local_device
 from ssl_vit.evaluation.protocol import PROTOCOLS, Protocol
 from ssl_vit.evaluation.stats import Score, interval
 from ssl_vit.models.vit import ViTConfig, parse_variant
-from ssl_vit.outdir import check_out, staged
+from ssl_vit.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.tasks.base import COST_KEY
 
 IMAGE_SIZE = 224  # ShardDataModule's default image_size, which a data block without one is read at
@@ -291,13 +293,23 @@ def evaluate(
     replicate: the index of `source` among pretraining runs of one method; it offsets the seed of the
     scratch initialisation and the trained protocols, so `scratch` replicates are distinct draws.
 
-    out_dir is checked before anything runs (`outdir.check_out`: a non-empty one only with `overwrite`)
-    and replaced once the record is complete.
+    out_dir is checked and locked before anything runs (`outdir.Output`: a non-empty one only with
+    `overwrite`, never one that is, holds or lies inside an input) and replaced once the record is complete.
     """
+    with contextlib.ExitStack() as stack:
+        if out_dir is not None:
+            inputs = evaluation_inputs({source: [source]}, suite)
+            output = stack.enter_context(Output(out_dir, "evaluate", inputs, overwrite))
+        evaluation = _run_protocols(source, suite, replicate)
+        if out_dir is not None:
+            with output.staged() as temp:
+                write_record(evaluation.record, temp)
+    return evaluation
+
+
+def _run_protocols(source: str, suite: Suite, replicate: int) -> Evaluation:
     import pytorch_lightning as pl
 
-    if out_dir is not None:
-        check_out(out_dir, overwrite)
     start = time.time()
     pl.seed_everything(suite.seed + replicate, verbose=False)
     backbone, config = load_backbone(source, suite.backbone)
@@ -335,10 +347,21 @@ def evaluate(
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }
-    if out_dir is not None:
-        with staged(out_dir) as temp:
-            write_record(record, temp)
     return Evaluation(record, scores)
+
+
+def evaluation_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> list[Input]:
+    """What `evaluate` or `compare` reads on this machine, which its --out must keep out of: every
+    checkpoint (and its run directory), the suite file, and the directories of its local shards."""
+    found = [Input(Path(suite.path), f"the suite {suite.path}")] if suite.path else []
+    for source in dict.fromkeys(source for sources in checkpoints.values() for source in sources):
+        found += checkpoint_inputs(source)
+    for name, data in suite.datasets.items():
+        for key in ("train_urls", "val_urls", "test_urls"):
+            if data.get(key):
+                what = f"a shard directory of the suite's {name}.{key}"
+                found += [Input(folder, f"{what} ({folder})") for folder in shard_directories(data[key], key)]
+    return found
 
 
 def unlabelled(suite: Suite, features: dict[str, FeatureCache]) -> dict[str, dict[str, int]]:

@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +39,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from ssl_vit.atomic import TEMP_NAME, Staged
 from ssl_vit.checkpoints import integrity
+from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError
@@ -74,8 +75,13 @@ class SafeCheckpointIO(TorchCheckpointIO):
         # it truncated, and the full-size temp file in $TMPDIR); nothing is fsynced. Here the temp file is
         # next to the target, synced, and renamed over it: the target is only ever a whole checkpoint.
         target = _local(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        _write_atomically(target, lambda f: torch.save(checkpoint, f))
+        with _writable(os.path.dirname(target)):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            _write_atomically(target, lambda f: torch.save(checkpoint, f))
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        with _writable(os.path.dirname(_local(path))):
+            super().remove_checkpoint(path)
 
     def load_checkpoint(
         self,
@@ -113,7 +119,7 @@ def load_checkpoint(path: _PATH, map_location: Any = "cpu", policy: ReadPolicy =
                         "server, or raise the checkpoint plugin's read_retries / read_timeout_s"
                     ) from None
                 integrity.check(local, DAMAGED_FIX, name=text)  # damaged on the server, or cut off
-                return torch.load(local, map_location=map_location, weights_only=True)
+                return torch_load(local, map_location=map_location)
         fs = get_filesystem(text)
         if not fs.exists(text):
             raise UserError(f"checkpoint {text} does not exist; give the path of a .ckpt file")
@@ -121,7 +127,7 @@ def load_checkpoint(path: _PATH, map_location: Any = "cpu", policy: ReadPolicy =
             # Remote (fsspec) files are not checked: that would download them twice.
             integrity.check(_local(text), DAMAGED_FIX)
         with fs.open(text, "rb") as f:
-            return torch.load(f, map_location=map_location, weights_only=True)
+            return torch_load(f, map_location=map_location)
     except UserError:
         raise
     except pickle.UnpicklingError as err:
@@ -317,7 +323,8 @@ class LastLinkCheckpoint(ModelCheckpoint):
                 # Sharded (directory) checkpoints cannot be hard-linked: Lightning's symlink.
                 ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
                 return
-            link_atomically(filepath, linkpath)
+            with _writable(os.path.dirname(linkpath)):
+                link_atomically(filepath, linkpath)
         trainer.strategy.barrier()
 
 
@@ -355,6 +362,28 @@ def link_atomically(source: str, target: str) -> None:
         # After a race that made `target` another link of `source`, the rename does nothing and the
         # temporary name is removed at exit.
         staged.replace()
+
+
+# A checkpoint directory that stopped taking files: its permissions or ACLs changed, its filesystem went
+# read-only (an error remount, a full NFS server), root squashed on an NFS export.
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+@contextmanager
+def _writable(directory: str):
+    """An OSError that says `directory` does not take files any more, as one line naming it and the fix.
+    A failed save leaves the checkpoints there as they were (`_write_atomically`): last.ckpt stays the
+    newest good state."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in UNWRITABLE:
+            raise
+        raise UserError(
+            f"cannot write checkpoints in {directory} ({err.strerror}): its last.ckpt is the newest good "
+            "checkpoint; make the directory writable again (permissions, the mount) and resume with "
+            "--ckpt_path last"
+        ) from None
 
 
 def remove_stale_temp_files(directory: str) -> list[str]:
@@ -419,7 +448,7 @@ def resumable(checkpoint_dir: Path, max_step: int | None = None) -> Path | None:
     """What `--ckpt_path last` resumes: the checkpoint of the directory whose recorded step is the
     highest (`last*.ckpt` first among equals: it is a link to the newest); a damaged one
     (`integrity.damage`) is passed over for the next, with one warning naming both. None when the
-    directory holds no checkpoint (the job starts afresh); a `DamagedCheckpoint` when it holds only
+    directory holds no checkpoint (the job starts afresh); a `NothingIntact` when it holds only
     damaged ones. `max_step`: only checkpoints of that step or before (what a loss-spike rollback
     returns to).
 
@@ -452,12 +481,20 @@ def resumable(checkpoint_dir: Path, max_step: int | None = None) -> Path | None:
             return path
         damaged.append((path, why))
     if damaged:
-        raise integrity.DamagedCheckpoint(
+        raise NothingIntact(checkpoint_dir, damaged)
+    return None
+
+
+class NothingIntact(integrity.DamagedCheckpoint):
+    """Every checkpoint `resumable` looked at is damaged: `damaged`, (path, what is wrong) each."""
+
+    def __init__(self, checkpoint_dir: Path, damaged: list[tuple[Path, str]]) -> None:
+        self.damaged = damaged
+        super().__init__(
             damaged[0][0], damaged[0][1],
             f"no other checkpoint in {checkpoint_dir} verifies; restore the run's checkpoints from a copy, "
             "or start afresh with another --trainer.default_root_dir",
         )  # fmt: skip
-    return None
 
 
 def _resume_order(path: Path) -> tuple:
@@ -492,6 +529,6 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 __all__ = [
-    "LastLinkCheckpoint", "SafeCheckpointIO", "checkpoint_step", "link_atomically", "load_checkpoint",
-    "refused", "remove_stale_temp_files", "resumable", "with_safe_io",
+    "LastLinkCheckpoint", "NothingIntact", "SafeCheckpointIO", "checkpoint_step", "link_atomically",
+    "load_checkpoint", "refused", "remove_stale_temp_files", "resumable", "with_safe_io",
 ]  # fmt: skip

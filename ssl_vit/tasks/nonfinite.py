@@ -34,9 +34,8 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 
-from ssl_vit.checkpoints.integrity import DamagedCheckpoint
 from ssl_vit.errors import BadValue, UserError
-from ssl_vit.tasks.checkpointing import resumable
+from ssl_vit.tasks.checkpointing import NothingIntact, resumable
 from ssl_vit.tasks.preemption import last_path
 from ssl_vit.tasks.rollback import SafeSteps, count_skipped, restore_learner
 from ssl_vit.tasks.spikes import NON_FINITE, SPIKE, SpikeDetector
@@ -116,6 +115,7 @@ class NonFiniteGuard(pl.Callback):
         self.safe = SafeSteps(safe_steps, safe_fp32, lr_scale)
         self.skipped = 0
         self.rollbacks: list[dict[str, Any]] = []  # one record per rollback (`_roll_back`)
+        self.bad_validations: list[dict[str, Any]] = []  # passes with a non-finite loss (`on_validation_end`)
         self._first_bad: torch.Tensor | None = None  # `stop`: first bad step, -1 while none, on the device
         self._loss: torch.Tensor | None = None  # `rollback`: the step's loss so far, on the device
         self._spike: dict[str, Any] | None = None  # `rollback`: this step's, found before its update
@@ -124,6 +124,7 @@ class NonFiniteGuard(pl.Callback):
         return {
             "skipped": self.skipped,
             "rollbacks": self.rollbacks,
+            "nonfinite_validations": self.bad_validations,
             "detector": self.detector.state_dict(),
             "safe_steps_left": self.safe.left,
         }
@@ -131,6 +132,7 @@ class NonFiniteGuard(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = state_dict["skipped"]
         self.rollbacks = list(state_dict.get("rollbacks", []))
+        self.bad_validations = list(state_dict.get("nonfinite_validations", []))
         self.detector.load_state_dict(state_dict.get("detector", {}))
         self.safe.left = state_dict.get("safe_steps_left", 0)
 
@@ -202,9 +204,9 @@ class NonFiniteGuard(pl.Callback):
         if spike is None:
             self.safe.after_step(trainer)
             return
-        anchor = self._anchor(trainer, spike["step"])
+        anchor, none = self._anchor(trainer, spike["step"])
         if anchor is None:
-            self._skip(trainer, spike["step"], f"{spike_detail(spike)}; no checkpoint to roll back to yet")
+            self._skip(trainer, spike["step"], f"{spike_detail(spike)}; {none}")
         elif len(self.rollbacks) >= self.max_rollbacks:
             what = "a " if spike["reason"] == SPIKE else ""
             self._stop(
@@ -218,6 +220,27 @@ class NonFiniteGuard(pl.Callback):
                 # The hooks after this one (health, pictures) would take the spike's outputs for those
                 # of the rolled-back step.
                 outputs.clear()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A validation loss that is not finite decides nothing (training goes on: the training loss and
+        the weights are watched above), but is said in one line per pass and recorded like a skip: in the
+        checkpoint (`ssl-vit info`) and as `val/nonfinite_passes`."""
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        metrics = trainer.callback_metrics  # the pass's values, reduced over the ranks (sync_dist)
+        bad = {k: float(v) for k, v in sorted(metrics.items()) if k.startswith("val/") and "loss" in k}
+        bad = {k: v for k, v in bad.items() if not math.isfinite(v)}
+        if not bad:
+            return
+        step = trainer.global_step
+        self.bad_validations.append({"step": step, "metrics": bad})
+        values = ", ".join(f"{k} {v}" for k, v in bad.items())
+        _say(
+            trainer,
+            f"warning: validation at step {step}: {values}; training goes on (a validation sample or the "
+            f"precision gives a non-finite loss: {len(self.bad_validations)} such pass(es) in this run)",
+        )
+        _log(trainer, {"val/nonfinite_passes": float(len(self.bad_validations))}, logging_step(trainer))
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
         """Refuse to save a non-finite state: it would replace the last good checkpoint."""
@@ -243,16 +266,18 @@ class NonFiniteGuard(pl.Callback):
         high, worst = trainer.strategy.reduce(stats, reduce_op="max").tolist()
         return high, not worst
 
-    def _anchor(self, trainer: pl.Trainer, step: int) -> str | None:
+    def _anchor(self, trainer: pl.Trainer, step: int) -> tuple[str | None, str]:
         """The newest intact checkpoint of the run saved at or before `step` (rank 0 looks, every rank
-        gets its answer); None when there is none."""
-        found = None
+        gets its answer), or None and why there is none."""
+        found, none = None, "no checkpoint to roll back to yet"
         if trainer.is_global_zero:
             try:
                 found = resumable(last_path(trainer).parent, max_step=step)
-            except DamagedCheckpoint:  # every one damaged: nothing good to return to
-                found = None
-        return trainer.strategy.broadcast(str(found) if found is not None else None)
+            except NothingIntact as err:  # every one damaged: nothing good to return to, and they are said
+                damaged = "; ".join(f"{path.name}: {why}" for path, why in err.damaged)
+                none = f"no checkpoint to roll back to: every one saved by step {step} is damaged ({damaged})"
+        found, none = trainer.strategy.broadcast((str(found) if found is not None else None, none))
+        return found, none
 
     def _roll_back(self, trainer: pl.Trainer, anchor: str, spike: dict[str, Any]) -> None:
         seconds, clock = {}, time.perf_counter()
@@ -360,6 +385,10 @@ def history(state: dict[str, Any] | None) -> list[str]:
         took = record.get("seconds", {})
         parts = ", ".join(f"{name} {value:.1f} s" for name, value in took.items())
         lines.append(f"  {rollback_line(record)}" + (f" ({parts})" if parts else ""))
+    validations = state.get("nonfinite_validations", [])
+    if validations:
+        steps = ", ".join(str(record["step"]) for record in validations)
+        lines.append(f"validation passes with a non-finite loss: {len(validations)} (at steps {steps})")
     return lines
 
 

@@ -19,13 +19,15 @@ counters (the compute of the rolled-back steps was spent: `BackboneTask.cost`, w
 
 from __future__ import annotations
 
+import os
+import re
 from functools import partial
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 
-from ssl_vit.errors import BadValue
+from ssl_vit.errors import BadValue, UserError
 from ssl_vit.tasks.resume import RandomState
 
 
@@ -33,8 +35,13 @@ def restore_learner(trainer: pl.Trainer, path: str) -> tuple[int, int]:
     """Restores the learner of the checkpoint `path` on this rank (every rank calls it at the same
     step); returns the checkpoint's optimizer step and the batches of the stream read when it was saved."""
     strategy = trainer.strategy
-    checkpoint = strategy.load_checkpoint(path)  # through SafeCheckpointIO: checksums verified
-    strategy.load_model_state_dict(checkpoint, strict=trainer.lightning_module.strict_loading)
+    try:
+        checkpoint = strategy.load_checkpoint(path)  # through SafeCheckpointIO: checksums verified
+        strategy.load_model_state_dict(checkpoint, strict=trainer.lightning_module.strict_loading)
+    except RuntimeError as err:  # (FSDP2's load_checkpoint loads the model itself)
+        if "Error(s) in loading state_dict" not in str(err):
+            raise
+        raise another_model(path, str(err)) from None
     if strategy.lightning_restore_optimizer:  # else the strategy's load_checkpoint did (FSDP2)
         strategy.load_optimizer_state_dict(checkpoint)
     for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"]):
@@ -55,6 +62,23 @@ def restore_learner(trainer: pl.Trainer, path: str) -> tuple[int, int]:
     # adds the current batch's one after the hooks that called this.
     epoch_loop._batches_that_stepped = step - 1
     return step, loops["epoch_loop.batch_progress"]["total"]["ready"]
+
+
+def another_model(path: str, error: str) -> UserError:
+    """One line for torch's report (tens of lines, one per tensor) that the checkpoint a rollback returns
+    to holds another model than the run's: a file another run left in the run's checkpoint directory.
+    The run stops before anything is saved: its own checkpoints stay as they were."""
+    found = re.search(
+        r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from checkpoint, the "
+        r"shape in current model is torch.Size\((\[.*?\])\)",
+        error,
+    )
+    lines = [line.strip() for line in error.splitlines()[1:] if line.strip()]
+    what = f"{found[1]} is {found[2]} there, {found[3]} in this run" if found else (lines or [error])[0][:200]
+    return UserError(
+        f"{path}, the checkpoint a rollback returns to, holds another model than this run's ({what}): "
+        f"nothing was saved after it; move it out of {os.path.dirname(path)} and resume with --ckpt_path last"
+    )
 
 
 def count_skipped(trainer: pl.Trainer, batches: int) -> None:

@@ -151,20 +151,21 @@ def test_mistakes_are_one_line_and_write_nothing(gap_ckpt, digits_shards, tmp_pa
         str(tmp_path / "missing.ckpt"), *data, "--out", str(tmp_path / "a" / "out"), match="does not exist"
     )
 
-    with tarfile.open(tmp_path / "empty-000000.tar", "w"):
+    (tmp_path / "shards").mkdir()  # not where --out goes: an --out inside the shards' directory is refused
+    with tarfile.open(tmp_path / "shards/empty-000000.tar", "w"):
         pass
-    empty = ["--data", str(tmp_path / "empty-000000.tar")]
+    empty = ["--data", str(tmp_path / "shards/empty-000000.tar")]
     refused(str(gap_ckpt), *empty, "--out", str(tmp_path / "a" / "out"), match="no usable sample")
-    refused(str(gap_ckpt), "--data", str(tmp_path / "none-{0..1}.tar"), "--out", str(tmp_path / "a" / "out"),
-            match="none-0.tar")  # fmt: skip
+    none = ["--data", str(tmp_path / "shards/none-{0..1}.tar")]
+    refused(str(gap_ckpt), *none, "--out", str(tmp_path / "a" / "out"), match="none-0.tar")
     refused(str(gap_ckpt), *data, "--out", str(tmp_path / "a" / "out"), "--images", "0", match="--images 0")
     assert not (tmp_path / "a").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "empty-000000.tar", "used"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "shards", "used"]
 
     # --overwrite replaces the directory as a whole.
     cli("analyze", str(gap_ckpt), *data, "--out", str(used), "--images", "4", "--overwrite")
     assert not (used / "notes.txt").exists() and (used / "analysis.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "empty-000000.tar", "used"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "shards", "used"]
 
 
 def test_pictures_go_to_the_active_wandb_run(gap_ckpt, digits_shards, tmp_path):

@@ -41,7 +41,7 @@ def pixels(data: bytes) -> np.ndarray:
 def ade(tmp_path) -> tuple[Path, dict]:
     """ADEChallengeData2016 with 3 training images (one grey) and 1 validation image, annotations
     holding 0 ("other"), 1, 2, 5 and 150, and objectInfo150.txt as the challenge zip has it."""
-    root = tmp_path / "ADEChallengeData2016"
+    root = tmp_path / "sets" / "ADEChallengeData2016"  # (OUTDIR, tmp_path/out, is never inside a source)
     rng = np.random.default_rng(0)
     truth = {}
     for folder, stem, grey in [

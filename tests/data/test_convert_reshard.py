@@ -141,13 +141,14 @@ def test_wds_keys_that_name_places_outside_the_shard_are_written_as_relative_nam
     here never writes outside its folder. A warning counts them; the samples and labels are kept."""
     rng = np.random.default_rng(0)
     names = ["../../escape/s0", "/etc/s1", "./ok/./s2", "s3"]
-    with tarfile.open(tmp_path / "in-000000.tar", "w") as tar:
+    (tmp_path / "in").mkdir()  # OUTDIR, tmp_path/out, never inside the source shards' directory
+    with tarfile.open(tmp_path / "in/in-000000.tar", "w") as tar:
         for label, name in enumerate(names):
             for ext, data in (("jpg", jpeg(rng, 8, 8)), ("cls", str(label).encode())):
                 info = tarfile.TarInfo(f"{name}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    source, out = f"wds:{tmp_path / 'in-000000.tar'}", str(tmp_path / "out")
+    source, out = f"wds:{tmp_path / 'in/in-000000.tar'}", str(tmp_path / "out")
     proc = cli("data", "convert", source, out, "--format", "jpg", "--no-progress")
     assert "3 sample key(s) named a place outside their shard, written as relative names " \
         "('../../escape/s0' -> 'escape/s0', ...)" in proc.stderr, proc.stderr  # fmt: skip
@@ -160,7 +161,7 @@ def test_wds_keys_that_name_places_outside_the_shard_are_written_as_relative_nam
 
 
 def test_wds_shards_that_do_not_exist_are_one_line_errors(cli, tmp_path):
-    proc = cli("data", "convert", f"wds:{tmp_path}/none-{{0..1}}.tar", str(tmp_path / "out"), check=False)
+    proc = cli("data", "convert", f"wds:{tmp_path}/in/none-{{0..1}}.tar", str(tmp_path / "out"), check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "none-0.tar is no such file" in proc.stderr and not (tmp_path / "out").exists()
 
@@ -213,8 +214,10 @@ def test_an_interrupted_conversion_continues_and_equals_an_uninterrupted_one(cli
 
     out = tmp_path / "out"
     convert_killed(4, source, str(out), *args[1:])
-    assert sorted(p.name for p in out.iterdir()) == [".train.partial"]  # nothing in place yet
+    # Nothing in place yet; the killed conversion's lock on its split is left, as a kill leaves it.
+    assert sorted(p.name for p in out.iterdir()) == [".train.lock", ".train.partial"]
     proc = cli("data", "convert", source, str(out), *args[1:], "--no-progress")
+    assert f"took over the lock {out}/.train.lock from ssl-vit data convert" in proc.stderr
     assert "continuing the interrupted conversion after its 3 finished shards (30 of 57" in proc.stderr
     assert files(out) == files(tmp_path / "whole")  # the same bytes, manifest included
 

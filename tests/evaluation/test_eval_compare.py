@@ -387,11 +387,13 @@ def test_a_trained_protocol_over_shards_without_a_manifest_asks_for_steps(
 ):
     """Shards without a manifest cannot size an epoch: the suite's protocol is asked for `steps` (not
     the data module's train_batches, which a suite does not take), before anything runs."""
+    shards = tmp_path / "shards"  # (not where --out goes: an --out inside the shards' folder is refused)
+    shards.mkdir()
     for shard in ("train-000000.tar", "val-000000.tar"):
-        shutil.copy(digits_shards / shard, tmp_path / shard.replace("-", "_"))  # no SPLIT-NNNNNN name
+        shutil.copy(digits_shards / shard, shards / shard.replace("-", "_"))  # no SPLIT-NNNNNN name
     suite = yaml.safe_load((setup[0] / "suite.yaml").read_text())
     suite["data"].update(
-        train_urls=str(tmp_path / "train_000000.tar"), test_urls=str(tmp_path / "val_000000.tar")
+        train_urls=str(shards / "train_000000.tar"), test_urls=str(shards / "val_000000.tar")
     )
     suite["protocols"] = [{"name": "linear", "kind": "linear_probe", "epochs": 1, "lrs": [0.1]}]
     (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))

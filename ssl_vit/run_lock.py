@@ -1,12 +1,14 @@
-"""One `ssl-vit fit` job per run directory: `RUN/fit.lock`.
+"""One job at a time on what it writes: one `ssl-vit fit` per run directory (`RUN/fit.lock`), one
+`evaluate`, `compare`, `analyze`, `export` or `data convert` per output (`ssl_vit.outdir`).
 
 Two fits in one run directory (a job requeued while its previous allocation is still draining, a command
 started twice) would both see it empty or both resume it, and write config.yaml, checkpoints under the
 same names and a W&B run each: the directory would hold a mix of the two, with no error. `fit` takes the
 lock before it reads or writes anything in the run directory and holds it until it exits; a second fit
-is refused with one line naming the holder.
+is refused with one line naming the holder. Two commands given one `--out` would likewise both find it
+new and the second's rename would replace the first's results.
 
-The lock file holds its holder's host and pid (one JSON line) and carries a POSIX record lock
+The lock file holds its holder's host, pid and command (one JSON line) and carries a POSIX record lock
 (`fcntl.lockf`) of the holder's process, which the kernel (or the NFS server) drops when the process
 ends, however it ends. POSIX locks rather than flock: they are not inherited by forked DataLoader
 workers (which may outlive a killed trainer), and NFS arbitrates them on the server (flock on NFS is
@@ -85,11 +87,26 @@ def job_leader(environ=os.environ) -> bool:
 class RunLock:
     """`with RunLock(run_dir):` holds `run_dir/fit.lock` (creating `run_dir` if needed) or raises a one-line
     UserError naming its holder; on exit it removes the file, and the directories it created if they
-    stayed empty."""
+    stayed empty.
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    Another command's lock: `name`, the lock file's name in `run_dir`; `command`, the ssl-vit command
+    that holds it (the holder's description); `subject`, what the lock keeps to one job in the messages
+    (default: `run_dir`); `rule` and `alternative`, what a refusal says (one job per what, and the other
+    place to give)."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        name: str = LOCK_NAME,
+        command: str = "fit",
+        subject: str | None = None,
+        rule: str = "one fit per run directory",
+        alternative: str = "give another --trainer.default_root_dir",
+    ) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_NAME
+        self.path = self.run_dir / name
+        self.command, self.subject = command, subject or str(self.run_dir)
+        self.rule, self.alternative = rule, alternative
         self._fd: int | None = None
         self._created: list[Path] = []
         self._locks: bool | None = True  # what lockf said on the last file looked at (None: no locks)
@@ -114,16 +131,16 @@ class RunLock:
                     return
                 time.sleep(0.05)  # another process is taking or releasing it: look again
             raise UserError(
-                f"{self.path} kept changing while this fit tried to take it: another ssl-vit fit is starting "
-                "in the same run directory; start this one again once that one runs"
+                f"{self.path} kept changing while this {self.command} tried to take it: another ssl-vit job "
+                f"is starting on {self.subject}; start this one again once that one runs"
             )
         except BaseException as err:
             self._remove_created()
             if isinstance(err, OSError):
                 why = f"{type(err).__name__}: {err.strerror or err}"
                 raise UserError(
-                    f"cannot lock the run directory {self.run_dir} ({why}): give a "
-                    "--trainer.default_root_dir this user can create and write"
+                    f"cannot lock {self.subject} ({why}, lock {self.path}): {self.alternative} this user can "
+                    "create and write"
                 ) from None
             raise
 
@@ -179,9 +196,7 @@ class RunLock:
         holder = _read(fd)
         if holder and holder.get("host") == HOST and holder.get("pid") == os.getpid():
             # Before lockf: this process's own lock would not stop it, and closing `fd` would drop it.
-            raise UserError(
-                f"{self.path} is held by this process already: a fit takes its run directory once"
-            )
+            raise UserError(f"{self.path} is held by this process already: a job takes its lock once")
         locks = self._locks = _try_lock(fd)
         if locks is False:
             if holder and holder.get("host") == HOST and not _alive(holder.get("pid")):
@@ -210,6 +225,7 @@ class RunLock:
                 "host": HOST,
                 "pid": os.getpid(),
                 "since": datetime.now(timezone.utc).isoformat("T", "seconds"),
+                "command": self.command,
             }
             os.write(fd, (json.dumps(record) + "\n").encode())
             staged.sync()
@@ -226,16 +242,15 @@ class RunLock:
             return True
 
     def _held(self, holder: dict | None, unverifiable: str | None = None) -> UserError:
-        who = _describe(holder) if holder else "another ssl-vit fit (starting)"
+        who = _describe(holder) if holder else "another ssl-vit job (starting)"
         if unverifiable:
             return UserError(
-                f"{self.run_dir} is locked by {who}, which this host cannot check ({unverifiable}): if that "
-                f"job has ended, delete {self.path} and start again, else give another "
-                "--trainer.default_root_dir"
+                f"{self.subject} is locked by {who}, which this host cannot check ({unverifiable}): if that "
+                f"job has ended, delete {self.path} and start again, else {self.alternative}"
             )
         return UserError(
-            f"{self.run_dir} is in use by {who} (lock {self.path}): one fit per run directory; wait for it "
-            "to end, or give another --trainer.default_root_dir"
+            f"{self.subject} is in use by {who} (lock {self.path}): {self.rule}; wait for it to end, or "
+            f"{self.alternative}"
         )
 
     def _remove_created(self) -> None:
@@ -286,7 +301,8 @@ def _read(fd: int) -> dict | None:
 
 def _describe(holder: dict) -> str:
     since = f", since {holder['since']}" if holder.get("since") else ""
-    return f"ssl-vit fit on host {holder.get('host', '?')} pid {holder.get('pid', '?')}{since}"
+    command = holder.get("command", "fit")  # files written before commands other than fit took locks
+    return f"ssl-vit {command} on host {holder.get('host', '?')} pid {holder.get('pid', '?')}{since}"
 
 
 def _alive(pid) -> bool:

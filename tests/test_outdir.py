@@ -1,0 +1,321 @@
+"""The rules of every command that writes an output for the user (`evaluate`, `compare`, `analyze`,
+`export`, `data convert`; `ssl_vit.outdir`), through the CLI: an output that is, holds or lies inside an
+input is refused in one line, with --overwrite too, and nothing is written or deleted; a second job on
+the same output is refused while the first holds it; a commit never replaces another job's result; the
+numbers are committed before the pictures and the W&B run, whose failures cost only themselves."""
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_helpers import one_step_fit_args, run_cli, start_cli
+from PIL import Image
+from test_errors import error_line
+
+from ssl_vit.run_lock import HOST
+
+ROOT = Path(__file__).resolve().parents[1]
+# The quickstart MPP recipe's backbone, which the run below trains.
+RUN_BACKBONE = {"variant": "S/4", "img_size": 32, "width": 64, "depth": 4, "heads": 4, "mlp_dim": 256}
+TINY = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
+
+
+def knn_suite(path: Path, shards: Path, backbone: dict) -> Path:
+    """A k-NN-only suite on 400 digits: seconds per checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "backbone": backbone,
+        "data": {"train_urls": str(shards / "val-00000{0..1}.tar"),
+                 "test_urls": str(shards / "val-00000{2..3}.tar"), "image_size": 32, "num_workers": 0},
+        "protocols": [{"name": "knn", "kind": "knn", "k": 5}],
+        "resamples": 100,
+    }))  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(digits_shards, tmp_path_factory):
+    """Every kind of input, each in a folder of its own under one root: a fit's run directory and its
+    checkpoint, a shard directory, a suite over those shards, an image folder."""
+    root = tmp_path_factory.mktemp("outdir") / "inputs"
+    shards = root / "data" / "shards"
+    shards.mkdir(parents=True)
+    for path in [*digits_shards.glob("val-*.tar"), digits_shards / "val.json"]:
+        shutil.copy(path, shards)
+    run = root / "runs" / "run"
+    run_cli(*one_step_fit_args(digits_shards, run), cwd=ROOT)
+    photos = root / "sources" / "photos"
+    (photos / "zero").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(photos / "zero" / "a.png")
+    return {
+        "root": root,
+        "run": run,
+        "checkpoint": run / "checkpoints" / "last.ckpt",
+        "shards": shards,
+        "suite": knn_suite(root / "suites" / "suite.yaml", shards, RUN_BACKBONE),
+        "source": photos,
+    }
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and folder under `root`, with the SHA-256 of each file's bytes."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def command_args(command: str, out: Path, inputs: dict, source: str = "shards") -> list[str]:
+    checkpoint, shards = str(inputs["checkpoint"]), inputs["shards"]
+    if command == "evaluate":
+        return ["evaluate", checkpoint, "--suite", str(inputs["suite"]), "--out", str(out), "--overwrite"]
+    if command == "compare":
+        return [
+            "compare",
+            f"a={checkpoint}",
+            "--suite",
+            str(inputs["suite"]),
+            "--out",
+            str(out),
+            "--overwrite",
+        ]
+    if command == "analyze":
+        data = str(shards / "val-{000000..000003}.tar")
+        return ["analyze", checkpoint, "--data", data, "--out", str(out), "--images", "4", "--overwrite"]
+    if command == "export":  # (export never replaces anything: it has no --overwrite)
+        return ["export", checkpoint, str(out)]
+    spec = (
+        f"wds:{shards}/val-{{000000..000003}}.tar"
+        if source == "shards"
+        else f"imagefolder:{inputs['source']}"
+    )
+    return ["data", "convert", spec, str(out), "--split", "copy", "--overwrite", "--no-progress"]
+
+
+# How the line names each kind of input.
+ROLES = {"run": "the run directory of", "checkpoint": "the checkpoint", "shards": "shard",
+         "suite": "the suite", "source": "the source"}  # fmt: skip
+# (command, input): every input each command reads.
+TABLE = [
+    *[
+        (command, kind)
+        for command in ("evaluate", "compare")
+        for kind in ("run", "checkpoint", "shards", "suite")
+    ],
+    *[("analyze", kind) for kind in ("run", "checkpoint", "shards")],
+    *[("export", kind) for kind in ("run", "checkpoint")],
+    ("data convert", "shards"),
+    ("data convert", "source"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, kind", TABLE)
+def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused_and_nothing_changes(
+    command, kind, inputs
+):
+    path = inputs[kind]
+    before = tree(inputs["root"].parent)
+    for relation, out in (("is", path), ("lies inside", path / "out"), ("holds", path.parent)):
+        proc = run_cli(*command_args(command, out, inputs, kind), cwd=ROOT, check=False)
+        line = error_line(proc, f"{out} {relation} ", "which this command reads")
+        assert ROLES[kind] in line.split(f"{out} {relation} ")[1], line  # it names the input
+        assert tree(inputs["root"].parent) == before, (relation, out)  # nothing written, nothing deleted
+
+
+# --- two jobs on one output -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_suites(digits_shards, tmp_path_factory):
+    """Two k-NN suites (two paths: each job's results.json names its own) of a small scratch backbone."""
+    folder = tmp_path_factory.mktemp("suites")
+    return [knn_suite(folder / f"{name}.yaml", digits_shards, TINY) for name in ("first", "second")]
+
+
+def job(command: str, name: str, out: Path, suite: Path) -> list[str]:
+    source = "scratch" if command == "evaluate" else f"{name}=scratch"
+    return [command, source, "--suite", str(suite), "--out", str(out)]
+
+
+def hold_before_commit(release: Path) -> str:
+    """A prelude: the command computes its results, then waits for `release` before writing them
+    (`RELEASE.reached` says it is there)."""
+    return f"""
+import time as _time
+from pathlib import Path as _Path
+from ssl_vit import outdir as _outdir
+_staged = _outdir.Output.staged
+def _held(self):
+    _Path({str(release) + ".reached"!r}).touch()
+    while not _Path({str(release)!r}).exists():
+        _time.sleep(0.02)
+    return _staged(self)
+_outdir.Output.staged = _held
+"""
+
+
+# Jobs whose locks cannot see each other: a filesystem where this host cannot check another's lock, or a
+# job of a version that took none. Only the commit's own rule is left between them.
+NO_LOCK = """
+import contextlib as _contextlib
+from ssl_vit import outdir as _outdir
+_outdir.out_lock = lambda *args, **kwargs: _contextlib.nullcontext()
+"""
+
+
+def reached(release: Path, proc) -> None:
+    deadline = time.monotonic() + 180
+    while not Path(f"{release}.reached").exists():
+        assert proc.poll() is None, proc.wait().stderr[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def names(out: Path, command: str) -> str:
+    """Which job's results `out` holds: the suite its results.json names, or compare's rows."""
+    if command == "evaluate":
+        return Path(json.loads((out / "results.json").read_text())["suite"]).stem
+    return (out / "results.csv").read_text().splitlines()[1].split(",")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["evaluate", "compare"])
+def test_a_second_job_on_the_same_new_out_is_refused_naming_the_first(command, tiny_suites, tmp_path):
+    out, release = tmp_path / "out", tmp_path / "release"
+    first = start_cli(*job(command, "first", out, tiny_suites[0]), prelude=hold_before_commit(release))
+    reached(release, first)  # computed, about to write
+    # --overwrite too: no two jobs write one output at once.
+    second = run_cli(*job(command, "second", out, tiny_suites[1]), "--overwrite", check=False)
+    error_line(second, f"--out {out} is in use by ssl-vit {command} on host {HOST} pid {first.pid}",
+               "give another --out")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{out.name}.lock", "release.reached"]
+    release.touch()
+    done = first.wait(180)
+    assert done.returncode == 0 and "wrote " in done.stdout, done.stderr[-3000:]
+    assert names(out, command) == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "release", "release.reached"]  # lock gone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["evaluate", "compare"])
+def test_a_commit_never_replaces_what_another_job_wrote_meanwhile(command, tiny_suites, tmp_path):
+    """Two jobs that both found --out new, and whose locks do not see each other: the first to commit
+    wins, the second says so in one line and keeps its results beside --out."""
+    out = tmp_path / "out"
+    procs = []
+    for name, suite in zip(("first", "second"), tiny_suites):
+        release = tmp_path / name
+        prelude = NO_LOCK + hold_before_commit(release)
+        procs.append((start_cli(*job(command, name, out, suite), prelude=prelude), release))
+        reached(release, procs[-1][0])
+    (first, first_release), (second, second_release) = procs
+    first_release.touch()
+    done = first.wait(180)
+    assert done.returncode == 0 and "wrote " in done.stdout, done.stderr[-3000:]
+    second_release.touch()
+    refused = second.wait(180)
+    line = error_line(refused, f"--out {out} was written by another job while this one ran", "results are in")
+    kept = Path(line.split("results are in ")[1].split(";")[0])
+    assert names(out, command) == "first" and names(kept, command) == "second"
+    assert kept.parent == tmp_path and kept.name.startswith("out.")
+
+
+HOLD_SWAP = """
+import time as _time
+from pathlib import Path as _Path
+from ssl_vit.data import writer as _writer
+_swap_in = _writer._swap_in
+def _held(*args, **kwargs):
+    _Path({reached!r}).touch()
+    while not _Path({release!r}).exists():
+        _time.sleep(0.02)
+    return _swap_in(*args, **kwargs)
+_writer._swap_in = _held
+"""
+
+
+@pytest.mark.slow
+def test_a_second_conversion_of_a_split_is_refused_and_other_splits_convert_beside_it(tmp_path):
+    out, release = tmp_path / "shards", tmp_path / "release"
+    args = ["data", "convert", "synthetic:20", str(out), "--shard-size", "10", "--no-progress"]
+    prelude = HOLD_SWAP.format(reached=f"{release}.reached", release=str(release))
+    first = start_cli(*args, prelude=prelude)
+    reached(release, first)  # its shards written, about to move them in
+    holder = f"is in use by ssl-vit data convert on host {HOST} pid {first.pid}"
+    second = run_cli(*args, "--overwrite", check=False)
+    error_line(second, f"split 'train' of OUTDIR {out} {holder}", "give another OUTDIR or --split")
+    run_cli(*args, "--split", "val")
+    release.touch()
+    assert first.wait(120).returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "train-000000.tar", "train-000001.tar", "train.json", "val-000000.tar", "val-000001.tar", "val.json"
+    ]  # fmt: skip
+
+
+# --- what is optional ------------------------------------------------------------------------------------
+
+
+FAILING_PLOT = """
+from ssl_vit.evaluation import report as _report
+def _plot_bars(*args, **kwargs):
+    raise RuntimeError("injected plot failure")
+_report.plot_bars = _plot_bars
+"""
+FAILING_WANDB = """
+import wandb as _wandb
+def _init(*args, **kwargs):
+    raise _wandb.errors.CommError("injected W&B failure")
+_wandb.init = _init
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prelude, what, missing",
+    [(FAILING_PLOT, "bars.png failed (RuntimeError: injected plot failure)", "bars.png"),
+     (FAILING_WANDB, "the W&B run failed (CommError: injected W&B failure)", "wandb-run.json")],
+)  # fmt: skip
+def test_a_failing_picture_or_wandb_costs_only_itself(prelude, what, missing, tiny_suites, tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(*job("compare", "first", out, tiny_suites[0]), prelude=prelude, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: warning:")]
+    assert warnings == [f"ssl-vit: warning: {what}; the results are complete without it"]
+    assert "Traceback" not in proc.stderr
+    assert names(out, "compare") == "first" and (out / "first/results.json").is_file()
+    assert f"- {what}; the results are complete without it" in (out / "results.md").read_text()
+    written = {p.name for p in out.iterdir()}
+    assert (
+        missing not in written
+        and {"results.csv", "results.md", "compute.png", "attention_distance.png"} <= written
+    )
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("wrote ")]
+    assert missing not in line and "results.csv" in line
+
+
+FAILING_ROLLOUT = """
+from ssl_vit.analysis import pictures as _pictures
+def _rollout_grid(*args, **kwargs):
+    raise RuntimeError("injected plot failure")
+_pictures.rollout_grid = _rollout_grid
+"""
+
+
+@pytest.mark.slow
+def test_analyze_writes_its_numbers_when_a_picture_fails(inputs, tmp_path):
+    out = tmp_path / "out"
+    data = str(inputs["shards"] / "val-{000000..000003}.tar")
+    proc = run_cli("analyze", str(inputs["checkpoint"]), "--data", data, "--out", str(out), "--images", "4",
+                   prelude=FAILING_ROLLOUT)  # fmt: skip
+    what = "attention_rollout.png failed (RuntimeError: injected plot failure)"
+    what += "; the results are complete without it"
+    assert [line for line in proc.stderr.splitlines() if "warning" in line] == [f"ssl-vit: warning: {what}"]
+    record = json.loads((out / "analysis.json").read_text())
+    assert record["notes"] == [what] and "attention_rollout.png" not in record["pictures"]
+    assert sorted(p.name for p in out.glob("*.png")) == record["pictures"]
+    assert record["attention_distance"]["mean_per_layer"]  # the numbers
