@@ -23,17 +23,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "requirements" / "constraints.txt"
-# torchvision's releases name their torch: 0.25.0 `torch (==2.10.0)`, 0.29.1 `torch (>=2.14.0)`.
+# torchvision's releases name their torch: 0.25.0 `torch (==2.10.0)`, 0.29.1 `torch (>=2.14.0)`, and
+# 0.29.2, released with torch 2.15.0 and built for it, `torch (>=2.14.0)` as well. torch 2.16.0 and
+# torchvision 0.30.0 stand for releases newer than the range; they exist here as metadata only.
 TORCH_OF = {
     "0.24.1": "==2.9.1",
     "0.25.0": "==2.10.0",
     "0.27.0": "==2.12.0",
     "0.29.1": ">=2.14.0",
-    "0.30.0": ">=2.15.0",
+    "0.29.2": ">=2.14.0",
+    "0.30.0": ">=2.16.0",
 }
 OFFERED = {
-    "torch": ["2.9.1", "2.12.0", "2.14.1", "2.15.0"],
-    "torchvision": ["0.24.1", "0.27.0", "0.29.1", "0.30.0"],
+    "torch": ["2.9.1", "2.12.0", "2.14.1", "2.15.0", "2.16.0"],
+    "torchvision": ["0.24.1", "0.27.0", "0.29.1", "0.29.2", "0.30.0"],
 }
 
 
@@ -113,7 +116,9 @@ def would_install(tmp_path: Path, installed: dict[str, str], *also: str) -> dict
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "torch, torchvision", [("2.10.0", "0.25.0"), ("2.14.1", "0.29.1")], ids=["oldest-tested", "newest-tested"]
+    "torch, torchvision",
+    [("2.10.0", "0.25.0"), ("2.14.1", "0.29.1"), ("2.15.0", "0.29.2")],
+    ids=["oldest-tested", "pinned", "newest-tested"],
 )
 def test_a_torch_inside_the_range_is_left_in_place(tmp_path, torch, torchvision):
     # Newer releases inside the range are on offer; pip still keeps what the environment has.
@@ -122,11 +127,11 @@ def test_a_torch_inside_the_range_is_left_in_place(tmp_path, torch, torchvision)
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "torch, torchvision", [("2.9.1", "0.24.1"), ("2.15.0", "0.30.0")], ids=["older", "newer-untested"]
+    "torch, torchvision", [("2.9.1", "0.24.1"), ("2.16.0", "0.30.0")], ids=["older", "newer-untested"]
 )
 def test_a_torch_outside_the_range_is_replaced_by_one_inside(tmp_path, torch, torchvision):
     installed = {"torch": torch, "torchvision": torchvision}
-    assert would_install(tmp_path, installed) == {"torch": "2.14.1", "torchvision": "0.29.1"}
+    assert would_install(tmp_path, installed) == {"torch": "2.15.0", "torchvision": "0.29.2"}
 
 
 @pytest.mark.slow
@@ -134,7 +139,7 @@ def test_a_torch_without_torchvision_stays_when_the_command_names_it(tmp_path):
     # The newest torchvision wants a newer torch, and pip would take both; naming the installed
     # torch (the README's command) makes pip choose the torchvision that fits it instead.
     alone = {"torch": "2.12.0"}
-    assert would_install(tmp_path / "plain", alone) == {"torch": "2.14.1", "torchvision": "0.29.1"}
+    assert would_install(tmp_path / "plain", alone) == {"torch": "2.15.0", "torchvision": "0.29.2"}
     assert would_install(tmp_path / "named", alone, "torch==2.12.0") == {"torchvision": "0.27.0"}
 
 
