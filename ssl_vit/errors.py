@@ -23,6 +23,13 @@ class UserError(Exception):
         UserError.recent.append(str(self))
 
 
+class NoUsableData(UserError):
+    """Data nothing can be trained or scored on, whatever the checkpoint (a split without a usable
+    sample, a protocol's class without an image): `compare` stops with its one line rather than fail
+    every row alike. Raised in a DataLoader worker it keeps its type (torch re-raises a worker's
+    exception as its own type, with the worker's traceback as the message)."""
+
+
 class Interrupted(BaseException):
     """Ctrl-C during a command other than fit/validate/test (`ssl_vit.cli.main`), raised instead of
     KeyboardInterrupt: the Lightning trainers of evaluate's and compare's trained protocols turn a

@@ -47,9 +47,7 @@ def inspect_shard(url: str, num_classes: int | None = None, masks: bool = False)
 
     for sample in iter_samples([url], on_error):
         try:
-            label = parse_label(sample)
-            if num_classes is not None and label >= num_classes:
-                raise BadSample(f"label {label} is beyond the manifest's {num_classes} classes")
+            label = parse_label(sample, num_classes)
             image = decode_image(sample, decode)
             mask = read_mask(sample, num_classes, required=masks)
             if mask is not None:

@@ -110,6 +110,7 @@ def convert(
         **source.options,
     }
 
+    made = not outdir.exists()
     outdir.mkdir(parents=True, exist_ok=True)
     partial = outdir / f".{split}.partial"
     finished = _finished_shards(partial, options)
@@ -117,6 +118,9 @@ def convert(
         manifest = _write_shards(source, partial, options, finished, workers, progress)
     except UserError:
         shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
+        if made:  # a failed conversion leaves no empty OUTDIR behind
+            with contextlib.suppress(OSError):
+                outdir.rmdir()
         raise
     except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
         recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}

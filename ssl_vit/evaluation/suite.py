@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -48,18 +49,28 @@ from pydantic import ValidationError
 from pydantic.dataclasses import dataclass
 
 from ssl_vit.checkpoints import load_backbone
+from ssl_vit.data import ShardDataModule
 from ssl_vit.data.checks import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
-from ssl_vit.errors import UserError
+from ssl_vit.data.masks import IGNORE_INDEX
+from ssl_vit.errors import NoUsableData, UserError
 from ssl_vit.evaluation import kinds  # noqa: F401  (registers the protocol kinds)
 from ssl_vit.evaluation.cache import DATA_KEYS, FeatureCache
 from ssl_vit.evaluation.features import local_device
 from ssl_vit.evaluation.protocol import PROTOCOLS, Protocol
-from ssl_vit.evaluation.stats import Score, interval
+from ssl_vit.evaluation.stats import Score, finite, interval, scored
 from ssl_vit.models.vit import ViTConfig, parse_variant
 from ssl_vit.outdir import check_out, staged
 from ssl_vit.tasks.base import COST_KEY
 
 IMAGE_SIZE = 224  # ShardDataModule's default image_size, which a data block without one is read at
+# The suite's seed seeds numpy through Lightning's `seed_everything`, which takes 0 to 2^32 - 1; the
+# replicates of a group add their index to it.
+MAX_SEED = 2**31 - 1
+# Bootstrap resamples per interval: 1,000 is the usual; 100,000 already take minutes per column.
+MAX_RESAMPLES = 100_000
+# Data keys whose null means something (no manifest count, no limit, the default wait); the others'
+# null would reach the data module as a value.
+NULLABLE_DATA_KEYS = ("num_classes", "max_image_pixels", "loader_timeout_s")
 
 
 @dataclass
@@ -134,11 +145,14 @@ def load_suite(path: str | Path) -> Suite:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
         p.settle(datasets[p.dataset], backbone, f"{path}: protocol {p.name!r}")
+        _check_classes(p, datasets[p.dataset], f"{path}: protocol {p.name!r}")
     seed, resamples = raw.get("seed", 0), raw.get("resamples", 1000)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise UserError(f"{path}: seed is {seed!r}: it should be an integer")
-    if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
-        raise UserError(f"{path}: resamples is {resamples!r}: it should be an integer of at least 100")
+    if not _integer_in(seed, 0, MAX_SEED):
+        raise UserError(f"{path}: seed is {seed!r}: it should be an integer of 0 to {MAX_SEED:,}")
+    if not _integer_in(resamples, 100, MAX_RESAMPLES):
+        raise UserError(
+            f"{path}: resamples is {resamples!r}: it should be an integer of 100 to {MAX_RESAMPLES:,}"
+        )
     return Suite(backbone, datasets, protocols, str(path), seed, resamples)
 
 
@@ -167,9 +181,15 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
     for name, data in suite.datasets.items():
         urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
         check_shard_urls(None, urls, read_policy(data))
+        datamodule = FeatureCache.datamodule_of(data)
+        for p in suite.protocols:
+            if p.dataset == name and p.classes is not None:
+                for split in ("train", "test"):
+                    found = classes_in_manifest(p.classes, datamodule, split)
+                    if found is not None:
+                        _refuse_missing(p, split, *found, suite.path)
         dense = [p for p in suite.protocols if p.dataset == name and p.TARGET == "mask"]
         if dense:
-            datamodule = FeatureCache.datamodule_of(data)
             for split in ("train", "test"):
                 manifest = datamodule.split_manifest(split)
                 if manifest is not None and manifest.get("masks") is not True:
@@ -177,6 +197,15 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
                         f"{suite.path}: protocol {dense[0].name!r}: the {split} shards of {name} carry no "
                         "segmentation masks (their manifest says so): give shards written by `ssl-vit data "
                         "convert` from ade20k:, voc: or mosaic:"
+                    )
+        for p in suite.protocols:
+            for split in ("train", "test") if p.dataset == name else ():
+                if nothing_labelled(p, datamodule, split):
+                    raise UserError(
+                        f"{suite.path}: protocol {p.name!r}: the {split} shards of {name} hold "
+                        f"{'no labelled pixel' if p.TARGET == 'mask' else 'no labelled image'} (their "
+                        f"manifest's {'mask_pixels' if p.TARGET == 'mask' else 'class_counts'}): nothing to "
+                        f"{'train on' if split == 'train' else 'score'}; give {split} shards with labels"
                     )
         sized = [p for p in suite.protocols if p.dataset == name and p.needs_epoch_size()]
         if sized and FeatureCache.manifest_count(data) is None:
@@ -187,10 +216,97 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
             )
 
 
+def _check_classes(protocol: Protocol, data: dict, where: str) -> None:
+    """A protocol's `classes` name two classes or more, each once, below the data block's num_classes:
+    one class makes every answer right (k-NN and the probes scored 1.0)."""
+    classes = protocol.classes
+    if classes is None:
+        return
+    if len(set(classes)) != len(classes):
+        raise UserError(f"{where}: classes {classes} repeat a class: name each once")
+    if len(classes) < 2:
+        raise UserError(
+            f"{where}: classes {classes} names one class, and a classification among one class is always "
+            "right: give two or more, or leave classes out for every class"
+        )
+    num_classes = data.get("num_classes")
+    beyond = [c for c in classes if isinstance(num_classes, int) and c >= num_classes]
+    if beyond:
+        raise UserError(f"{where}: classes {beyond} are beyond the data's num_classes {num_classes}")
+
+
+def classes_in_manifest(
+    classes: list[int], datamodule: ShardDataModule, split: str
+) -> tuple[list[int], str] | None:
+    """`(classes of `classes` the split holds no image of, how that is known)` from the split's manifest:
+    a class at or beyond its class count, or one its per-class counts miss where the split's URLs are
+    the whole of it; None where the manifest cannot tell (none, or a part of its shards)."""
+    manifest = datamodule.split_manifest(split)
+    if manifest is None:
+        return None
+    beyond = [c for c in classes if c >= manifest["num_classes"]]
+    if beyond:
+        return beyond, f"their manifest counts {manifest['num_classes']} classes"
+    counts = manifest.get("class_counts")
+    if not counts or datamodule.samples_in(split) != manifest["num_samples"]:
+        return None
+    return [c for c in classes if not counts.get(str(c))], "their manifest's class_counts"
+
+
+def nothing_labelled(protocol: Protocol, datamodule: ShardDataModule, split: str) -> bool:
+    """Whether the split's manifest says it holds nothing the protocol is scored on: no pixel of a class
+    (`mask_pixels`: every one 255, ignored) for a segmentation, no labelled image (`class_counts`: only
+    -1) for a classification. False where it cannot tell (no manifest, no counts, part of its shards)."""
+    manifest = datamodule.split_manifest(split)
+    key = "mask_pixels" if protocol.TARGET == "mask" else "class_counts"
+    counts = (manifest or {}).get(key)
+    if not counts or datamodule.samples_in(split) != manifest["num_samples"]:
+        return False
+    empty = str(IGNORE_INDEX) if protocol.TARGET == "mask" else "-1"
+    return not any(n for c, n in counts.items() if c != empty)
+
+
+def check_classes_seen(protocol: Protocol, features: FeatureCache, where: str) -> None:
+    """A protocol's `classes` each have an image in the train and the test split, where their manifests
+    could not tell before the evaluation (`check_inputs`): from the labels of the pass the protocol reads
+    anyway (its frozen features', or the labels-only pass of a trained protocol)."""
+    if protocol.classes is None:
+        return
+    for split in ("train", "test"):
+        if classes_in_manifest(protocol.classes, features.datamodule, split) is not None:
+            continue  # checked before the evaluation
+        read = protocol.cache_kinds()
+        labels = features.get(split, read[0]).y if read else features.labels(split)
+        present = set(labels.unique().tolist())
+        missing = [c for c in protocol.classes if c not in present]
+        _refuse_missing(protocol, split, missing, f"none among their {len(labels)} images", where)
+
+
+def _refuse_missing(protocol: Protocol, split: str, missing: list[int], how: str, where: str) -> None:
+    if missing:
+        raise NoUsableData(
+            f"{where}: protocol {protocol.name!r}: classes {protocol.classes}: {split}_urls hold no image of "
+            f"class {', '.join(map(str, missing))} ({how}): give classes the data have"
+        )
+
+
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
-    """A data block's counts and its image size, which the backbone's patches must tile (a size other
-    than the backbone's is read with its position embeddings resampled, `dataset_backbone`)."""
+    """A data block's counts, normalisation and crop, and its image size, which the backbone's patches
+    must tile (a size other than the backbone's is read with its position embeddings resampled,
+    `dataset_backbone`)."""
+    for key, value in data.items():
+        if value is None and key not in NULLABLE_DATA_KEYS:
+            raise UserError(f"{where}: {key} is null: give a value, or leave the key out for its default")
     check_counts({key: value for key, value in data.items() if key in COUNT_MINIMUMS}, f"{where}: ")
+    for key in ("mean", "std"):
+        values = data.get(key, [1.0])
+        if not isinstance(values, list) or not values or not all(_number(v) and v >= 0 for v in values):
+            raise UserError(f"{where}: {key} is {values!r}: it should be a list of numbers, one per channel")
+        if key == "std" and 0 in values:
+            raise UserError(f"{where}: std is {values!r}: a channel's std of 0 divides by 0")
+    crop = data.get("eval_crop_pct", 1.0)
+    if not _number(crop) or not 0 < crop <= 1:
+        raise UserError(f"{where}: eval_crop_pct is {crop!r}: it should be a number in (0, 1]")
     check_seconds({key: value for key, value in data.items() if key in SECONDS}, f"{where}: ")
     size = data.get("image_size", IMAGE_SIZE)
     patch = parse_variant(backbone.variant).patch_size
@@ -220,8 +336,9 @@ def _protocol(values: Any, path: Path, index: int) -> Protocol:
     if isinstance(values.get("name"), str):
         where = f"{path}: protocol {values['name']!r}"
     kind = values.get("kind")
-    if kind not in PROTOCOLS:
-        raise UserError(f"{where} has kind {kind!r}; valid: {', '.join(PROTOCOLS)}")
+    if not isinstance(kind, str) or kind not in PROTOCOLS:
+        shown = repr(kind) if len(repr(kind)) <= 60 else f"{repr(kind)[:57]}..."
+        raise UserError(f"{where} has kind {shown}; valid: {', '.join(PROTOCOLS)}")
     cls = PROTOCOLS[kind]
     _check_keys(values, tuple(f.name for f in fields(cls)), f"{where} ({kind})")
     try:
@@ -241,6 +358,15 @@ def _problem(err: ValidationError) -> str:
     if isinstance(value, str) and _is_number(value):
         text += " (YAML reads a number without a dot, such as 1e-3, as text: write 1.0e-3)"
     return text
+
+
+def _integer_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _number(value: object) -> bool:
+    """A finite YAML number (not a flag)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_number(text: str) -> bool:
@@ -287,6 +413,7 @@ def evaluate(
     }
     for protocol in suite.protocols:
         cache = features[protocol.dataset]
+        check_classes_seen(protocol, cache, suite.path)
         outcome = protocol.run(cache, cache.config, suite)
         scores.update(outcome.scores)
         details.update(outcome.details)
@@ -308,6 +435,12 @@ def evaluate(
         "image_size": {name: cache.config.img_size for name, cache in features.items()},
         # images without a label (-1), left out of every classification protocol on their dataset
         "unlabelled": unlabelled(suite, features),
+        # columns with no test item to score (null above), and why
+        "unscored": {
+            column: suite.protocol_of(column).NOTHING_TO_SCORE
+            for column, value in results.items()
+            if not scored(value)
+        },
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }
@@ -340,7 +473,7 @@ def write_record(record: dict[str, Any], out_dir: str | Path) -> None:
     """`evaluate`'s record as out_dir/results.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps(finite(record), indent=2, allow_nan=False) + "\n")
 
 
 def pretraining_cost(source: str) -> dict[str, float] | None:
