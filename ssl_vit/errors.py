@@ -41,6 +41,13 @@ class BadValue(UserError, ValueError):
     """A UserError raised where callers (and tests) expect a ValueError: a bad argument value."""
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """`repr(value)` for a one-line message, cut to `limit` characters: a hostile value (200 KB of text, a
+    number of thousands of digits) must not become the line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def check_at_least(args, low: int, *names: str) -> None:
     """One line for an integer command-line option below `low` (argparse's `type=int` takes any):
     `names` are attributes of `args`, None meaning the option was not given."""

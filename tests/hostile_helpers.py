@@ -27,6 +27,14 @@ HOSTILE = st.one_of(  # values of any JSON type, where a file wants one of them
 )  # fmt: skip
 
 
+# One value of each wrong kind, for a sweep of every place of a file: null, a flag, a list or a mapping
+# where a scalar goes (a `class_path` one too), numbers huge, negative, not finite or as text, text.
+WRONG = [
+    None, True, [], [1, "x"], {"a": 1}, {"class_path": "subprocess.Popen", "init_args": {"args": "true"}},
+    2**70, -(2**70), -1, 0, 1.5, float("nan"), float("inf"), "12", "1e-3", "", "x" * 200,
+]  # fmt: skip
+
+
 def places(value: object, at: tuple = ()) -> list[tuple]:
     """The path of every value inside `value` (dict keys and list indices)."""
     found = [at] if at else []

@@ -18,7 +18,7 @@ from PIL import Image
 from ssl_vit.data.device_decode import JpegCrop
 from ssl_vit.data.masks import MASK_MEMBER, beyond_message, classes_beyond, decode_mask, size_mismatch
 from ssl_vit.data.tar_reader import IMAGE_MEMBERS
-from ssl_vit.errors import NoUsableData, UserError
+from ssl_vit.errors import NoUsableData, UserError, shown
 
 log = logging.getLogger("ssl_vit.data")
 MAX_SKIPS_IN_A_ROW = 1000
@@ -61,11 +61,11 @@ def parse_label(sample: dict, num_classes: int | None = None) -> int:
     else:
         return -1
     if label < -1:
-        raise BadSample(f"label {_shown(label)} is negative")
+        raise BadSample(f"label {shown(label)} is negative")
     if num_classes is not None and label >= num_classes:
-        raise BadSample(f"label {_shown(label)} is beyond num_classes {num_classes}")
+        raise BadSample(f"label {shown(label)} is beyond num_classes {num_classes}")
     if label >= MAX_CLASSES:
-        raise BadSample(f"label {_shown(label)} is beyond {MAX_CLASSES:,}, the most classes ssl-vit reads")
+        raise BadSample(f"label {shown(label)} is beyond {MAX_CLASSES:,}, the most classes ssl-vit reads")
     return label
 
 
@@ -88,7 +88,7 @@ def _text(data: bytes, member: str) -> str:
     try:
         return data.decode("ascii")
     except UnicodeDecodeError:
-        raise BadSample(f"label does not parse: {member} {_shown(data)} is not ASCII") from None
+        raise BadSample(f"label does not parse: {member} {shown(data)} is not ASCII") from None
 
 
 def _integer(value: object, where: str) -> int:
@@ -97,17 +97,10 @@ def _integer(value: object, where: str) -> int:
         return value
     match = _INTEGER.fullmatch(value) if isinstance(value, str) else None
     if match is None:
-        raise BadSample(
-            f"label does not parse: {where} is {_shown(value)}, not an integer or a string of one"
-        )
+        raise BadSample(f"label does not parse: {where} is {shown(value)}, not an integer or a string of one")
     if len(match[1]) > 20:  # int() of thousands of digits is slow, and refused past 4,300
         raise BadSample(f"label does not parse: {where} has {len(match[1]):,} digits, no class index has")
     return int(match[1])
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def read_mask(sample: dict, num_classes: int | None, required: bool) -> np.ndarray | None:

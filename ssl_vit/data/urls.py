@@ -23,7 +23,7 @@ from webdataset.shardlists import expand_urls
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import MAX_CLASSES
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, shown
 
 
 def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
@@ -31,8 +31,7 @@ def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
     if isinstance(urls, str):
         urls = [urls]
     if urls is not None and not (isinstance(urls, list | tuple) and all(isinstance(u, str) for u in urls)):
-        shown = repr(urls) if len(repr(urls)) <= 60 else f"{repr(urls)[:57]}..."
-        raise UserError(f"{what} is {shown}: give shard URLs as a string or a list of strings")
+        raise UserError(f"{what} is {shown(urls)}: give shard URLs as a string or a list of strings")
     try:
         out = [u for spec in (urls or []) for u in expand_urls(spec)]
     except UnbalancedBracesError as err:
@@ -45,6 +44,15 @@ def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
             f"{what} is empty: give shard URLs such as 'data/shards/digits/train-{{000000..000001}}.tar'"
         )
     return out
+
+
+def local(urls: str | Sequence[str]) -> bool:
+    """Whether every URL of `urls` (a string or list, brace ranges unexpanded) names a local file (a path
+    or `file://`): a manifest beside them is read for free. A remote one is read once, by the run that
+    needs it, not again by a check before it."""
+    urls = [urls] if isinstance(urls, str) else urls
+    listed = isinstance(urls, list | tuple)
+    return listed and all(isinstance(url, str) and local_path(url) is not None for url in urls)
 
 
 def local_path(url: str) -> Path | None:
@@ -161,8 +169,7 @@ def check_manifest(manifest: object, where: str) -> None:
 
     def bad(key: str, should: str, element: str = "", value: object = missing) -> UserError:
         value = manifest.get(key, missing) if value is missing else value
-        text = "missing" if value is missing else repr(value)
-        text = text if len(text) <= 60 else text[:57] + "..."
+        text = "missing" if value is missing else shown(value)
         return UserError(f"manifest {where}: {key!r}{element} is {text}, it should be {should}: {fix}")
 
     def count(value: object) -> bool:  # JSON integers beyond 2^53 are not exact in most readers

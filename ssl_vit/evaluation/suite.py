@@ -49,14 +49,13 @@ from pydantic import ValidationError
 from pydantic.dataclasses import dataclass
 
 from ssl_vit.checkpoints import load_backbone
-from ssl_vit.data import ShardDataModule
 from ssl_vit.data.checks import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
-from ssl_vit.data.masks import IGNORE_INDEX
-from ssl_vit.errors import NoUsableData, UserError
+from ssl_vit.errors import UserError, shown
 from ssl_vit.evaluation import kinds  # noqa: F401  (registers the protocol kinds)
 from ssl_vit.evaluation.cache import DATA_KEYS, FeatureCache
 from ssl_vit.evaluation.features import local_device
 from ssl_vit.evaluation.protocol import PROTOCOLS, Protocol
+from ssl_vit.evaluation.scorable import check_classes, check_classes_seen, check_scorable
 from ssl_vit.evaluation.stats import Score, finite, interval, scored
 from ssl_vit.models.vit import ViTConfig, parse_variant
 from ssl_vit.outdir import check_out, staged
@@ -145,7 +144,7 @@ def load_suite(path: str | Path) -> Suite:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
         p.settle(datasets[p.dataset], backbone, f"{path}: protocol {p.name!r}")
-        _check_classes(p, datasets[p.dataset], f"{path}: protocol {p.name!r}")
+        check_classes(p, datasets[p.dataset], f"{path}: protocol {p.name!r}")
     seed, resamples = raw.get("seed", 0), raw.get("resamples", 1000)
     if not _integer_in(seed, 0, MAX_SEED):
         raise UserError(f"{path}: seed is {seed!r}: it should be an integer of 0 to {MAX_SEED:,}")
@@ -182,12 +181,6 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
         urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
         check_shard_urls(None, urls, read_policy(data))
         datamodule = FeatureCache.datamodule_of(data)
-        for p in suite.protocols:
-            if p.dataset == name and p.classes is not None:
-                for split in ("train", "test"):
-                    found = classes_in_manifest(p.classes, datamodule, split)
-                    if found is not None:
-                        _refuse_missing(p, split, *found, suite.path)
         dense = [p for p in suite.protocols if p.dataset == name and p.TARGET == "mask"]
         if dense:
             for split in ("train", "test"):
@@ -199,14 +192,8 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
                         "convert` from ade20k:, voc: or mosaic:"
                     )
         for p in suite.protocols:
-            for split in ("train", "test") if p.dataset == name else ():
-                if nothing_labelled(p, datamodule, split):
-                    raise UserError(
-                        f"{suite.path}: protocol {p.name!r}: the {split} shards of {name} hold "
-                        f"{'no labelled pixel' if p.TARGET == 'mask' else 'no labelled image'} (their "
-                        f"manifest's {'mask_pixels' if p.TARGET == 'mask' else 'class_counts'}): nothing to "
-                        f"{'train on' if split == 'train' else 'score'}; give {split} shards with labels"
-                    )
+            if p.dataset == name:
+                check_scorable(p, datamodule, name, f"{suite.path}: protocol {p.name!r}")
         sized = [p for p in suite.protocols if p.dataset == name and p.needs_epoch_size()]
         if sized and FeatureCache.manifest_count(data) is None:
             raise UserError(
@@ -214,80 +201,6 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
                 "epoch by: give the protocol steps (optimizer steps instead of epochs), or shards written by "
                 "`ssl-vit data convert`"
             )
-
-
-def _check_classes(protocol: Protocol, data: dict, where: str) -> None:
-    """A protocol's `classes` name two classes or more, each once, below the data block's num_classes:
-    one class makes every answer right (k-NN and the probes scored 1.0)."""
-    classes = protocol.classes
-    if classes is None:
-        return
-    if len(set(classes)) != len(classes):
-        raise UserError(f"{where}: classes {classes} repeat a class: name each once")
-    if len(classes) < 2:
-        raise UserError(
-            f"{where}: classes {classes} names one class, and a classification among one class is always "
-            "right: give two or more, or leave classes out for every class"
-        )
-    num_classes = data.get("num_classes")
-    beyond = [c for c in classes if isinstance(num_classes, int) and c >= num_classes]
-    if beyond:
-        raise UserError(f"{where}: classes {beyond} are beyond the data's num_classes {num_classes}")
-
-
-def classes_in_manifest(
-    classes: list[int], datamodule: ShardDataModule, split: str
-) -> tuple[list[int], str] | None:
-    """`(classes of `classes` the split holds no image of, how that is known)` from the split's manifest:
-    a class at or beyond its class count, or one its per-class counts miss where the split's URLs are
-    the whole of it; None where the manifest cannot tell (none, or a part of its shards)."""
-    manifest = datamodule.split_manifest(split)
-    if manifest is None:
-        return None
-    beyond = [c for c in classes if c >= manifest["num_classes"]]
-    if beyond:
-        return beyond, f"their manifest counts {manifest['num_classes']} classes"
-    counts = manifest.get("class_counts")
-    if not counts or datamodule.samples_in(split) != manifest["num_samples"]:
-        return None
-    return [c for c in classes if not counts.get(str(c))], "their manifest's class_counts"
-
-
-def nothing_labelled(protocol: Protocol, datamodule: ShardDataModule, split: str) -> bool:
-    """Whether the split's manifest says it holds nothing the protocol is scored on: no pixel of a class
-    (`mask_pixels`: every one 255, ignored) for a segmentation, no labelled image (`class_counts`: only
-    -1) for a classification. False where it cannot tell (no manifest, no counts, part of its shards)."""
-    manifest = datamodule.split_manifest(split)
-    key = "mask_pixels" if protocol.TARGET == "mask" else "class_counts"
-    counts = (manifest or {}).get(key)
-    if not counts or datamodule.samples_in(split) != manifest["num_samples"]:
-        return False
-    empty = str(IGNORE_INDEX) if protocol.TARGET == "mask" else "-1"
-    return not any(n for c, n in counts.items() if c != empty)
-
-
-def check_classes_seen(protocol: Protocol, features: FeatureCache, where: str) -> None:
-    """A protocol's `classes` each have an image in the train and the test split, where their manifests
-    could not tell before the evaluation (`check_inputs`): from the labels of the pass the protocol reads
-    anyway (its frozen features', or the labels-only pass of a trained protocol)."""
-    if protocol.classes is None:
-        return
-    for split in ("train", "test"):
-        if classes_in_manifest(protocol.classes, features.datamodule, split) is not None:
-            continue  # checked before the evaluation
-        read = protocol.cache_kinds()
-        labels = features.get(split, read[0]).y if read else features.labels(split)
-        present = set(labels.unique().tolist())
-        missing = [c for c in protocol.classes if c not in present]
-        _refuse_missing(protocol, split, missing, f"none among their {len(labels)} images", where)
-
-
-def _refuse_missing(protocol: Protocol, split: str, missing: list[int], how: str, where: str) -> None:
-    if missing:
-        raise NoUsableData(
-            f"{where}: protocol {protocol.name!r}: classes {protocol.classes}: {split}_urls hold no image of "
-            f"class {', '.join(map(str, missing))} ({how}): give classes the data have"
-        )
 
 
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
@@ -337,8 +250,7 @@ def _protocol(values: Any, path: Path, index: int) -> Protocol:
         where = f"{path}: protocol {values['name']!r}"
     kind = values.get("kind")
     if not isinstance(kind, str) or kind not in PROTOCOLS:
-        shown = repr(kind) if len(repr(kind)) <= 60 else f"{repr(kind)[:57]}..."
-        raise UserError(f"{where} has kind {shown}; valid: {', '.join(PROTOCOLS)}")
+        raise UserError(f"{where} has kind {shown(kind)}; valid: {', '.join(PROTOCOLS)}")
     cls = PROTOCOLS[kind]
     _check_keys(values, tuple(f.name for f in fields(cls)), f"{where} ({kind})")
     try:
@@ -413,7 +325,7 @@ def evaluate(
     }
     for protocol in suite.protocols:
         cache = features[protocol.dataset]
-        check_classes_seen(protocol, cache, suite.path)
+        check_classes_seen(protocol, cache, f"{suite.path}: protocol {protocol.name!r}")
         outcome = protocol.run(cache, cache.config, suite)
         scores.update(outcome.scores)
         details.update(outcome.details)

@@ -349,7 +349,9 @@ class ViTConfig:
             if (value is not None or key == "img_size") and (
                 not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE
             ):
-                raise BadValue(f"{where}: {key} is {value!r}: it should be an integer of 1 to {MAX_SIZE:,}")
+                raise BadValue(
+                    f"{where}: {key} is {value!r}: it should be a positive integer of at most {MAX_SIZE:,}"
+                )
         if config.pooling not in ("cls", "gap"):
             raise BadValue(f"{where}: pooling is {config.pooling!r}: it should be 'cls' or 'gap'")
         if not isinstance(config.grad_checkpointing, bool):

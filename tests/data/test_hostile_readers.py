@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 from cli_helpers import run_cli
-from hostile_helpers import HOSTILE, bounded, one_line_or_read, places, replaced
+from hostile_helpers import HOSTILE, WRONG, bounded, one_line_or_read, places, replaced
 from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
@@ -293,6 +293,13 @@ def test_hostile_manifests_are_one_line_or_read(tiny_split, tmp_path):
 
     # every place, and new labels and mask classes: beyond the class count, beyond a uint8 mask
     where = places(valid) + [("class_counts", "12"), ("class_counts", "-1"), ("mask_pixels", "300")]
+    for at in where:  # a sweep of each place and each kind of wrong value first
+        for value in WRONG:
+            (folder / "train.json").write_text(json.dumps(replaced(valid, at, value)))
+            try:
+                consume(folder)
+            except UserError:
+                pass
     # values of any type, or of the right type for most places but out of the way (counts of 0 or up to
     # 2^53, a list of small numbers), which the consumers then meet
     typed = st.one_of(st.integers(0, 20), st.integers(0, 2**53), st.lists(st.integers(0, 9), max_size=3))

@@ -2,7 +2,8 @@
 place (null, a list or a mapping where a scalar goes, a `class_path` mapping, huge or negative numbers,
 numbers as text) is read, or refused with one UserError, the CLI's one line, before anything runs. In
 process on what `evaluate` and `compare` call first (`load_suite`, `check_inputs`, the data modules
-the evaluation builds, `load_claims`); a few refused cases through the CLI too, with the same line.
+the evaluation builds, `load_claims`): a sweep of every place with each kind of wrong value, then
+generated edits of up to two places; a few refused cases through the CLI too, with the same line.
 
 Bounded: derandomized (the same cases on every run), a few hundred cases in all, no deadline."""
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_helpers import run_cli
-from hostile_helpers import HOSTILE, bounded, places, replaced
+from hostile_helpers import HOSTILE, WRONG, bounded, places, replaced
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -61,13 +62,26 @@ def read_suite(path: Path) -> None:
         FeatureCache.datamodule_of(data)
 
 
+def test_every_place_of_a_suite_takes_every_wrong_type(digits_shards, tmp_path):
+    """A sweep before the generated cases: each place of the suite, each kind of wrong value."""
+    valid = base_suite(digits_shards)
+    path = tmp_path / "suite.yaml"
+    for at in places(valid):
+        for value in WRONG:
+            path.write_text(yaml.safe_dump(replaced(valid, at, value)))
+            try:
+                read_suite(path)
+            except UserError:
+                pass
+
+
 @pytest.mark.timeout(300)
 def test_suites_of_any_yaml_type_are_read_or_one_line(digits_shards, tmp_path):
     valid = base_suite(digits_shards)
     where = places(valid) + [("protocols", 0, "kind"), ("data", "extra"), ("protocols", 1, "dataset")]
     refused: list[tuple[str, str]] = []  # (suite text, the line) for the CLI
 
-    @bounded(250)
+    @bounded(400)
     @given(st.lists(st.tuples(st.sampled_from(where), VALUES), min_size=1, max_size=2))
     def suites(edits):
         suite = valid
@@ -93,17 +107,27 @@ def test_suites_of_any_yaml_type_are_read_or_one_line(digits_shards, tmp_path):
         assert not out.exists()
 
 
+CLAIMS = {
+    "claims": [
+        {"says": "x", "rows": ["a"], "against": ["b"], "columns": ["knn", "fs_1shot"],
+         "minus": ["knn", "fs_5shot"]},
+        {"says": "y", "rows": "a", "against": "b", "columns": "lin"},
+    ]
+}  # fmt: skip
+
+
 def test_claims_of_any_yaml_type_are_read_or_one_line(digits_shards, tmp_path):
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(base_suite(digits_shards)))
     suite = load_suite(path)
-    valid = {
-        "claims": [
-            {"says": "x", "rows": ["a"], "against": ["b"], "columns": ["knn", "fs_1shot"],
-             "minus": ["knn", "fs_5shot"]},
-            {"says": "y", "rows": "a", "against": "b", "columns": "lin"},
-        ]
-    }  # fmt: skip
+    valid = CLAIMS
+    for at in places(valid):  # a sweep of each place and each kind of wrong value first
+        for value in WRONG:
+            (tmp_path / "claims.yaml").write_text(yaml.safe_dump(replaced(valid, at, value)))
+            try:
+                load_claims(tmp_path / "claims.yaml", suite, ["a", "b"])
+            except UserError:
+                pass
     refused: list[tuple[str, str]] = []
 
     @bounded(200)
