@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         message = user_error_message(err)
         if message is not None:
+            # raised in or past a DataLoader (a split with no usable sample): its other workers end now,
+            # not after their SIGTERM grace at the interpreter's exit
+            _end_early()
             print(f"ssl-vit: error: {message}", file=sys.stderr)
             return 2
         message = resource_error_message(err)

@@ -23,6 +23,13 @@ class UserError(Exception):
         UserError.recent.append(str(self))
 
 
+class NoUsableData(UserError):
+    """Data nothing can be trained or scored on, whatever the checkpoint (a split without a usable
+    sample, a protocol's class without an image): `compare` stops with its one line rather than fail
+    every row alike. Raised in a DataLoader worker it keeps its type (torch re-raises a worker's
+    exception as its own type, with the worker's traceback as the message)."""
+
+
 class Interrupted(BaseException):
     """Ctrl-C during a command other than fit/validate/test (`ssl_vit.cli.main`), raised instead of
     KeyboardInterrupt: the Lightning trainers of evaluate's and compare's trained protocols turn a
@@ -32,6 +39,13 @@ class Interrupted(BaseException):
 
 class BadValue(UserError, ValueError):
     """A UserError raised where callers (and tests) expect a ValueError: a bad argument value."""
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """`repr(value)` for a one-line message, cut to `limit` characters: a hostile value (200 KB of text, a
+    number of thousands of digits) must not become the line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def check_at_least(args, low: int, *names: str) -> None:

@@ -60,18 +60,29 @@ COUNT_MINIMUMS = {
     "batch_size": 1, "image_size": 1, "num_workers": 0, "segment_shards": 1, "train_batches": 1,
     "num_classes": 1, "seed": 0, "read_retries": 0, "max_image_pixels": 1, "channels": 1,
 }  # fmt: skip
+# The largest values of those that size memory, processes or work before anything is read: beyond them
+# a value is a mistake (a typo, a number pasted into the wrong key), not a setting; 65,536 px is 3x
+# the largest ViT input trained, 1,024 workers 4x the cores of the largest node.
+COUNT_MAXIMUMS = {
+    "image_size": 1 << 16,
+    "num_workers": 1 << 10,
+    "segment_shards": 1 << 20,
+    "read_retries": 100,
+}
 # Its settings in seconds: positive, finite numbers (None: the default applies).
 SECONDS = ("read_timeout_s", "loader_timeout_s")
 DEFAULT_READ = ReadPolicy()
 
 
 def check_counts(values: dict[str, Any], where: str = "") -> None:
-    """One line for an integer setting (`COUNT_MINIMUMS`) that is not an integer or is too small;
-    `where` prefixes it (a suite file's data block)."""
+    """One line for an integer setting (`COUNT_MINIMUMS`) that is not an integer, is too small or too
+    large (`COUNT_MAXIMUMS`); `where` prefixes it (a suite file's data block)."""
     for key, value in values.items():
-        low = COUNT_MINIMUMS[key]
+        low, high = COUNT_MINIMUMS[key], COUNT_MAXIMUMS.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
             raise BadValue(f"{where}{key} is {value!r}: it should be an integer of at least {low}")
+        if value is not None and high is not None and value > high:
+            raise BadValue(f"{where}{key} is {value!r}: it should be an integer of at most {high:,}")
 
 
 def check_seconds(values: dict[str, Any], where: str = "") -> None:

@@ -84,9 +84,7 @@ def inspect_shard(
 
     for sample_ in iter_samples([url], on_error):
         try:
-            label = parse_label(sample_)
-            if num_classes is not None and label >= num_classes:
-                raise BadSample(f"label {label} is beyond the manifest's {num_classes} classes")
+            label = parse_label(sample_, num_classes)
             opened = open_image(sample_, bands)
             mask = read_mask(sample_, num_classes, masks, opened.size, MAX_IMAGE_PIXELS)
             array = pixels(opened, bands)

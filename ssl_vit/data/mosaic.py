@@ -7,9 +7,10 @@ K*K samples in the shards' order; each group becomes one image, its tiles placed
 holding each tile's class on the tile's pixels. Samples that cannot be tiles (no image member, a
 label that does not parse, none, or one outside the tiles' manifest's classes) are skipped and counted
 and do not take a place in a group. The tiles after the last whole group (fewer than K*K) are left out,
-said in a warning and recorded in the manifest (`mosaic.remainder`). Every tile takes the size of its
-group's first tile (resized bilinearly where it differs; no change for sets of one size such as MNIST
-or CIFAR); the mosaic is grey (mode L) when every tile is, else RGB.
+said in a warning and recorded in the manifest (`mosaic.remainder`); tiles (or labelled tiles, as the
+manifest counts them) too few for one grid are one line before anything is read. Every tile takes the
+size of its group's first tile (resized bilinearly where it differs; no change for sets of one size
+such as MNIST or CIFAR); the mosaic is grey (mode L) when every tile is, else RGB.
 
 With `--background-threshold T`, pixels whose grey level is below T belong to an extra class,
 `background`, appended after the tiles' classes (index = their number). The grey level of an RGB
@@ -97,24 +98,29 @@ class MosaicRecords:
 
     def __iter__(self) -> Iterator[tuple[Tiles | Broken, int]]:
         group: list[tuple[ShardImage, int]] = []
+        made = 0
         for payload, label in self.tiles:
             if isinstance(payload, Broken):
                 yield payload, -1
-            elif not 0 <= label < self.num_classes:
-                why = f"label {label} is not one of the tiles' {self.num_classes} classes"
-                yield Broken(f"{payload.where}: {why}: a mosaic's tiles need their labels"), -1
+            elif label < 0:
+                yield Broken(f"{payload.where}: no label: a mosaic's tiles need their labels"), -1
             else:
                 group.append((payload, label))
                 if len(group) == self.grid**2:
                     tiles, labels = zip(*group)
                     yield Tiles(tiles, labels, self.grid, self.threshold, self.num_classes), -1
-                    group = []
+                    group, made = [], made + 1
         if group:
             log.warning(
                 "mosaic: the last %d tiles do not fill a %dx%d grid and are left out",
                 len(group), self.grid, self.grid,
             )  # fmt: skip
         self.manifest["mosaic"]["remainder"] = len(group)
+        if not made:
+            raise UserError(
+                f"mosaic: fewer usable tiles than one grid: {len(group)} labelled images that decode, a "
+                f"{self.grid}x{self.grid} grid needs {self.grid**2}; give a smaller --grid or more tiles"
+            )
 
 
 def load(arg: str, split: str, grid: int | None, threshold: int | None) -> tuple[list[str], MosaicRecords]:
@@ -141,5 +147,16 @@ def load(arg: str, split: str, grid: int | None, threshold: int | None) -> tuple
             f"mosaic:{arg}: {classes} mask classes do not fit a uint8 mask whose {IGNORE_INDEX} means "
             f"ignored: use a set of at most {IGNORE_INDEX - (threshold is not None)} classes"
         )
+    if tiles.labelled == 0:
+        raise UserError(
+            f"mosaic:{arg}: none of the {tiles.total} tiles has a label (their manifest's class_counts): a "
+            "mosaic's masks are its tiles' labels; give a labelled set"
+        )
+    for count, what in ((tiles.total, "images"), (tiles.labelled, "labelled images")):
+        if count is not None and count < grid**2:
+            raise UserError(
+                f"mosaic:{arg}: fewer tiles than one grid: {count} {what}, a {grid}x{grid} grid needs "
+                f"{grid**2}; give a smaller --grid"
+            )
     records = MosaicRecords(tiles, grid, len(names), threshold)
     return names + [BACKGROUND] * (threshold is not None), records

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,10 +30,13 @@ from ssl_vit.data.masks import (
     size_mismatch,
 )
 from ssl_vit.data.tar_reader import IMAGE_MEMBERS
-from ssl_vit.errors import UserError
+from ssl_vit.errors import NoUsableData, UserError, shown
 
 log = logging.getLogger("ssl_vit.data")
 MAX_SKIPS_IN_A_ROW = 1000
+# Bad samples in a row listed one line each; the rest of the run is counted, and said in one line: a
+# shard of nothing but bad samples would otherwise print thousands.
+LISTED_IN_A_ROW = 10
 T = TypeVar("T")
 
 
@@ -40,23 +44,75 @@ class BadSample(Exception):
     """A sample that cannot be used; the message names its key, shard and what is wrong."""
 
 
-def parse_label(sample: dict) -> int:
-    """The label from a `cls` member (ASCII integer) or a `json` member (its `label` or `cls` field);
-    -1 when there is neither."""
-    try:
-        if "cls" in sample:
-            label = int(sample["cls"].decode("ascii").strip())
-        elif "json" in sample:
-            meta = json.loads(sample["json"])
-            label = meta.get("label", meta.get("cls", -1)) if isinstance(meta, dict) else -1
-            label = int(label) if label is not None else -1
-        else:
-            return -1
-    except (ValueError, TypeError, UnicodeDecodeError) as err:
-        raise BadSample(f"label does not parse ({err})") from None
+# The most classes a label may index where no class count is known (`data inspect` and `data convert
+# wds:` of shards without a manifest): ImageNet-21k has 21,841, the largest face-identity sets about
+# 10^5. A label beyond it is a corrupt sample, not a class (`wds:` would name every class up to it).
+MAX_CLASSES = 1_000_000
+# A `json` member is a sample's metadata (a label, a caption, EXIF; SA-1B's mask annotations, a few
+# MB): one larger than this is skipped before parsing, since Python's objects for a JSON array take up
+# to 16x its bytes.
+MAX_JSON_BYTES = 16 << 20
+_INTEGER = re.compile(r"\s*([+-]?[0-9]+)\s*", re.ASCII)
+
+
+def parse_label(sample: dict, num_classes: int | None = None) -> int:
+    """The label from a `cls` member (ASCII integer) or a `json` member (its `label` or `cls` field:
+    an integer or a string of one); -1 when there is neither, or the field is absent or null.
+
+    Every reader of labels (the training stream, `data inspect`, `data convert wds:` and `mosaic:`)
+    calls this one function. A label is -1 (unlabelled) or a class index below `num_classes` (None:
+    below MAX_CLASSES); anything else is a BadSample saying why: a `json` member that does not parse
+    (too large, not UTF-8, not JSON, nested too deeply), a label that is not an integer (`true`, `3.9`,
+    `1e400`, NaN, an object) or out of range."""
+    if "cls" in sample:
+        label = _integer(_text(sample["cls"], "cls"), "cls")
+    elif "json" in sample:
+        meta = read_json(sample["json"])
+        field = next((f for f in ("label", "cls") if isinstance(meta, dict) and f in meta), None)
+        label = -1 if field is None or meta[field] is None else _integer(meta[field], f"json {field}")
+    else:
+        return -1
     if label < -1:
-        raise BadSample(f"label {label} is negative")
+        raise BadSample(f"label {shown(label)} is negative")
+    if num_classes is not None and label >= num_classes:
+        raise BadSample(f"label {shown(label)} is beyond num_classes {num_classes}")
+    if label >= MAX_CLASSES:
+        raise BadSample(f"label {shown(label)} is beyond {MAX_CLASSES:,}, the most classes ssl-vit reads")
     return label
+
+
+def read_json(data: bytes) -> object:
+    """A sample's `json` member parsed; BadSample when it cannot be, for any reason."""
+    if len(data) > MAX_JSON_BYTES:
+        raise BadSample(f"json member of {len(data):,} bytes, more than {MAX_JSON_BYTES:,}: not parsed")
+    try:
+        return json.loads(data)
+    except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8/16/32
+        raise BadSample(f"json does not parse ({str(err)[:80]})") from None
+    except RecursionError:
+        # CPython's JSON scanner (C or Python) counts every nested array or object against the
+        # interpreter's recursion limit and raises RecursionError there: 200 KB of `[` cannot overflow the
+        # C stack, and fail only the sample. Nesting that deep is no metadata.
+        raise BadSample("json nests arrays or objects too deeply to parse") from None
+
+
+def _text(data: bytes, member: str) -> str:
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise BadSample(f"label does not parse: {member} {shown(data)} is not ASCII") from None
+
+
+def _integer(value: object, where: str) -> int:
+    """`value` as a label: an int (not a bool), or a string of decimal digits."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _INTEGER.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise BadSample(f"label does not parse: {where} is {shown(value)}, not an integer or a string of one")
+    if len(match[1]) > 20:  # int() of thousands of digits is slow, and refused past 4,300
+        raise BadSample(f"label does not parse: {where} has {len(match[1]):,} digits, no class index has")
+    return int(match[1])
 
 
 def read_mask(
@@ -292,7 +348,9 @@ class SkipCounter:
     stream, so shard-level errors (unreadable shard, broken tar) are counted like bad samples.
 
     A training stream that produces nothing but errors would spin forever on resampled shards; with
-    `limit`, that many consecutive failures raise instead. Exact passes are finite and never raise."""
+    `limit`, that many consecutive failures are a UserError instead (one line). Exact passes are finite
+    and never raise here (`stream.DryShards` fails one that delivers nothing). Of a run of failures in a
+    row, the first LISTED_IN_A_ROW are logged one line each, the rest in one line when the run ends."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit
@@ -303,12 +361,13 @@ class SkipCounter:
     def __call__(self, exn: Exception) -> bool:
         self.pending += 1
         self.in_a_row += 1
-        log.warning("skipping bad sample: %s", " ".join(str(a) for a in exn.args if a is not None))
+        if self.in_a_row <= LISTED_IN_A_ROW:
+            log.warning("skipping bad sample: %s", " ".join(str(a) for a in exn.args if a is not None))
         if self.limit and self.in_a_row >= self.limit:
-            raise RuntimeError(
-                f"{self.in_a_row} bad samples in a row (last: {exn}): "
-                "check the shards with `ssl-vit data inspect`"
-            ) from exn
+            raise NoUsableData(
+                f"{self.in_a_row} bad samples in a row and none usable (last: {exn}): the training shards "
+                "hold no usable sample, or too few; check them with `ssl-vit data inspect`"
+            )
         return True
 
     def shard_failed(self, exn: Exception) -> bool:
@@ -326,8 +385,17 @@ class SkipCounter:
     def passed(self, samples: Iterable[dict]) -> Iterator[dict]:
         """Stage after decoding: every good sample ends a run of failures."""
         for sample in samples:
-            self.in_a_row = 0
+            self.end_run()
             yield sample
+
+    def end_run(self) -> None:
+        """A run of failures in a row has ended (a good sample, or the end of the stream)."""
+        if self.in_a_row > LISTED_IN_A_ROW:
+            log.warning(
+                "skipped %d bad samples in a row, %d of them not listed above",
+                self.in_a_row, self.in_a_row - LISTED_IN_A_ROW,
+            )  # fmt: skip
+        self.in_a_row = 0
 
     def take(self) -> int:
         n, self.pending = self.pending, 0

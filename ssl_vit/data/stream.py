@@ -65,7 +65,7 @@ from ssl_vit.data.samples import (
     transform_image,
 )
 from ssl_vit.data.tar_reader import tar_samples
-from ssl_vit.errors import UserError
+from ssl_vit.errors import NoUsableData
 
 log = logging.getLogger("ssl_vit.data")
 
@@ -174,6 +174,7 @@ class ShardStream(IterableDataset):
             batch["skipped"] = torch.tensor(counter.take())
             batch["unreadable"] = counter.take_unreadable()
             yield batch
+        counter.end_run()
         if counter.pending:
             log.warning(
                 "%d bad samples at the end of a stream with no batch left to report them", counter.pending
@@ -271,8 +272,9 @@ class ShardStream(IterableDataset):
             wds.split_by_worker,
             lambda shards: dry.source(shards, exhaustive=True),
             *tar_samples(counter, self.read_policy, max_member_bytes(self.max_image_pixels)),
-            lambda raw: dry.passed(self._labelled(raw, counter)),
+            lambda raw: self._labelled(raw, counter),
             wds.map(self.decode, handler=counter),
+            dry.passed,  # a sample passed when it decoded: shards of undecodable images deliver nothing
             counter.passed,
             wds.batched(self.batch_size, collation_fn=self.collate, partial=True),
         ]
@@ -284,9 +286,7 @@ class ShardStream(IterableDataset):
         `num_classes` (a corrupt sample, skipped and counted like the others: a `num_classes` below the
         manifest's labels is refused before anything runs, by `ShardDataModule`)."""
         try:
-            label = parse_label(sample)
-            if self.num_classes is not None and label >= self.num_classes:
-                raise BadSample(f"label {label} is beyond num_classes {self.num_classes}")
+            label = parse_label(sample, self.num_classes)
             if self.require_labels and label < 0:
                 raise BadSample("no label, and the task trains or scores on labels")
         except BadSample as err:
@@ -375,9 +375,12 @@ def _stack(images: list[torch.Tensor]) -> torch.Tensor:
 
 
 class DryShards:
-    """Fails a stream that reads every one of its shards to the end without a sample passing the label
-    stage (empty tars, a class filter that keeps nothing, labels all broken): a resampled training
-    stream would otherwise spin for ever, and an exact pass would silently deliver nothing."""
+    """Fails a stream that reads every one of its shards to the end without a sample passing (empty tars,
+    a class filter that keeps nothing, labels all broken; in an exact pass also images or masks that
+    never decode): a resampled training stream would otherwise spin for ever, and an exact pass would
+    deliver nothing, which its reader then fails on. A training stream counts the label stage (the
+    shuffle buffer sits between it and decoding); its images that never decode are its SkipCounter's
+    `limit`."""
 
     def __init__(self, urls: Sequence[str]):
         self.urls = set(urls)
@@ -408,10 +411,10 @@ class DryShards:
 
     def _fail(self, urls: list[str]) -> None:
         shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
-        raise UserError(
+        raise NoUsableData(
             f"no usable sample in a whole pass over {len(urls)} shard(s) ({shown}): they are empty or "
-            "unreadable (see the warnings above), or the class filter (data.init_args.classes) keeps none of "
-            "their labels; check them with `ssl-vit data inspect`"
+            "unreadable, none of their samples decodes (see the warnings above), or the class filter "
+            "(data.init_args.classes) keeps none of their labels; check them with `ssl-vit data inspect`"
         )
 
 

@@ -24,13 +24,16 @@ from webdataset.shardlists import expand_urls
 from ssl_vit.data import remote
 from ssl_vit.data.arrays import ARRAY_DTYPES
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
-from ssl_vit.errors import UserError
+from ssl_vit.data.samples import MAX_CLASSES
+from ssl_vit.errors import UserError, shown
 
 
 def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
     """Brace-expand a URL string or list (webdataset's syntax: `{000000..000006}`, `::` between lists)."""
     if isinstance(urls, str):
         urls = [urls]
+    if urls is not None and not (isinstance(urls, list | tuple) and all(isinstance(u, str) for u in urls)):
+        raise UserError(f"{what} is {shown(urls)}: give shard URLs as a string or a list of strings")
     try:
         out = [u for spec in (urls or []) for u in expand_urls(spec)]
     except UnbalancedBracesError as err:
@@ -43,6 +46,15 @@ def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
             f"{what} is empty: give shard URLs such as 'data/shards/digits/train-{{000000..000001}}.tar'"
         )
     return out
+
+
+def local(urls: str | Sequence[str]) -> bool:
+    """Whether every URL of `urls` (a string or list, brace ranges unexpanded) names a local file (a path
+    or `file://`): a manifest beside them is read for free. A remote one is read once, by the run that
+    needs it, not again by a check before it."""
+    urls = [urls] if isinstance(urls, str) else urls
+    listed = isinstance(urls, list | tuple)
+    return listed and all(isinstance(url, str) and local_path(url) is not None for url in urls)
 
 
 def local_path(url: str) -> Path | None:
@@ -146,7 +158,7 @@ def read_manifest(first_url: str, policy: ReadPolicy = DEFAULT) -> dict | None:
         ) from None
     try:
         manifest = json.loads(text)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested deeper than the parser goes
         raise UserError(
             f"manifest {url} is not JSON ({err}): re-run `ssl-vit data convert`, or delete it and set "
             "data.init_args.train_batches and num_classes"
@@ -166,16 +178,19 @@ def check_manifest(manifest: object, where: str) -> None:
 
     def bad(key: str, should: str, element: str = "", value: object = missing) -> UserError:
         value = manifest.get(key, missing) if value is missing else value
-        text = "missing" if value is missing else repr(value)
-        text = text if len(text) <= 60 else text[:57] + "..."
+        text = "missing" if value is missing else shown(value)
         return UserError(f"manifest {where}: {key!r}{element} is {text}, it should be {should}: {fix}")
 
-    def count(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    def count(value: object) -> bool:  # JSON integers beyond 2^53 are not exact in most readers
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53
 
     for key in ("num_samples", "num_classes"):
         if not count(manifest.get(key)):
             raise bad(key, "a non-negative integer")
+    if manifest["num_classes"] > MAX_CLASSES:
+        raise bad("num_classes", f"at most {MAX_CLASSES:,}")
+    if "masks" in manifest and not isinstance(manifest["masks"], bool):
+        raise bad("masks", "true or false")
     for key in ("version", "skipped"):
         if key in manifest and not count(manifest[key]):
             raise bad(key, "a non-negative integer")
@@ -188,14 +203,15 @@ def check_manifest(manifest: object, where: str) -> None:
     names = manifest.get("class_names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise bad("class_names", "a list of strings")
-    counts = manifest.get("class_counts", {})
-    if not isinstance(counts, dict):
-        raise bad("class_counts", 'an object of label -> count, such as {"0": 150, "1": 148}')
-    for label, n in counts.items():
-        if not re.fullmatch(r"-?\d+", label):
-            raise bad("class_counts", f'keyed by labels such as "0" or "-1", not {label!r}')
-        if not count(n):
-            raise bad("class_counts", "a non-negative integer", f"[{label!r}]", n)
+    for key, example in (("class_counts", '{"0": 150, "1": 148}'), ("mask_pixels", '{"0": 9000, "255": 12}')):
+        counts = manifest.get(key, {})
+        if not isinstance(counts, dict):
+            raise bad(key, f"an object of class -> count, such as {example}")
+        for label, n in counts.items():
+            if not re.fullmatch(r"-?[0-9]{1,20}", label):
+                raise bad(key, f'keyed by classes such as "0" or "-1", not {label[:40]!r}')
+            if not count(n):
+                raise bad(key, "a non-negative integer", f"[{label!r}]", n)
     shards = manifest.get("shards")
     shard = '{"url": NAME, "num_samples": COUNT}'
     if not isinstance(shards, list):

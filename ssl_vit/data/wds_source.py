@@ -4,9 +4,10 @@ URLS are what the training stream reads (brace ranges, local paths, `file://`, `
 fsspec URLs), read with the same tar reader and retries (`ssl_vit.data.tar_reader`). Of each sample the
 first image member among `jpg`, `jpeg`, `png`, `webp` is kept, its bytes unchanged unless the output
 format or `--max-side` asks for a new encoding, under the sample's own key; the label is read as
-training reads it (`cls`, ASCII digits, or a `json` member's `label` or `cls` field; neither:
-unlabelled, -1). A sample without an image member or with a label that does not parse, and a shard
-that cannot be read or breaks off, become `Broken` records, which the writer skips and counts.
+training reads it (`samples.parse_label`: `cls`, ASCII digits, or a `json` member's `label` or `cls`
+field; neither: unlabelled, -1). A sample without an image member or with a label that does not parse
+or is beyond the manifest's classes, and a shard that cannot be read or breaks off, become `Broken`
+records, which the writer skips and counts.
 
 A key is written as a relative name inside the shard: `..` and `.` components and a leading `/` are
 dropped (`member_key`), so that no member of a shard written here names a place outside the folder it
@@ -52,10 +53,18 @@ class Broken:
 
 class ShardRecords:
     """The `(payload, label)` records of `urls` in order, read afresh by each iteration. `total` is the
-    sample count the manifest gives for exactly these shards, or None."""
+    sample count the manifest gives for exactly these shards, or None; `labelled`, how many of them
+    have a label, where the manifest's counts are of exactly these shards, or None; `num_classes`, the
+    class count its labels must be below (the manifest's), or None."""
 
-    def __init__(self, urls: list[str], total: int | None):
-        self.urls, self.total = urls, total
+    def __init__(
+        self,
+        urls: list[str],
+        total: int | None,
+        num_classes: int | None = None,
+        labelled: int | None = None,
+    ):
+        self.urls, self.total, self.num_classes, self.labelled = urls, total, num_classes, labelled
 
     def __iter__(self) -> Iterator[tuple[ShardImage | Broken, int]]:
         failures: list[str] = []
@@ -72,7 +81,7 @@ class ShardRecords:
             key = member_key(sample["__key__"])
             if key != sample["__key__"]:
                 renamed.append(f"{sample['__key__']!r} -> {key!r}")
-            yield _record({**sample, "__key__": key})
+            yield _record({**sample, "__key__": key}, self.num_classes)
         while failures:
             yield Broken(failures.pop(0)), -1
         if renamed:
@@ -88,13 +97,13 @@ def member_key(key: str) -> str:
     return "/".join(part for part in key.replace("\\", "/").split("/") if part not in ("", ".", ".."))
 
 
-def _record(sample: dict) -> tuple[ShardImage | Broken, int]:
+def _record(sample: dict, num_classes: int | None) -> tuple[ShardImage | Broken, int]:
     where = f"{sample['__url__']}: {sample['__key__']}"
     ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
     if ext is None:
         return Broken(f"{where}: no image member ({', '.join(IMAGE_MEMBERS)})"), -1
     try:
-        label = parse_label(sample)
+        label = parse_label(sample, num_classes)
     except BadSample as err:
         return Broken(f"{where}: {err}"), -1
     return ShardImage(sample["__key__"], sample[ext], where), label
@@ -109,6 +118,10 @@ def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None
     if manifest is None:
         return None, ShardRecords(urls, None)
     counts = {s["url"]: s["num_samples"] for s in manifest["shards"]}
-    names = [PurePosixPath(u).name for u in urls]
-    total = sum(counts[n] for n in names) if all(n in counts for n in names) else None
-    return manifest["class_names"] or None, ShardRecords(urls, total)
+    files = [PurePosixPath(u).name for u in urls]
+    total = sum(counts[f] for f in files) if all(f in counts for f in files) else None
+    labelled = None
+    if total is not None and total == manifest["num_samples"]:  # the whole split: its class counts
+        labelled = sum(n for label, n in manifest.get("class_counts", {}).items() if int(label) >= 0)
+    names = manifest["class_names"] or None
+    return names, ShardRecords(urls, total, len(names) if names else None, labelled)

@@ -55,6 +55,7 @@ def add_parsers(subparsers) -> None:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from ssl_vit.evaluation import progress
+    from ssl_vit.evaluation.stats import finite
     from ssl_vit.evaluation.suite import check_inputs, evaluate, load_suite
     from ssl_vit.evaluation.tables import all_notes
 
@@ -63,7 +64,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     with progress.job("evaluate", 1):
         progress.run(0, args.checkpoint)
         record = evaluate(args.checkpoint, suite, args.out, overwrite=args.overwrite).record
-    print(json.dumps(record["results"], indent=2))
+    print(json.dumps(finite(record["results"]), indent=2, allow_nan=False))
     for note in all_notes([record]):
         print(f"ssl-vit: note: {note}", file=sys.stderr)
     print(f"wrote {args.out}/results.json")

@@ -1,7 +1,8 @@
 """`compare`'s pictures, from the rows `report.aggregate` makes: fewshot.png, bars.png, compute.png,
 label_efficiency.png, differences.png (a grid of paired differences against the baseline) and
 training_curves.png (each trained column's training loss, to see whether it levelled off). Each
-result is drawn in its own unit (accuracy, mIoU, pixel accuracy: `Suite.unit`)."""
+result is drawn in its own unit (accuracy, mIoU, pixel accuracy: `Suite.unit`); a result with nothing
+to score (`stats.scored`) is left out, or marked n/a where it has a place of its own."""
 
 from __future__ import annotations
 
@@ -13,14 +14,28 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import NullLocator
 
-from ssl_vit.evaluation.stats import ACCURACY, Difference, Interval
+from ssl_vit.evaluation.stats import ACCURACY, Difference, Interval, scored
 from ssl_vit.evaluation.suite import Suite
-from ssl_vit.evaluation.tables import label_efficiency_points, label_efficiency_protocols
+from ssl_vit.evaluation.tables import NOT_SCORED, label_efficiency_points, label_efficiency_protocols
 
 
 def _errors(intervals: list[Interval | Difference]) -> list[list[float]]:
-    """matplotlib's asymmetric yerr/xerr (2, n), in %, from intervals."""
-    return [[100 * (i.mean - i.low) for i in intervals], [100 * (i.high - i.mean) for i in intervals]]
+    """matplotlib's asymmetric yerr/xerr (2, n), in %, from intervals (0 for one with no number)."""
+    return [
+        [100 * (i.mean - i.low) if scored(i) else 0.0 for i in intervals],
+        [100 * (i.high - i.mean) if scored(i) else 0.0 for i in intervals],
+    ]
+
+
+def _has(row: dict, column: str) -> bool:
+    """Whether `row` has a number in `column` (not a failed row, not nothing to score)."""
+    return isinstance(row.get(column), float) and scored(row[column])
+
+
+def _legend(ax) -> None:
+    """The panel's legend, where it has something to name (every row's result may be left out)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def _panels(n: int, figsize: tuple[float, float]) -> tuple[Figure, list]:
@@ -52,7 +67,7 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
         for row in rows:
             if row["error"]:
                 continue
-            shots = [s for s in protocol.shots if isinstance(row.get(f"{protocol.name}_{s}shot"), float)]
+            shots = [s for s in protocol.shots if _has(row, f"{protocol.name}_{s}shot")]
             found = [row["intervals"][f"{protocol.name}_{s}shot"] for s in shots]
             line = ax.errorbar(
                 shots,
@@ -63,7 +78,7 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
                 label=row["name"],
             ).lines[0]
             for marker, p in zip("s^Dv<>ph" * len(trained), trained):
-                if protocol.classes is None and isinstance(row.get(p.name), float):
+                if protocol.classes is None and _has(row, p.name):
                     ax.errorbar(
                         [row["details"][p.name]["labels_per_class"]],
                         [100 * row[p.name]],
@@ -79,7 +94,7 @@ def plot_fewshot(rows: list[dict], suite: Suite, path: Path) -> Path | None:
         classes = "all classes" if protocol.classes is None else f"classes {protocol.classes}"
         ax.set_title(f"{protocol.name} ({classes})")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
     return _saved(fig, path)
 
 
@@ -93,11 +108,14 @@ def plot_bars(rows: list[dict], columns: list[str], suite: Suite, path: Path) ->
         found = [row["intervals"][column] for row in good]
         ax.bar(
             range(len(good)),
-            [100 * i.mean for i in found],
+            [100 * i.mean if scored(i) else 0.0 for i in found],
             yerr=_errors(found),
             capsize=3,
             color=[f"C{i}" for i in range(len(good))],
         )
+        for x, i in enumerate(found):
+            if not scored(i):
+                ax.text(x, 2, NOT_SCORED, ha="center", fontsize=7)
         ax.set_xticks(range(len(good)), [row["name"] for row in good], rotation=45, ha="right", fontsize=8)
         ax.set_title(column, fontsize=9)
         ax.set_ylim(0, 100)
@@ -124,6 +142,8 @@ def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
     for ax, column in zip(axes, columns):
         for i, row in enumerate(good):
             found, cost = row["intervals"][column], row["cost"]
+            if not scored(found):
+                continue
             if cost and cost["flops"] > 0:
                 ax.errorbar(
                     [cost["flops"]], [100 * found.mean], yerr=_errors([found]), fmt="o", capsize=3,
@@ -139,7 +159,7 @@ def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
         unknown = [row["name"] for row in good if row["cost"] is None]
         ax.set_title(column + (f"\n(cost not recorded: {', '.join(unknown)})" if unknown else ""), fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
     return _saved(fig, path)
 
 
@@ -153,7 +173,10 @@ def plot_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> Path | 
     fig, axes = _panels(len(protocols), (5 * len(protocols), 4))
     for ax, protocol in zip(axes, protocols):
         for i, row in enumerate(good):
-            _, labels, found = zip(*label_efficiency_points(row, protocol))
+            points = [point for point in label_efficiency_points(row, protocol) if scored(point[2])]
+            if not points:
+                continue
+            _, labels, found = zip(*points)
             ax.errorbar(
                 labels, [100 * f.mean for f in found], yerr=_errors(found), marker="o", capsize=3,
                 color=f"C{i}", label=row["name"],
@@ -168,7 +191,7 @@ def plot_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> Path | 
         fractions = ", ".join(f"{100 * f:g}%" for f in sorted(protocol.label_fractions))
         ax.set_title(f"{protocol.name} ({protocol.kind}; {fractions} of the labels)", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
     return _saved(fig, path)
 
 
@@ -177,16 +200,19 @@ def plot_differences(
 ) -> Path:
     """Every row minus the baseline on every column at a glance: a grid, one line per result column, one
     column per checkpoint, each cell coloured by the paired difference (green above the baseline, red
-    below; pale within noise) and written out with its verdict."""
+    below; pale within noise) and written out with its verdict; n/a where either row has no number."""
     names = list(differences)
     fig = Figure(figsize=(max(5.5, 1.3 * len(names) + 3.2), 0.32 * len(columns) + 1.6))
     ax = fig.subplots()
-    points = [100 * differences[name][column].mean for column in columns for name in names]
+    points = [100 * d.mean for name in names for d in differences[name].values()]
     limit = max([abs(v) for v in points] + [1.0])
     norm, cmap = TwoSlopeNorm(0.0, -limit, limit), colormaps["RdYlGn"]
     for r, column in enumerate(columns):
         for c, name in enumerate(names):
-            found = differences[name][column]
+            found = differences[name].get(column)
+            if found is None:
+                ax.text(c, r, NOT_SCORED, ha="center", va="center", fontsize=7, color="grey")
+                continue
             beyond = found.verdict != "noise"
             colour = cmap(norm(100 * found.mean))
             ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, color=colour, alpha=1.0 if beyond else 0.25))
@@ -231,5 +257,5 @@ def plot_training_curves(rows: list[dict], suite: Suite, path: Path) -> Path | N
         ax.set_yscale("log")
         ax.set_title(column, fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
     return _saved(fig, path)

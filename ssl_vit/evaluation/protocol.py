@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
+from ssl_vit.data.samples import MAX_CLASSES
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
 
@@ -31,6 +32,7 @@ Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 Momentum = Annotated[float, Field(ge=0, lt=1)]
+Seed = Annotated[int, Field(ge=0, lt=2**32)]  # torch's and numpy's generators take these
 
 # What each feature a protocol can read is, in words (verdicts and tables name the feature a result
 # rests on). The pooled ones are `ViT.features`; the token-level ones `ViT.feature_set`'s.
@@ -59,11 +61,13 @@ class Protocol:
     kind: str
     dataset: str | None = None  # a key of the suite's datasets; None: the first
     feature: Literal["cls", "mean", "lastk"] = "cls"
-    classes: list[Annotated[int, Field(ge=0)]] | None = None  # restrict train and test sets to these
+    classes: list[Annotated[int, Field(ge=0, lt=MAX_CLASSES)]] | None = None  # train and test on these only
 
     KIND: ClassVar[str] = ""  # the `kind:` value that selects the class (`register`)
     TITLE: ClassVar[str] = ""  # the kind in words, as verdicts name it ("few-shot")
     TARGET: ClassVar[str] = "label"  # what it is scored on: image labels, or a segmentation's `mask`
+    # why a column of it has no number (its metric is NaN: null in results.json, n/a in the tables)
+    NOTHING_TO_SCORE: ClassVar[str] = "no labelled test image (of its classes) to score"
 
     def columns(self) -> list[str]:
         """Its result columns, in the order the report shows them."""

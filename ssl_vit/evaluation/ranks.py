@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from ssl_vit.errors import NoUsableData, user_error_message
 from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.suite import Evaluation, Suite, evaluate
 
@@ -27,15 +28,18 @@ GATHER_TIMEOUT = timedelta(hours=24)
 
 
 class Failed(NamedTuple):
-    """A checkpoint whose evaluation raised: the error in one line, and its traceback for error.txt."""
+    """A checkpoint whose evaluation raised: the error in one line, and its traceback for error.txt;
+    `unusable`: the line of a NoUsableData, which every checkpoint would fail on alike."""
 
     error: str
     traceback: str
+    unusable: str = ""
 
 
 def failure(err: Exception) -> Failed:
     line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
-    return Failed(line, traceback.format_exc())
+    unusable = (user_error_message(err) or "") if isinstance(err, NoUsableData) else ""
+    return Failed(line, traceback.format_exc(), unusable)
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -50,7 +54,8 @@ def evaluate_checkpoints(
     rank r evaluates runs r, r + W, r + 2W, ... (W ranks), each with its replicate index within its
     group. Returns name -> each run's `Evaluation` (record and per-image correctness, which rank 0's
     intervals and paired differences need) or its Failed, on rank 0, and None on the other ranks. One
-    broken run never loses the others' results."""
+    broken run never loses the others' results; data no run can be evaluated on (NoUsableData) stops
+    every rank at its first such run, and rank 0 with the one line, before anything is written."""
     runs = [(name, i, source) for name, sources in checkpoints.items() for i, source in enumerate(sources)]
     grouped = {name for name, sources in checkpoints.items() if len(sources) > 1}
     rank, world_size = rank_and_world_size()
@@ -65,6 +70,8 @@ def evaluate_checkpoints(
                 mine[name, i] = evaluate(source, suite, replicate=i)
             except Exception as err:
                 mine[name, i] = failure(err)
+                if mine[name, i].unusable:
+                    break
     if world_size > 1:
         # gloo: records and per-image statistics (CPU tensors), gathered on the CPU whatever the devices
         dist.init_process_group("gloo", timeout=GATHER_TIMEOUT)
@@ -76,4 +83,7 @@ def evaluate_checkpoints(
         if rank != 0:
             return None
         mine = {run: outcome for part in gathered for run, outcome in part.items()}
+    unusable = next((o.unusable for o in mine.values() if isinstance(o, Failed) and o.unusable), None)
+    if unusable:
+        raise NoUsableData(unusable)
     return {name: [mine[name, i] for i in range(len(sources))] for name, sources in checkpoints.items()}

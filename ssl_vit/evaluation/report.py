@@ -45,7 +45,7 @@ from ssl_vit.evaluation.plots import (
     plot_training_curves,
 )
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
-from ssl_vit.evaluation.stats import Difference, Score, interval, paired_difference
+from ssl_vit.evaluation.stats import Difference, Score, finite, interval, paired_difference, scored
 from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, evaluation_inputs, write_record
 from ssl_vit.evaluation.tables import (
     COST,
@@ -232,7 +232,7 @@ def write_attention_distance(curves: dict[str, torch.Tensor], images: int, path:
             for name, per_head in curves.items()
         },
     }
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(json.dumps(finite(record), indent=1, allow_nan=False) + "\n")
 
 
 def aggregate(runs: list, suite: Suite) -> dict:
@@ -256,7 +256,8 @@ def aggregate(runs: list, suite: Suite) -> dict:
 
 
 def paired(rows: list[dict], columns: list[str], baseline: str, suite: Suite) -> dict[str, dict]:
-    """name -> column -> `stats.Difference` of that row minus the baseline row (rows that did not fail)."""
+    """name -> column -> `stats.Difference` of that row minus the baseline row (rows that did not fail;
+    a column either row has no number in is left out: nothing to score, `stats.scored`)."""
     base = next(row for row in rows if row["name"] == baseline)
     if base["error"]:
         return {}
@@ -266,6 +267,7 @@ def paired(rows: list[dict], columns: list[str], baseline: str, suite: Suite) ->
                 row["scores"][column], base["scores"][column], suite.resamples, suite.seed
             )
             for column in columns
+            if scored(row["scores"][column].value()) and scored(base["scores"][column].value())
         }
         for row in rows
         if row is not base and not row["error"]
@@ -304,7 +306,10 @@ def log_to_wandb(
             diff_names = ["name", *[f"{c}{s}" for c in columns for s in ("", "_low", "_high", "_verdict")]]
             tables["paired_differences"] = wandb.Table(columns=diff_names)
             for name, by_column in differences.items():
-                cells = [[d.mean, d.low, d.high, d.verdict] for d in (by_column[c] for c in columns)]
+                cells = [
+                    [d.mean, d.low, d.high, d.verdict] if d else [None] * 4
+                    for d in (by_column.get(c) for c in columns)
+                ]
                 tables["paired_differences"].add_data(name, *[cell for group in cells for cell in group])
         run.log({**tables, **{p.stem: wandb.Image(str(p)) for p in pictures}})
     finally:

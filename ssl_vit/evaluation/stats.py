@@ -116,8 +116,26 @@ def _means(values: Tensor, runs: Tensor, seeds: Tensor, images: Tensor) -> Tenso
 
 def _check(score: Score) -> None:
     shape = tuple(score.values.shape)
-    if score.values.ndim != 4 or 0 in shape:
-        raise ValueError(f"a score's values must be (runs, seeds, images, stats) and non-empty, got {shape}")
+    if score.values.ndim != 4 or 0 in shape[:2] or shape[3] == 0:
+        raise ValueError(f"a score's values must be (runs, seeds, images, stats), got {shape}")
+
+
+def scored(value: float | Interval | Difference) -> bool:
+    """Whether a result has a number: a metric with no test item to score (no test image, no labelled
+    pixel) is NaN, written as null and shown as n/a."""
+    return not math.isnan(value if isinstance(value, float) else value.mean)
+
+
+def finite(record: object) -> object:
+    """`record` (dicts, lists, tuples, numbers) with every NaN as None: JSON has no NaN, and a reader's
+    `json.loads` of a bare `NaN` is Python's extension, not JSON."""
+    if isinstance(record, float):
+        return None if math.isnan(record) else record
+    if isinstance(record, dict):
+        return {key: finite(value) for key, value in record.items()}
+    if isinstance(record, list | tuple):
+        return [finite(value) for value in record]
+    return record
 
 
 def _bounds(samples: Tensor) -> tuple[float, float]:
@@ -134,6 +152,8 @@ def interval(score: Score, resamples: int = 1000, seed: int = 0) -> Interval:
     (the same seed gives the same interval)."""
     _check(score)
     runs, seeds, images, _ = score.values.shape
+    if not images:  # nothing to score: no test image
+        return Interval(math.nan, math.nan, math.nan, math.nan, math.nan)
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for start in range(0, resamples, CHUNK):
@@ -179,6 +199,8 @@ def contrast(terms: list[tuple[float, Score, Hashable]], resamples: int = 1000, 
         if runs.setdefault(group, len(score.values)) != len(score.values):
             raise ValueError(f"group {group!r} has terms with different numbers of runs")
     ((seeds, images),) = shapes
+    if not images:  # nothing to score: no test image
+        return Difference(math.nan, math.nan, math.nan, "noise")
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for start in range(0, resamples, CHUNK):

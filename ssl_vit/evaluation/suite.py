@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -55,17 +56,26 @@ from pydantic.dataclasses import dataclass
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data.checks import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
 from ssl_vit.data.urls import shard_directories
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, shown
 from ssl_vit.evaluation import kinds  # noqa: F401  (registers the protocol kinds)
 from ssl_vit.evaluation.cache import DATA_KEYS, FeatureCache
 from ssl_vit.evaluation.features import local_device
 from ssl_vit.evaluation.protocol import PROTOCOLS, Protocol
-from ssl_vit.evaluation.stats import Score, interval
+from ssl_vit.evaluation.scorable import check_classes, check_classes_seen, check_scorable
+from ssl_vit.evaluation.stats import Score, finite, interval, scored
 from ssl_vit.models.vit import ViTConfig, parse_variant
 from ssl_vit.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.tasks.base import COST_KEY
 
 IMAGE_SIZE = 224  # ShardDataModule's default image_size, which a data block without one is read at
+# The suite's seed seeds numpy through Lightning's `seed_everything`, which takes 0 to 2^32 - 1; the
+# replicates of a group add their index to it.
+MAX_SEED = 2**31 - 1
+# Bootstrap resamples per interval: 1,000 is the usual; 100,000 already take minutes per column.
+MAX_RESAMPLES = 100_000
+# Data keys whose null means something (no manifest count, no limit, the default wait); the others'
+# null would reach the data module as a value.
+NULLABLE_DATA_KEYS = ("num_classes", "max_image_pixels", "loader_timeout_s")
 
 
 @dataclass
@@ -141,11 +151,14 @@ def load_suite(path: str | Path) -> Suite:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
         p.settle(datasets[p.dataset], backbone, f"{path}: protocol {p.name!r}")
+        check_classes(p, datasets[p.dataset], f"{path}: protocol {p.name!r}")
     seed, resamples = raw.get("seed", 0), raw.get("resamples", 1000)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise UserError(f"{path}: seed is {seed!r}: it should be an integer")
-    if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
-        raise UserError(f"{path}: resamples is {resamples!r}: it should be an integer of at least 100")
+    if not _integer_in(seed, 0, MAX_SEED):
+        raise UserError(f"{path}: seed is {seed!r}: it should be an integer of 0 to {MAX_SEED:,}")
+    if not _integer_in(resamples, 100, MAX_RESAMPLES):
+        raise UserError(
+            f"{path}: resamples is {resamples!r}: it should be an integer of 100 to {MAX_RESAMPLES:,}"
+        )
     return Suite(backbone, datasets, protocols, str(path), seed, resamples)
 
 
@@ -174,9 +187,9 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
     for name, data in suite.datasets.items():
         urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
         check_shard_urls(None, urls, read_policy(data))
+        datamodule = FeatureCache.datamodule_of(data)
         dense = [p for p in suite.protocols if p.dataset == name and p.TARGET == "mask"]
         if dense:
-            datamodule = FeatureCache.datamodule_of(data)
             for split in ("train", "test"):
                 manifest = datamodule.split_manifest(split)
                 if manifest is not None and manifest.get("masks") is not True:
@@ -185,6 +198,9 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
                         "segmentation masks (their manifest says so): give shards written by `ssl-vit data "
                         "convert` from ade20k:, voc: or mosaic:"
                     )
+        for p in suite.protocols:
+            if p.dataset == name:
+                check_scorable(p, datamodule, name, f"{suite.path}: protocol {p.name!r}")
         sized = [p for p in suite.protocols if p.dataset == name and p.needs_epoch_size()]
         if sized and FeatureCache.manifest_count(data) is None:
             raise UserError(
@@ -214,9 +230,22 @@ def _with_bands(backbone: ViTConfig, datasets: dict, given: dict, path: Path) ->
 
 
 def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
-    """A data block's counts and its image size, which the backbone's patches must tile (a size other
-    than the backbone's is read with its position embeddings resampled, `dataset_backbone`)."""
+    """A data block's counts, normalisation and crop, and its image size, which the backbone's patches
+    must tile (a size other than the backbone's is read with its position embeddings resampled,
+    `dataset_backbone`)."""
+    for key, value in data.items():
+        if value is None and key not in NULLABLE_DATA_KEYS:
+            raise UserError(f"{where}: {key} is null: give a value, or leave the key out for its default")
     check_counts({key: value for key, value in data.items() if key in COUNT_MINIMUMS}, f"{where}: ")
+    for key in ("mean", "std"):
+        values = data.get(key, [1.0])
+        if not isinstance(values, list) or not values or not all(_number(v) and v >= 0 for v in values):
+            raise UserError(f"{where}: {key} is {values!r}: it should be a list of numbers, one per channel")
+        if key == "std" and 0 in values:
+            raise UserError(f"{where}: std is {values!r}: a channel's std of 0 divides by 0")
+    crop = data.get("eval_crop_pct", 1.0)
+    if not _number(crop) or not 0 < crop <= 1:
+        raise UserError(f"{where}: eval_crop_pct is {crop!r}: it should be a number in (0, 1]")
     check_seconds({key: value for key, value in data.items() if key in SECONDS}, f"{where}: ")
     size = data.get("image_size", IMAGE_SIZE)
     patch = parse_variant(backbone.variant).patch_size
@@ -246,8 +275,8 @@ def _protocol(values: Any, path: Path, index: int) -> Protocol:
     if isinstance(values.get("name"), str):
         where = f"{path}: protocol {values['name']!r}"
     kind = values.get("kind")
-    if kind not in PROTOCOLS:
-        raise UserError(f"{where} has kind {kind!r}; valid: {', '.join(PROTOCOLS)}")
+    if not isinstance(kind, str) or kind not in PROTOCOLS:
+        raise UserError(f"{where} has kind {shown(kind)}; valid: {', '.join(PROTOCOLS)}")
     cls = PROTOCOLS[kind]
     _check_keys(values, tuple(f.name for f in fields(cls)), f"{where} ({kind})")
     try:
@@ -267,6 +296,15 @@ def _problem(err: ValidationError) -> str:
     if isinstance(value, str) and _is_number(value):
         text += " (YAML reads a number without a dot, such as 1e-3, as text: write 1.0e-3)"
     return text
+
+
+def _integer_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _number(value: object) -> bool:
+    """A finite YAML number (not a flag)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_number(text: str) -> bool:
@@ -323,6 +361,7 @@ def _run_protocols(source: str, suite: Suite, replicate: int) -> Evaluation:
     }
     for protocol in suite.protocols:
         cache = features[protocol.dataset]
+        check_classes_seen(protocol, cache, f"{suite.path}: protocol {protocol.name!r}")
         outcome = protocol.run(cache, cache.config, suite)
         scores.update(outcome.scores)
         details.update(outcome.details)
@@ -344,6 +383,12 @@ def _run_protocols(source: str, suite: Suite, replicate: int) -> Evaluation:
         "image_size": {name: cache.config.img_size for name, cache in features.items()},
         # images without a label (-1), left out of every classification protocol on their dataset
         "unlabelled": unlabelled(suite, features),
+        # columns with no test item to score (null above), and why
+        "unscored": {
+            column: suite.protocol_of(column).NOTHING_TO_SCORE
+            for column, value in results.items()
+            if not scored(value)
+        },
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }
@@ -387,7 +432,7 @@ def write_record(record: dict[str, Any], out_dir: str | Path) -> None:
     """`evaluate`'s record as out_dir/results.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps(finite(record), indent=2, allow_nan=False) + "\n")
 
 
 def pretraining_cost(source: str) -> dict[str, float] | None:

@@ -7,7 +7,7 @@ import csv
 from pathlib import Path
 
 from ssl_vit.evaluation.protocol import Protocol
-from ssl_vit.evaluation.stats import LEVEL, Difference, Interval
+from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, finite, scored
 from ssl_vit.evaluation.suite import Suite
 from ssl_vit.evaluation.training import STILL_FALLING
 
@@ -25,13 +25,14 @@ def stat_columns(columns: list[str]) -> list[str]:
 
 
 def stat_values(row: dict) -> dict:
-    """One row of the `stat_columns` table (missing keys: no result, or no recorded cost)."""
+    """One row of the `stat_columns` table (missing keys: no result, or no recorded cost; None: nothing to
+    score, an empty cell)."""
     values = {k: row[k] for k in ("name", "checkpoint", "runs", "error")}
     for column, found in row.get("intervals", {}).items():
         values.update({column: found.mean, f"{column}_low": found.low, f"{column}_high": found.high})
         values.update({f"{column}_seed_std": found.seed_std, f"{column}_run_std": found.run_std})
     values.update(row.get("cost") or {})
-    return values
+    return finite(values)
 
 
 def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
@@ -46,7 +47,11 @@ def leaders(rows: list[dict], column: str) -> tuple[set[str], bool]:
     """The names marked in `column` and whether the best is clear: the best mean alone when it lies
     above every other row's interval (clear), else the best and every row whose interval reaches the
     best mean (tied)."""
-    found = {row["name"]: row["intervals"][column] for row in rows if column in row.get("intervals", {})}
+    found = {
+        row["name"]: row["intervals"][column]
+        for row in rows
+        if column in row.get("intervals", {}) and scored(row["intervals"][column])
+    }
     if not found:
         return set(), False
     best = max(found.values(), key=lambda i: i.mean).mean
@@ -54,14 +59,21 @@ def leaders(rows: list[dict], column: str) -> tuple[set[str], bool]:
     return tied, len(tied) == 1
 
 
+# A cell with no number: its metric had no test item to score (a note says why).
+NOT_SCORED = "n/a"
+
+
 def _cell(value: Interval) -> str:
-    return f"{100 * value.mean:.1f} ± {100 * value.half_width:.1f}"
+    return f"{100 * value.mean:.1f} ± {100 * value.half_width:.1f}" if scored(value) else NOT_SCORED
 
 
-def _difference_cell(value: Difference) -> str:
+def _difference_cell(value: Difference | None) -> str:
     """The mean difference, its interval's bounds and the verdict read from them. The bounds rather
     than a half-width: a percentile interval need not be centred on the mean, and `mean ± half-width`
-    could then contain 0 while the interval does not (or the other way round)."""
+    could then contain 0 while the interval does not (or the other way round). None: a column either row
+    has no number in."""
+    if value is None:
+        return NOT_SCORED
     return f"{100 * value.mean:+.1f} [{100 * value.low:+.1f}, {100 * value.high:+.1f}] {value.verdict}"
 
 
@@ -146,7 +158,7 @@ def markdown_table(
             "|---|" + "---:|" * len(columns),
         ]
         for name, found in differences.items():
-            cells = [_difference_cell(found[c]) for c in columns]
+            cells = [_difference_cell(found.get(c)) for c in columns]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         if not differences:
             lines.append(f"| (none: {baseline} failed or is the only row) |" + " |" * len(columns))
@@ -188,9 +200,7 @@ def write_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> None:
                             fraction,
                             labels,
                             metric,
-                            found.mean,
-                            found.low,
-                            found.high,
+                            *finite([found.mean, found.low, found.high]),
                         ]
                     )
 
@@ -248,7 +258,22 @@ def falling_loss_notes(records: list[dict]) -> list[str]:
 
 def all_notes(records: list[dict]) -> list[str]:
     """Every note on `records` (results.json records of one suite) that asks the suite's author to act."""
-    return grid_edge_notes(records) + falling_loss_notes(records) + unlabelled_notes(records)
+    notes = grid_edge_notes(records) + falling_loss_notes(records) + unlabelled_notes(records)
+    return notes + unscored_notes(records)
+
+
+def unscored_notes(records: list[dict]) -> list[str]:
+    """One line per column that had nothing to score (null in results.json, n/a in the tables) in any of
+    `records` (results.json records of one suite): in how many runs, and why."""
+    found: dict[str, list[str]] = {}
+    for record in records:
+        for column, why in record.get("unscored", {}).items():
+            found.setdefault(column, []).append(why)
+    return [
+        f"{column}: {why[0]} in {len(why)} of {len(records)} run(s): no number (null in results.json, "
+        f"{NOT_SCORED} in the tables), left out of differences, verdicts and pictures"
+        for column, why in found.items()
+    ]
 
 
 def unlabelled_notes(records: list[dict]) -> list[str]:

@@ -34,7 +34,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.stats import LEVEL, Difference, contrast
+from ssl_vit.evaluation.stats import LEVEL, Difference, contrast, scored
 from ssl_vit.evaluation.suite import Suite, refuse_url
 
 READING = {"win": "holds beyond noise", "noise": "within noise", "loss": "reversed"}
@@ -150,19 +150,31 @@ def _interval(found: Difference) -> str:
     return f"{_points(found.mean)} points [{_points(found.low)}, {_points(found.high)}]"
 
 
-def judge(claim: Claim, rows: dict[str, dict], suite: Suite) -> list[tuple[tuple, Difference]]:
+def judge(
+    claim: Claim, rows: dict[str, dict], suite: Suite
+) -> tuple[list[tuple[tuple, Difference]], list[str]]:
     """Each comparison of `claim` with its paired interval, from the rows' Scores per column
-    (`report.aggregate`); comparisons with a failed row are left out."""
-    found = []
+    (`report.aggregate`); comparisons with a failed row are left out, and so are those on a column a
+    row has no number in (nothing to score), which are returned as the second item (`row on column`)."""
+    found, unscored = [], []
     for row, other, column, less in claim.comparisons():
         if rows[row]["error"] or rows[other]["error"]:
+            continue
+        empty = [
+            f"{name} on {c}"
+            for name in (row, other)
+            for c in (column, less)
+            if c and not scored(rows[name]["scores"][c].value())
+        ]
+        if empty:
+            unscored += empty
             continue
         a, b = rows[row]["scores"], rows[other]["scores"]
         terms: list[tuple[float, Any, str]] = [(1.0, a[column], row), (-1.0, b[column], other)]
         if less is not None:
             terms += [(-1.0, a[less], row), (1.0, b[less], other)]
         found.append(((row, other, column, less), contrast(terms, suite.resamples, suite.seed)))
-    return found
+    return found, list(dict.fromkeys(unscored))
 
 
 def claims_text(claims: list[Claim], rows: list[dict], suite: Suite) -> str:
@@ -170,12 +182,15 @@ def claims_text(claims: list[Claim], rows: list[dict], suite: Suite) -> str:
     by_name = {row["name"]: row for row in rows}
     lines = [f"# Verdicts\n\nEach comparison is read from its paired {LEVEL:.0%} interval ({_LEGEND}).\n"]
     for claim in claims:
-        found = judge(claim, by_name, suite)
+        found, unscored = judge(claim, by_name, suite)
         counts = [(READING[v], sum(d.verdict == v for _, d in found)) for v in ("win", "noise", "loss")]
         summary = (
-            ", ".join(f"{reading} in {n}" for reading, n in counts if n) or "no comparison (failed rows)"
+            ", ".join(f"{reading} in {n}" for reading, n in counts if n)
+            or "no comparison (failed rows, or nothing to score)"
         )
         lines.append(f"## {claim.says}\n\nVerdict: {summary} of {len(found)} comparisons.\n")
+        if unscored:
+            lines.append(f"- Left out, nothing to score: {'; '.join(unscored)}.")
         for (row, other, column, less), diff in found:
             what = describe(suite, column)
             if less is None:
@@ -204,6 +219,9 @@ def baseline_text(differences: dict[str, dict[str, Difference]], baseline: str, 
             ]
             if hits:
                 parts.append(f"{words} in {len(hits)} ({'; '.join(hits)})")
+        unscored = [c for c in suite.columns() if c not in by_column]
+        if unscored:
+            parts.append(f"nothing to score in {len(unscored)} ({', '.join(unscored)})")
         lines.append(f"- {name} against {baseline}: " + "; ".join(parts) + ".")
     return "\n".join(lines) + "\n"
 

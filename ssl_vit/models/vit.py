@@ -44,6 +44,10 @@ EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R5
 # Which feature of an image heads and frozen-feature protocols read (`ViT.features`); SSL papers differ on
 # it, so it is always an explicit, logged choice.
 FeatureKind = Literal["cls", "mean", "lastk"]
+# The largest image side, width, depth, head count or MLP width a config may give: 3x the largest
+# ViT trained (ViT-22B: width 6,144, MLP 24,576, depth 48); a larger number is a mistake that would only
+# fail in an allocation.
+MAX_SIZE = 1 << 16
 # Token-level features, for probes that read every token (`ViT.feature_set`): one vector per token.
 TokenKind = Literal["tokens", "patches", "patches_lastk"]
 LAST_K = 4  # the blocks `lastk` and `patches_lastk` read by default (DINO's linear evaluation: the last 4)
@@ -360,9 +364,11 @@ class ViTConfig:
         for key in ("img_size", "width", "depth", "heads", "mlp_dim", "in_chans"):
             value = getattr(config, key)
             if (value is not None or key in ("img_size", "in_chans")) and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
+                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE
             ):
-                raise BadValue(f"{where}: {key} is {value!r}: it should be a positive integer")
+                raise BadValue(
+                    f"{where}: {key} is {value!r}: it should be a positive integer of at most {MAX_SIZE:,}"
+                )
         if config.pooling not in ("cls", "gap"):
             raise BadValue(f"{where}: pooling is {config.pooling!r}: it should be 'cls' or 'gap'")
         if not isinstance(config.grad_checkpointing, bool):

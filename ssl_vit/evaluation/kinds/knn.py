@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 from pydantic.dataclasses import dataclass
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.urls import local
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import datamodule_args
 from ssl_vit.evaluation.knn import knn_correct
@@ -41,8 +42,7 @@ class KNNProtocol(Protocol):
 def _check_k(protocol: KNNProtocol, data: dict, where: str) -> None:
     """k at most the training images it votes among, as their manifest counts them (local shards with a
     manifest): a larger k would quietly become all of them."""
-    urls = data["train_urls"] if isinstance(data["train_urls"], list) else [data["train_urls"]]
-    if any("://" in str(url) or str(url).startswith("pipe:") for url in urls):
+    if not local(data["train_urls"]):
         return  # remote: its manifest is read once, by the evaluation (a second fetch here is not free)
     datamodule = ShardDataModule(
         train_urls=data["train_urls"], test_urls=data["test_urls"], **datamodule_args(data)

@@ -50,6 +50,7 @@ class LinearSegProtocol(ProbeProtocol):
 
     KIND: ClassVar[str] = "linear_seg"
     TITLE: ClassVar[str] = "linear segmentation"
+    NOTHING_TO_SCORE: ClassVar[str] = "no labelled pixel in the test masks (every one 255, ignored) to score"
     TARGET: ClassVar[str] = "mask"
 
     def columns(self) -> list[str]:

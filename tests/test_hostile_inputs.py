@@ -1,0 +1,432 @@
+"""Hostile input, one row per case, each through the CLI as a user runs it: the command, the input that
+attacks it (written by the row), the exit status and the line it must say. Never a traceback; a bad
+item is skipped and counted with its reason, or the command says one `ssl-vit: error:` line and exits
+2. The next reader of untrusted input adds rows here rather than a file of its own.
+
+Inputs are tiny: shards of the digits' first 40 images (val-000000 as train, val-000001 as test), one
+hostile sample added where the row says; suites of a one-block width-32 backbone."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+import yaml
+from cli_helpers import one_step_fit_args, run_cli
+from PIL import Image
+
+BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
+KNN = {"name": "knn", "kind": "knn", "k": 5}
+SEG = {"name": "seg", "kind": "linear_seg", "steps": 2, "lrs": [0.1], "augmentation": "pretrain"}
+PROBE = {"name": "lin", "kind": "linear_probe", "steps": 2, "lrs": [0.1]}
+
+
+class Inputs:
+    """Where a row writes its inputs (`root`, one folder per row) and the session's digits shards."""
+
+    def __init__(self, root: Path, digits: Path) -> None:
+        self.root, self.digits = root, digits
+
+    def digits_samples(self, shard: str, n: int = 40) -> list[dict]:
+        samples = wds.WebDataset(str(self.digits / shard), shardshuffle=False)
+        return [{k: s[k] for k in ("__key__", "png", "cls")} for s, _ in zip(samples, range(n))]
+
+    def shards(
+        self, name: str, extra: dict | None = None, train: Callable[[dict], dict] | None = None
+    ) -> Path:
+        """`name/train-000000.tar` and `name/test-000000.tar` (no manifest): 40 digits each, the sample
+        `extra` (a key and members; an image is added) appended to both, `train` applied to each
+        training sample."""
+        folder = self.root / name
+        folder.mkdir(exist_ok=True)
+        for split, shard in (("train", "val-000000.tar"), ("test", "val-000001.tar")):
+            samples = self.digits_samples(shard)
+            if split == "train" and train is not None:
+                samples = [train(s) for s in samples]
+            if extra is not None:
+                samples.append({"__key__": "hostile", "png": samples[0]["png"], **extra})
+            with wds.TarWriter(str(folder / f"{split}-000000.tar")) as sink:
+                for sample in samples:
+                    sink.write(sample)
+        return folder
+
+    def suite(self, name: str, data: Path, protocols: list[dict], **fields) -> Path:
+        """A suite of `protocols` over the shards in `data`; `fields` override the suite's (and `data`'s
+        block's, as `data_KEY`)."""
+        block = {"train_urls": str(data / "train-000000.tar"), "test_urls": str(data / "test-000000.tar"),
+                 "image_size": 32, "batch_size": 16, "num_workers": 0}  # fmt: skip
+        block.update({k[5:]: v for k, v in fields.items() if k.startswith("data_")})
+        suite = {"backbone": BACKBONE, "data": block, "resamples": 100, "protocols": protocols}
+        suite.update({k: v for k, v in fields.items() if not k.startswith("data_")})
+        path = self.root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(suite))
+        return path
+
+    def evaluate(self, name: str, suite: Path) -> list[str]:
+        return ["evaluate", "scratch", "--suite", str(suite), "--out", str(self.root / f"{name}-out")]
+
+    def segmentation(self, name: str, train_class: int | None = None, manifest: bool = False) -> Path:
+        """Segmentation shards of 20 + 10 images of 32 px: train masks of four 16 px quarters of classes
+        0-3 (all `train_class` when given), test masks every pixel 255 (ignored); with `manifest`, the
+        split manifests `data convert` writes, whose `mask_pixels` say so."""
+        folder = self.root / name
+        folder.mkdir(exist_ok=True)
+        rng = np.random.default_rng(0)
+        for split, n in (("train", 20), ("test", 10)):
+            pixels = {}
+            with wds.TarWriter(str(folder / f"{split}-000000.tar")) as sink:
+                for i in range(n):
+                    mask = np.kron(rng.permutation(4).reshape(2, 2), np.ones((16, 16))).astype(np.uint8)
+                    mask[:] = 255 if split == "test" else mask if train_class is None else train_class
+                    image = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+                    for value, count in zip(*np.unique(mask, return_counts=True)):
+                        pixels[str(value)] = pixels.get(str(value), 0) + int(count)
+                    sink.write({"__key__": f"{split}-{i}", "png": png(image), "seg.png": png(mask)})
+            if manifest:
+                (folder / f"{split}.json").write_text(json.dumps({
+                    "num_samples": n, "num_classes": 4, "class_names": list("abcd"), "image_size": [32, 32],
+                    "class_counts": {"-1": n}, "masks": True, "mask_pixels": pixels,
+                    "shards": [{"url": f"{split}-000000.tar", "num_samples": n}],
+                }))  # fmt: skip
+        return folder
+
+    def tiles(self, name: str, n: int, labelled: bool = True) -> str:
+        """`n` 8 px images (labels 0-3 in turn, or none) converted by `data convert`: their URLs."""
+        rng = np.random.default_rng(0)
+        labels = np.arange(n) % 4 if labelled else -np.ones(n, dtype=int)
+        np.savez(
+            self.root / f"{name}.npz",
+            images=rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8),
+            labels=labels,
+        )
+        run_cli("data", "convert", f"npz:{self.root / name}.npz", str(self.root / name), "--no-progress",
+                "--shard-size", str(n))  # fmt: skip
+        return str(self.root / name / "train-000000.tar")
+
+    def unlabelled_tiles(self) -> str:
+        """40 unlabelled tiles whose manifest names classes (a labelled set's split, its labels gone)."""
+        url = self.tiles("unlabelled", 40, labelled=False)
+        manifest = json.loads((self.root / "unlabelled" / "train.json").read_text())
+        manifest.update(class_names=["a", "b"], num_classes=2)
+        (self.root / "unlabelled" / "train.json").write_text(json.dumps(manifest))
+        return url
+
+
+def png(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class Row:
+    """A command on hostile input: `args` writes the input and gives the command line; the command exits
+    `status`, its output holds `says` (the error line itself when `status` is 2) in at most `lines`
+    lines, and `then` checks what it wrote."""
+
+    id: str
+    args: Callable[[Inputs], list[str]]
+    status: int
+    says: str
+    lines: int | None = None
+    then: Callable[[Inputs], None] | None = None
+
+
+# --- 1. json members and labels -------------------------------------------------------------------------
+
+DEEP = {"json": b"[" * 200_000}  # 200 KB: nested past any parser's recursion limit
+LABELS = {  # json labels that are no class index, each a bad sample
+    "e400": b'{"label": 1e400}', "true": b'{"label": true}', "float": b'{"label": 3.9}',
+    "nan": b'{"label": NaN}', "huge": b'{"label": ' + b"9" * 5000 + b"}", "object": b'{"label": {"a": 1}}',
+    "digits": b'{"label": "1' + b"0" * 30 + b'"}',
+}  # fmt: skip
+
+
+def label_zoo(inputs: Inputs) -> list[str]:
+    folder = inputs.shards("labels")
+    with wds.TarWriter(str(folder / "zoo-000000.tar")) as sink:
+        image = inputs.digits_samples("val-000000.tar", 1)[0]["png"]
+        for key, data in LABELS.items():
+            sink.write({"__key__": key, "png": image, "json": data})
+        sink.write({"__key__": "fine", "png": image, "json": b'{"label": " 7 "}'})
+    return ["data", "inspect", str(folder / "zoo-000000.tar")]
+
+
+def every_label_listed(inputs: Inputs) -> None:
+    proc = run_cli("data", "inspect", str(inputs.root / "labels" / "zoo-000000.tar"), check=False)
+    problems = proc.stdout.split("problems:\n")[1].splitlines()
+    assert len(problems) == len(LABELS) and "1 good samples" in proc.stdout, proc.stdout
+    for key, line in zip(LABELS, problems):
+        assert f": {key}: " in line and ("label does not parse" in line or "json does not parse" in line), (
+            line
+        )
+
+
+def fit_on(inputs: Inputs, folder: Path, workers: int) -> list[str]:
+    return one_step_fit_args(
+        inputs.digits, inputs.root / f"run-{folder.name}-{workers}",
+        "--data.init_args.train_urls", str(folder / "train-000000.tar"), "--data.init_args.num_workers",
+        str(workers), "--trainer.logger", "false", "--data.init_args.batch_size", "16",
+        "--data.init_args.train_batches", "2",
+    )  # fmt: skip
+
+
+def knn_on(name: str, **extra) -> Callable[[Inputs], list[str]]:
+    """`evaluate` of k-NN on the digits' shards with the sample `extra` added (`shards`' arguments)."""
+    return lambda i: i.evaluate(name, i.suite(name, i.shards(name, **extra), [KNN]))
+
+
+def convert_wds(inputs: Inputs) -> list[str]:
+    shard = inputs.shards("deep", DEEP) / "train-000000.tar"
+    return ["data", "convert", f"wds:{shard}", str(inputs.root / "deep-wds"), "--no-progress"]
+
+
+DEEP_LINE = "hostile: json nests arrays or objects too deeply to parse"
+JSON_ROWS = [
+    Row("json-deep-inspect", lambda i: ["data", "inspect", str(i.shards("deep", DEEP) / "train-000000.tar")],
+        1, DEEP_LINE),
+    Row("json-labels-inspect", label_zoo, 1, "label does not parse: json label is inf",
+        then=every_label_listed),
+    Row("json-deep-evaluate", knn_on("deep", extra=DEEP), 0, f"skipping bad sample: {DEEP_LINE[:7]} in"),
+    Row("json-deep-fit-2-workers", lambda i: fit_on(i, i.shards("deep", DEEP), 2), 0, DEEP_LINE[9:]),
+    Row("json-deep-convert-wds", convert_wds, 0, "wrote 40 samples (1 unreadable skipped)"),
+    Row("json-true-evaluate", knn_on("true", extra={"json": b'{"label": true}'}), 0,
+        "label does not parse: json label is True"),
+]  # fmt: skip
+
+
+# --- 2. classes that ask nothing ------------------------------------------------------------------------
+
+
+def digits_suite(inputs: Inputs, name: str, protocols: list[dict]) -> list[str]:
+    """A suite over the digits shards with their manifest (val 0-3 are the whole split)."""
+    urls = {"data_train_urls": str(inputs.digits / "val-{000000..000003}.tar"),
+            "data_test_urls": str(inputs.digits / "val-{000000..000003}.tar")}  # fmt: skip
+    return inputs.evaluate(name, inputs.suite(name, inputs.digits, protocols, **urls))
+
+
+def two_classes(sample: dict) -> dict:
+    return {**sample, "cls": str(int(sample["cls"]) % 2).encode()}
+
+
+def on_shards(name: str, protocol: dict, **shards) -> Callable[[Inputs], list[str]]:
+    """`evaluate` of `protocol` on the digits' shards (`shards`: `Inputs.shards`' arguments)."""
+    return lambda i: i.evaluate(name, i.suite(name, i.shards(name, **shards), [protocol]))
+
+
+FEWSHOT = {"name": "fs", "kind": "fewshot", "shots": [1]}
+CLASS_ROWS = [
+    Row("classes-one", lambda i: digits_suite(i, "one", [{**KNN, "classes": [3]}]), 2,
+        "protocol 'knn': classes [3] names one class"),
+    Row("classes-beyond-manifest", lambda i: digits_suite(i, "beyond", [{**PROBE, "classes": [3, 42]}]), 2,
+        "classes [3, 42]: train_urls hold no image of class 42 (their manifest counts 10 classes)"),
+    Row("classes-absent-from-labels", on_shards("absent", {**FEWSHOT, "classes": [1, 5]}, train=two_classes),
+        2, "train_urls hold no image of class 5 (none among their 40 images)"),
+    Row("fewshot-more-shots-than-images", on_shards("shots", {**FEWSHOT, "shots": [30]}), 2,
+        "30-shot needs 30 training samples per class"),
+]  # fmt: skip
+
+
+# --- 3. nothing to score --------------------------------------------------------------------------------
+
+
+def strict_json(path: Path) -> dict:
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def null_results(inputs: Inputs) -> None:
+    record = strict_json(inputs.root / "seg-out" / "results.json")
+    assert record["results"] == {"seg_miou": None, "seg_pixel_acc": None}
+    assert record["intervals"]["seg_miou"]["low"] is None and "seg_miou" in record["unscored"]
+
+
+def comparison_written(inputs: Inputs) -> None:
+    out = inputs.root / "seg-compare"
+    for name in ("results.csv", "results.md", "verdicts.md", "differences.png", "bars.png"):
+        assert (out / name).is_file(), name
+    assert "| a | n/a | n/a |" in (out / "results.md").read_text()
+    assert "nothing to score in 2 (seg_miou, seg_pixel_acc)" in (out / "verdicts.md").read_text()
+    assert strict_json(out / "a" / "results.json")["results"]["seg_miou"] is None
+
+
+def seg_on(name: str, command: str = "evaluate", **shards) -> Callable[[Inputs], list[str]]:
+    """`evaluate`, or `compare` of scratch against itself as the baseline, of a segmentation probe on
+    `Inputs.segmentation(name, **shards)` (four classes)."""
+
+    def args(inputs: Inputs) -> list[str]:
+        suite = inputs.suite(name, inputs.segmentation(name, **shards), [SEG], data_num_classes=4)
+        if command == "evaluate":
+            return inputs.evaluate(name, suite)
+        out = str(inputs.root / f"{name}-compare")
+        return ["compare", "a=scratch", "--scratch", "--baseline", "a", "--suite", str(suite), "--out", out]
+
+    return args
+
+
+NOT_SCORED = "seg_miou: no labelled pixel in the test masks"
+SCORE_ROWS = [
+    Row("seg-no-labelled-pixel-manifest", seg_on("segm", manifest=True), 2,
+        "the test shards of data hold no labelled pixel (their manifest's mask_pixels)"),
+    Row("seg-no-labelled-pixel-evaluate", seg_on("seg"), 0, f"ssl-vit: note: {NOT_SCORED}",
+        then=null_results),
+    Row("seg-no-labelled-pixel-compare", seg_on("seg", "compare"), 0, NOT_SCORED, then=comparison_written),
+]  # fmt: skip
+
+
+# --- 4. a split with no usable sample -------------------------------------------------------------------
+
+
+def truncated(sample: dict) -> dict:
+    return {**sample, "png": sample["png"][:40]}
+
+
+def nothing_written(inputs: Inputs) -> None:
+    assert not (inputs.root / "broken-compare").exists() and not (inputs.root / "broken-out").exists()
+    assert not any(inputs.root.glob("run-broken-*"))
+
+
+def broken(command: str, workers: int = 0) -> Callable[[Inputs], list[str]]:
+    """`command` on the digits' shards with every training image cut to its first 40 bytes."""
+
+    def args(inputs: Inputs) -> list[str]:
+        folder = inputs.shards("broken", train=truncated)
+        if command == "fit":
+            return fit_on(inputs, folder, workers)
+        suite = inputs.suite("broken", folder, [KNN], data_num_workers=workers)
+        if command == "evaluate":
+            return inputs.evaluate("broken", suite)
+        return [
+            "compare",
+            "a=scratch",
+            "b=scratch",
+            "--suite",
+            str(suite),
+            "--out",
+            str(inputs.root / "broken-compare"),
+        ]
+
+    return args
+
+
+def masks_beyond(inputs: Inputs) -> list[str]:
+    """Every training mask of class 9, with four classes."""
+    suite = inputs.suite("beyond", inputs.segmentation("beyond", train_class=9), [SEG], data_num_classes=4)
+    return inputs.evaluate("beyond", suite)
+
+
+UNUSABLE = "no usable sample in a whole pass over 1 shard(s)"
+IN_A_ROW = "1000 bad samples in a row and none usable"
+UNUSABLE_ROWS = [
+    Row("train-unusable-fit-0-workers", broken("fit"), 2, IN_A_ROW, lines=25, then=nothing_written),
+    Row("train-unusable-fit-2-workers", broken("fit", 2), 2, IN_A_ROW, lines=40, then=nothing_written),
+    Row("train-unusable-evaluate", broken("evaluate"), 2, UNUSABLE, lines=15, then=nothing_written),
+    Row("train-unusable-compare", broken("compare", 2), 2, UNUSABLE, lines=15, then=nothing_written),
+    Row("train-masks-beyond-num-classes", masks_beyond, 2, UNUSABLE, lines=15),
+]  # fmt: skip
+
+
+# --- 5. suites and claims of the wrong YAML types -------------------------------------------------------
+
+
+def suite_mistake(name: str, protocols: list[dict] | None = None, **fields) -> Callable[[Inputs], list[str]]:
+    return lambda i: i.evaluate(name, i.suite(name, i.shards("plain"), protocols or [KNN], **fields))
+
+
+def claims_mistake(inputs: Inputs) -> list[str]:
+    suite = inputs.suite("claimed", inputs.shards("plain"), [KNN])
+    claims = inputs.root / "claims.yaml"
+    claims.write_text(yaml.safe_dump({"claims": [{"says": ["x"], "rows": ["a"], "against": "scratch",
+                                                  "columns": ["knn"]}]}))  # fmt: skip
+    return ["compare", "a=scratch", "--scratch", "--suite", str(suite), "--claims", str(claims), "--out",
+            str(inputs.root / "claimed-out")]  # fmt: skip
+
+
+INJECTION = {"class_path": "subprocess.Popen", "init_args": {"args": "touch pwned"}}
+TYPE_ROWS = [
+    Row("kind-list", suite_mistake("kindlist", [{"name": "x", "kind": ["fewshot"]}]), 2,
+        "protocol 'x' has kind ['fewshot']; valid: fewshot, knn, linear_probe"),
+    Row("kind-mapping", suite_mistake("kindmap", [{"name": "x", "kind": INJECTION}]), 2,
+        "protocol 'x' has kind {'class_path': 'subprocess.Popen'"),
+    Row("suite-seed-negative", suite_mistake("seed", seed=-1), 2,
+        "seed is -1: it should be an integer of 0 to"),
+    Row("suite-resamples-huge", suite_mistake("resamples", resamples=10**30), 2,
+        "resamples is 1000000000000000000000000000000: it should be an integer of 100 to 100,000"),
+    Row("suite-urls-number", suite_mistake("urls", data_train_urls=12), 2,
+        "train_urls is 12: give shard URLs as a string or a list of strings"),
+    Row("suite-batch-size-null", suite_mistake("null", data_batch_size=None), 2, "data: batch_size is null"),
+    Row("suite-mean-text", suite_mistake("mean", data_mean="0.5"), 2,
+        "data: mean is '0.5': it should be a list"),
+    Row("fewshot-seed-huge", suite_mistake("fsseed", [{**FEWSHOT, "seeds": [2**70]}]), 2,
+        "seeds[0] is 1180591620717411303424: input should be less than 4294967296"),
+    Row("claims-says-list", claims_mistake, 2, "claim 0: says is ['x']: input should be a valid string"),
+]  # fmt: skip
+
+
+# --- 6. mosaics ---------------------------------------------------------------------------------------
+
+
+def no_outdir(path: Path) -> None:
+    assert not path.exists(), f"{path} was left behind"
+
+
+def mosaic(grid: int, tiles: Callable[[Inputs], str]) -> Callable[[Inputs], list[str]]:
+    out = f"m{grid}"
+    return lambda i: [
+        "data",
+        "convert",
+        f"mosaic:{tiles(i)}",
+        str(i.root / out),
+        "--grid",
+        str(grid),
+        "--no-progress",
+    ]
+
+
+def four_hundred(inputs: Inputs) -> str:
+    return inputs.tiles("t400", 400)
+
+
+MOSAIC_ROWS = [
+    Row("mosaic-fewer-than-a-grid", mosaic(21, four_hundred), 2,
+        "fewer tiles than one grid: 400 images, a 21x21 grid needs 441"),
+    Row("mosaic-left-out-tiles", mosaic(3, four_hundred), 0,
+        "mosaic: the last 4 tiles do not fill a 3x3 grid and are left out", lines=2),
+    Row("mosaic-unlabelled", mosaic(2, Inputs.unlabelled_tiles), 2, "none of the 40 tiles has a label",
+        then=lambda i: no_outdir(i.root / "m2")),
+]  # fmt: skip
+
+ROWS = JSON_ROWS + CLASS_ROWS + SCORE_ROWS + UNUSABLE_ROWS + TYPE_ROWS + MOSAIC_ROWS
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hostile")
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_hostile_input(row: Row, root: Path, digits_shards: Path):
+    folder = root / row.id
+    folder.mkdir()
+    inputs = Inputs(folder, digits_shards)
+    proc = run_cli(*row.args(inputs), cwd=folder, check=False)
+    output = proc.stdout + proc.stderr
+    assert "Traceback" not in output and proc.returncode == row.status, output[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
+    if row.status == 2:
+        assert errors == [proc.stderr.splitlines()[-1]] and row.says in errors[0], output[-3000:]
+    else:
+        assert not errors and row.says in output, output[-3000:]
+    if row.lines is not None:
+        assert output.count("\n") <= row.lines, output[-3000:]
+    assert not (folder / "pwned").exists()
+    if row.then is not None:
+        row.then(inputs)
