@@ -34,8 +34,9 @@ def short_class_shards(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("short")
     images = (digits.images[keep] * 255 / 16).astype(np.uint8)
     np.savez(root / "set.npz", images=images, labels=digits.target[keep])
-    run_cli("data", "convert", f"npz:{root / 'set.npz'}", str(root), "--split", "train", "--no-progress")
-    return str(root / "train-000000.tar")
+    shards = str(root / "shards")
+    run_cli("data", "convert", f"npz:{root / 'set.npz'}", shards, "--split", "train", "--no-progress")
+    return str(root / "shards" / "train-000000.tar")
 
 
 def test_a_probe_short_of_images_skips_those_shots_in_one_line_and_the_fit_ends_saved(

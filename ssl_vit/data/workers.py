@@ -106,11 +106,14 @@ class Workers:
         signal.alarm(WORKER_SIGTERM_GRACE_S)
 
     def _excepthook(self, previous, kind, value, traceback) -> None:
-        """In a worker: once the job is stopping (a SIGTERM came, or the main process gave up on it),
-        a connection its main process has closed (multiprocessing's file-descriptor sharing thread
-        reports it through `sys.excepthook`) is a consequence of the stop, not news."""
+        """In a worker: a connection its main process has closed, which multiprocessing's
+        file-descriptor sharing thread (`multiprocessing.resource_sharer`) reports through
+        `sys.excepthook`, is a consequence of the main process stopping (a SIGTERM, a dead sibling
+        worker, a user error), which says so itself: not news. That thread can see the reset before
+        `stop` marks the job stopping, so its own connection errors are dropped whenever they come."""
         stopping = self.stopping.value or getattr(self, "terminated", False)
-        if not (stopping and issubclass(kind, (ConnectionError, EOFError))):
+        lost = issubclass(kind, (ConnectionError, EOFError))
+        if not (lost and (stopping or _in_resource_sharer(traceback))):
             previous(kind, value, traceback)
 
     def stop(self) -> None:
@@ -136,3 +139,12 @@ def stop_all_workers() -> None:
     at exit."""
     for workers in list(_LIVE):
         workers.stop()
+
+
+def _in_resource_sharer(traceback) -> bool:
+    """Whether `traceback` passes through multiprocessing's file-descriptor sharing thread."""
+    while traceback is not None:
+        if traceback.tb_frame.f_globals.get("__name__") == "multiprocessing.resource_sharer":
+            return True
+        traceback = traceback.tb_next
+    return False

@@ -238,11 +238,15 @@ def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
             raise UserError(f"{where}: {key} is null: give a value, or leave the key out for its default")
     check_counts({key: value for key, value in data.items() if key in COUNT_MINIMUMS}, f"{where}: ")
     for key in ("mean", "std"):
-        values = data.get(key, [1.0])
-        if not isinstance(values, list) or not values or not all(_number(v) and v >= 0 for v in values):
-            raise UserError(f"{where}: {key} is {values!r}: it should be a list of numbers, one per channel")
-        if key == "std" and 0 in values:
-            raise UserError(f"{where}: std is {values!r}: a channel's std of 0 divides by 0")
+        values = data.get(key, "auto")
+        if values == "auto":  # the manifest's band_stats, read by the data module
+            continue
+        if not isinstance(values, list) or not values or not all(_number(v) for v in values):
+            raise UserError(
+                f"{where}: {key} is {shown(values)}: it should be a list of numbers, one per channel, or auto"
+            )
+        if key == "std" and not all(v > 0 for v in values):
+            raise UserError(f"{where}: std is {shown(values)}: each channel's std must be above 0")
     crop = data.get("eval_crop_pct", 1.0)
     if not _number(crop) or not 0 < crop <= 1:
         raise UserError(f"{where}: eval_crop_pct is {crop!r}: it should be a number in (0, 1]")

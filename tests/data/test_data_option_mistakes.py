@@ -49,7 +49,7 @@ def test_convert_and_inspect_need_a_worker(cli, tmp_path, workers):
 @pytest.mark.parametrize(("signum", "line"), [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
 def test_a_stop_before_the_first_shard_is_one_line_and_leaves_nothing(tmp_path, signum, line):
     """Ctrl-C or SIGTERM reaches the command's whole process group while its first shard is being
-    written: exit 128 + the signal, one line, no traceback, and nothing left in OUTDIR."""
+    written: exit 128 + the signal, one line, no traceback, and nothing left: the OUTDIR it made is gone."""
     out = tmp_path / "shards"
     args = ("data", "convert", "synthetic:20000", str(out), "--shard-size", "20000", "--no-progress")
     running = start_cli(*args, session=True)
@@ -61,4 +61,4 @@ def test_a_stop_before_the_first_shard_is_one_line_and_leaves_nothing(tmp_path, 
     os.killpg(running.pid, signum)
     proc = running.wait(120)
     assert proc.returncode == 128 + signum and proc.stderr == f"ssl-vit: {line}\n", proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == []
+    assert not out.exists()

@@ -59,9 +59,9 @@ def permuted_test(tmp_path_factory):
     images = np.stack([image for image, _ in records])
     labels = np.random.default_rng(0).permutation([label for _, label in records])
     np.savez(root / "permuted.npz", images=images, labels=labels)
-    run_cli("data", "convert", f"npz:{root / 'permuted.npz'}", str(root), "--split", "test",
+    run_cli("data", "convert", f"npz:{root / 'permuted.npz'}", str(root / "shards"), "--split", "test",
             "--shard-size", "100", "--no-progress")  # fmt: skip
-    return root / "test-{000000..000003}.tar"
+    return root / "shards" / "test-{000000..000003}.tar"
 
 
 @pytest.mark.slow

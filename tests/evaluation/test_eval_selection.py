@@ -141,9 +141,9 @@ def shifted_test(tmp_path_factory):
     images = np.stack([image for image, _ in records])
     labels = np.array([(label + 1) % 10 for _, label in records])
     np.savez(root / "shifted.npz", images=images, labels=labels)
-    run_cli("data", "convert", f"npz:{root / 'shifted.npz'}", str(root), "--split", "test",
+    run_cli("data", "convert", f"npz:{root / 'shifted.npz'}", str(root / "shards"), "--split", "test",
             "--shard-size", "100", "--no-progress")  # fmt: skip
-    return root / "test-{000000..000003}.tar"
+    return root / "shards" / "test-{000000..000003}.tar"
 
 
 def test_held_out_selection_and_test_selection_pick_different_lrs(
