@@ -1,0 +1,50 @@
+"""Checkpoints and run configs written before the package's modules moved (tests/fixtures/before_refactor:
+one tiny run of each task kind, two steps each, written by `ssl-vit fit` of the quickstart recipes before
+the move; their config.yaml names `ssl_vit.tasks.checkpointing.SafeCheckpointIO` and the tasks by their
+old paths) still load, export, show in `info` and resume from their own config.yaml."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+
+from ssl_vit.checkpoints import load_backbone
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "before_refactor"
+KINDS = ["mpp", "supervised", "linear_probe", "finetune"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_old_checkpoint_loads_shows_and_exports(kind, tmp_path):
+    ckpt = FIXTURES / kind / "last.ckpt"
+    backbone, config = load_backbone(str(ckpt))
+    assert config.width == 32 and config.depth == 1
+    state = torch.load(ckpt, weights_only=True, map_location="cpu")["state_dict"]
+    torch.testing.assert_close(backbone.state_dict()["pos_embed"], state["backbone.pos_embed"])
+    info = run_cli("info", str(ckpt))
+    assert "backbone: S/4 (width 32, depth 1" in info.stdout, info.stdout
+    assert "skipped steps: 0" in info.stdout, info.stdout
+    run_cli("export", str(ckpt), str(tmp_path / "vit.safetensors"), "--format", "timm")
+    assert (tmp_path / "vit.safetensors").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_old_run_resumes_from_its_own_config(kind, digits_shards, tmp_path):
+    """The old runs as they were laid out (`runs/before_refactor/KIND/{config.yaml,checkpoints/}`, the
+    digits at `data/shards/digits`), resumed by the command a user types: `ssl-vit fit --config
+    runs/before_refactor/KIND/config.yaml --ckpt_path last`, one more epoch. Its class paths resolve,
+    the task is rebuilt from the checkpoint, and training goes on from step 2 to step 4."""
+    for name in KINDS:
+        (tmp_path / "runs/before_refactor" / name / "checkpoints").mkdir(parents=True)
+        shutil.copy(FIXTURES / name / "last.ckpt", tmp_path / "runs/before_refactor" / name / "checkpoints")
+        shutil.copy(FIXTURES / name / "config.yaml", tmp_path / "runs/before_refactor" / name)
+    (tmp_path / "data/shards").mkdir(parents=True)
+    (tmp_path / "data/shards/digits").symlink_to(digits_shards)
+    config = f"runs/before_refactor/{kind}/config.yaml"
+    run_cli("fit", "--config", config, "--trainer.max_epochs", "2", "--ckpt_path", "last", cwd=tmp_path)
+    last = tmp_path / "runs/before_refactor" / kind / "checkpoints/last.ckpt"
+    assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 4
