@@ -1,5 +1,9 @@
 """ssl-vit: self-supervised and supervised ViT pretraining on one timm backbone, evaluated side by side."""
 
+from ssl_vit import _aliases
+
+_aliases.install()  # modules that moved answer to their old paths too (run configs, users' recipes)
+
 __all__ = ["ViT", "build_vit"]
 
 

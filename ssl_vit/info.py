@@ -152,7 +152,7 @@ def describe(source: str) -> list[str]:
     if weights.hparams:  # a fit's checkpoint: the steps its non-finite guard skipped, its rollbacks
         import torch
 
-        from ssl_vit.tasks.nonfinite import NonFiniteGuard, history
+        from ssl_vit.run.nonfinite import NonFiniteGuard, history
 
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # verified above
         lines += history(checkpoint.get("callbacks", {}).get(NonFiniteGuard.__qualname__))

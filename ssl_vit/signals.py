@@ -1,5 +1,5 @@
 """Signals as exceptions, for the commands that clean up after themselves when stopped (every command
-but `fit`, whose SIGTERM is a checkpoint: `ssl_vit.tasks.preemption`).
+but `fit`, whose SIGTERM is a checkpoint: `ssl_vit.run.preemption`).
 
 A scheduler stops a job with SIGTERM, whose default action ends the process at once: no `finally`
 block runs, so a half-written shard, a staged `--out` or a temporary directory stays behind. `raises`

@@ -148,9 +148,9 @@ def serve(path: str) -> None:
     import wandb.sdk.launch.inputs.internal  # noqa: F401  (imported by every wandb.init: 1-2 s)
 
     import ssl_vit.cli  # noqa: F401
+    import ssl_vit.cli.evaluate  # noqa: F401
+    import ssl_vit.cli.fit  # noqa: F401
     import ssl_vit.data.datamodule  # noqa: F401
-    import ssl_vit.evaluation.commands  # noqa: F401
-    import ssl_vit.fit  # noqa: F401
     import ssl_vit.tasks  # noqa: F401
 
     MEDIA_ROOT = tempfile.mkdtemp(prefix="ssl-vit-cli-media-")

@@ -1,6 +1,6 @@
 """Checkpoints and run configs written before the package's modules moved (tests/fixtures/before_refactor:
 one tiny run of each task kind, two steps each, written by `ssl-vit fit` of the quickstart recipes before
-the move; their config.yaml names `ssl_vit.tasks.checkpointing.SafeCheckpointIO` and the tasks by their
+the move; their config.yaml names `ssl_vit.run.checkpointing.SafeCheckpointIO` and the tasks by their
 old paths) still load, export, show in `info` and resume from their own config.yaml."""
 
 import shutil
@@ -48,3 +48,17 @@ def test_an_old_run_resumes_from_its_own_config(kind, digits_shards, tmp_path):
     run_cli("fit", "--config", config, "--trainer.max_epochs", "2", "--ckpt_path", "last", cwd=tmp_path)
     last = tmp_path / "runs/before_refactor" / kind / "checkpoints/last.ckpt"
     assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 4
+
+
+@pytest.mark.parametrize("old", sorted(__import__("ssl_vit._aliases", fromlist=["MOVED"]).MOVED))
+def test_every_old_module_path_is_the_new_module(old):
+    """Each old path imports the module now at its new path, the same object (so a class has one
+    identity whichever path named it), and its attributes through `from OLD import NAME`."""
+    import importlib
+
+    from ssl_vit._aliases import MOVED
+
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED[old])
+    public = [name for name in vars(module) if not name.startswith("_")]
+    exec(f"from {old} import {public[0]}", {})

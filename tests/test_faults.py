@@ -345,7 +345,7 @@ def test_signals_before_the_trainer_starts_end_or_defer_the_run_cleanly(digits_s
 
 INTERRUPT_AT_TRAINING = """
 import os, sys
-from ssl_vit.evaluation.kinds import finetune
+from ssl_vit.evaluation.kinds import finetune_protocol as finetune
 real = finetune.train_streamed
 def train(*args):
     open(os.environ["REACHED"], "w").close()

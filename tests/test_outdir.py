@@ -16,7 +16,7 @@ from cli_helpers import one_step_fit_args, run_cli, start_cli
 from PIL import Image
 from test_errors import error_line
 
-from ssl_vit.run_lock import HOST
+from ssl_vit.lock import HOST
 
 ROOT = Path(__file__).resolve().parents[1]
 # The quickstart MPP recipe's backbone, which the run below trains.
@@ -261,7 +261,7 @@ def test_a_second_conversion_of_a_split_is_refused_and_other_splits_convert_besi
 
 
 FAILING_PLOT = """
-from ssl_vit.evaluation import report as _report
+from ssl_vit.report import writer as _report
 def _plot_bars(*args, **kwargs):
     raise RuntimeError("injected plot failure")
 _report.plot_bars = _plot_bars

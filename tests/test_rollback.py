@@ -165,7 +165,7 @@ def test_a_kill_after_a_rollback_resumes_exactly_with_its_history(spiked, digits
 # stream, W&B and the checkpoint follow.
 SIGTERM_IN_ROLLBACK = """
 import os as _os, signal as _signal
-import ssl_vit.tasks.nonfinite as _guard
+import ssl_vit.run.nonfinite as _guard
 _restore = _guard.restore_learner
 def _restore_then_sigterm(trainer, path):
     out = _restore(trainer, path)

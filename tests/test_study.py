@@ -14,7 +14,7 @@ from cli_helpers import script_env
 
 from ssl_vit.cli import main
 from ssl_vit.evaluation.suite import load_suite
-from ssl_vit.evaluation.verdicts import load_claims
+from ssl_vit.report.verdicts import load_claims
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "recipes" / "study"

@@ -2,7 +2,7 @@
 workers, against the training step's own rate (`ssl-vit bench step`) on the same device.
 
 The input path as `ssl-vit fit` runs it: JPEG shards in a temporary local directory (scikit-image's
-photos, randomly cropped and re-encoded at `--stored` size and `--quality`, `ssl_vit.data.bench`), or
+photos, randomly cropped and re-encoded at `--stored` size and `--quality`, `ssl_vit.benchmark.data`), or
 the user's own (`--shards`, e.g. what `ssl-vit data convert --max-side` wrote) ->
 `ShardDataModule`'s training stream (tar reading, shuffle, decode, random resized crop with the
 imagenet1k recipes' scale (0.2, 1), flip, uint8 batches) through its DataLoader workers -> each batch
@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 from lightning_fabric.utilities.apply_func import move_data_to_device
 
+from ssl_vit.benchmark.data import make_jpegs, write_shards
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.bench import make_jpegs, write_shards
 from ssl_vit.data.urls import channel_choices, expand, read_manifest
 
 CROP_SCALE = (0.2, 1.0)  # the imagenet1k recipes' (MAE's pretraining crop)

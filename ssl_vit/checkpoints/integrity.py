@@ -20,7 +20,7 @@ Files without checksums load unchecked: torch's legacy (pre-zip) format, files o
 archives written with torch's CRC computation switched off (`torch.serialization.set_crc32_options`).
 
 Stdlib only: the loaders below the tasks (`ssl_vit.checkpoints.load`) and the tasks' checkpoint IO
-(`ssl_vit.tasks.checkpointing`) both use it, without importing each other.
+(`ssl_vit.run.checkpointing`) both use it, without importing each other.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class DeadWorkers:
     updates, where the run's state cannot be saved. Wrapped here (`watch`), it raises at once only while
     the main thread waits in a loader's `next` (a batch of the dead worker would never come), and
     otherwise keeps the error for the next `next`, which raises it before fetching (`_Watched`). Either
-    way the error leaves `next` marked `at_batch_boundary`, and `ssl_vit.tasks.preemption` saves there."""
+    way the error leaves `next` marked `at_batch_boundary`, and `ssl_vit.run.preemption` saves there."""
 
     in_next = False
     pending: BaseException | None = None
@@ -73,7 +73,7 @@ class Workers:
 
     SLURM signals every process of a job step, DataLoader workers included. A worker killed by SIGUSR1
     or SIGTERM would make the main process fail at once (torch raises from its SIGCHLD handler) before
-    it could save; the main process decides what the signal means (`ssl_vit.tasks.preemption`) and
+    it could save; the main process decides what the signal means (`ssl_vit.run.preemption`) and
     stops its workers itself. So a worker (`start`, its `worker_init_fn`) ignores SIGUSR1, and ends
     WORKER_SIGTERM_GRACE_S seconds after a SIGTERM (SIGALRM's default action) unless it was stopped
     before; but once its main process has given up on it (`stop`: no batch within the timeout), a

@@ -44,6 +44,7 @@ from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.sources import ARRAY_SOURCES, Source, open_source, source_inputs
 from ssl_vit.errors import UserError
 from ssl_vit.outdir import refuse_inputs, split_lock
+from ssl_vit.progress import clock
 
 log = logging.getLogger(__name__)
 MANIFEST_VERSION = 1
@@ -532,8 +533,3 @@ class _Progress:
         if self.bar:
             self.bar.stop()
 
-
-def clock(seconds: float) -> str:
-    """Seconds as H:MM:SS."""
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"

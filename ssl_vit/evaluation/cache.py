@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.features import Features, extract_feature_set
 from ssl_vit.models.vit import LAST_K, TokenKind, ViT, ViTConfig
 

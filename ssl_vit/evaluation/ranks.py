@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from ssl_vit import progress
 from ssl_vit.errors import NoUsableData, user_error_message
-from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.suite import Evaluation, Suite, evaluate
 
 # Ranks reach the final gather when their last checkpoint is done, hours apart when fine-tuning

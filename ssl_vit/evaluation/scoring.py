@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.cache import datamodule_args
 from ssl_vit.evaluation.features import Features, local_device
 from ssl_vit.tasks.frozen_probe import FrozenProbe

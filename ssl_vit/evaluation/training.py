@@ -26,10 +26,10 @@ from timm.optim import Lars
 from torch import Tensor
 from torch.optim import SGD, AdamW, Optimizer
 
+from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.transforms import Preset
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation import progress
 from ssl_vit.evaluation.cache import datamodule_args
 from ssl_vit.evaluation.features import Features, local_device
 from ssl_vit.evaluation.protocol import (

@@ -110,7 +110,7 @@ class MaskedOutput(NamedTuple):
     target: Tensor  # (B, M, *T) or (B, M[, 16]) class ids
     idx: Tensor  # (B, M) positions of the loss tokens
     accuracy: Tensor | None  # colour targets only
-    # What `ssl_vit.tasks.health.HealthMonitor` watches: `student` (B, D), the mean of the encoder's patch
+    # What `ssl_vit.run.health.HealthMonitor` watches: `student` (B, D), the mean of the encoder's patch
     # tokens on the corrupted input (what the loss trains: the [class] token gets no gradient from it); a
     # target computed by a teacher adds `teacher` (B, D), the same of the teacher, and `target` (B, M, *T).
     monitor_features: dict[str, Tensor] | None = None

@@ -14,7 +14,7 @@ from cli_helpers import run_cli, start_cli
 from PIL import Image
 from resume_helpers import ROOT, fit_args, read_steps
 
-from ssl_vit.data.bench import make_jpegs
+from ssl_vit.benchmark.data import make_jpegs
 from ssl_vit.data.datamodule import ShardDataModule
 from ssl_vit.errors import BadValue
 

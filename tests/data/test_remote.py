@@ -21,7 +21,7 @@ from ssl_vit.data.samples import SkipCounter
 from ssl_vit.data.tar_reader import tar_file_members
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.suite import load_suite
-from ssl_vit.tasks.checkpointing import SafeCheckpointIO
+from ssl_vit.run.checkpointing import SafeCheckpointIO
 
 pytest_plugins = ["server_helpers"]  # the `faulty_http` fixture
 

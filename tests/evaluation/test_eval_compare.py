@@ -12,11 +12,11 @@ import yaml
 from cli_helpers import failing_evaluation
 from PIL import Image
 
+from ssl_vit.cli.evaluate import parse_checkpoints, repeated_checkpoints
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.commands import parse_checkpoints, repeated_checkpoints
 from ssl_vit.evaluation.suite import load_suite
-from ssl_vit.evaluation.tables import all_notes, grid_edge_notes
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.report.tables import all_notes, grid_edge_notes
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from ssl_vit.data.sources import _digits
 from ssl_vit.data.stream import ShardStream
 from ssl_vit.evaluation import scoring, selection, tables, training
 from ssl_vit.evaluation.cache import FeatureCache
-from ssl_vit.evaluation.kinds import probe as probe_kind
+from ssl_vit.evaluation.kinds import probe_protocol as probe_kind
 from ssl_vit.evaluation.stats import ACCURACY
 from ssl_vit.evaluation.suite import evaluate, load_suite
 from ssl_vit.evaluation.training import label_subset, selection_split

@@ -10,8 +10,8 @@ from ssl_vit.evaluation.stats import Difference, Interval, Score, interval, pair
 from ssl_vit.evaluation.stats import interval as interval_
 from ssl_vit.evaluation.stats import paired_difference as paired_
 from ssl_vit.evaluation.suite import Suite
-from ssl_vit.evaluation.tables import markdown_table
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.report.tables import markdown_table
 
 TRUE_ACCURACY = 0.8
 

@@ -7,7 +7,7 @@ import yaml
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.stats import Score, contrast, paired_difference
 from ssl_vit.evaluation.suite import load_suite
-from ssl_vit.evaluation.verdicts import baseline_text, claims_text, load_claims
+from ssl_vit.report.verdicts import baseline_text, claims_text, load_claims
 
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 PROTOCOLS = [
@@ -114,7 +114,7 @@ def test_claims_read_as_holding_within_noise_or_reversed(tmp_path):
 
 
 def test_without_claims_a_baseline_gives_one_sentence_per_row(tmp_path):
-    from ssl_vit.evaluation.report import paired
+    from ssl_vit.report.writer import paired
 
     suite = load_suite(suite_file(tmp_path / "suite.yaml"))
     table = {

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.suite import check_inputs, load_suite
-from ssl_vit.evaluation.verdicts import load_claims
+from ssl_vit.report.verdicts import load_claims
 
 VALUES = st.one_of(
     HOSTILE,

@@ -1,4 +1,4 @@
-"""How ssl-vit writes and reads checkpoints (ssl_vit.tasks.checkpointing): loading never runs code from
+"""How ssl-vit writes and reads checkpoints (ssl_vit.run.checkpointing): loading never runs code from
 a pickle (local file or http), saves survive SIGKILL, last.ckpt is a hard link, quickstart fits resume."""
 
 import errno
@@ -26,8 +26,8 @@ from test_fit_cli import quickstart_overrides
 from ssl_vit.atomic import TEMP_NAME
 from ssl_vit.cli import main
 from ssl_vit.errors import UserError
-from ssl_vit.tasks import checkpointing
-from ssl_vit.tasks.checkpointing import LastLinkCheckpoint, SafeCheckpointIO
+from ssl_vit.run import checkpointing
+from ssl_vit.run.checkpointing import LastLinkCheckpoint, SafeCheckpointIO
 
 pytest_plugins = ["server_helpers"]  # the `nginx` fixture
 
@@ -125,7 +125,7 @@ def test_weights_only_defaults_to_true_and_false_is_refused(capsys, tmp_path):
         main(["fit", "--config", str(RECIPES / "mpp.yaml"), "--print_config"])
     printed = capsys.readouterr().out
     assert "\nweights_only: true\n" in printed
-    assert "class_path: ssl_vit.tasks.checkpointing.SafeCheckpointIO" in printed
+    assert "class_path: ssl_vit.run.checkpointing.SafeCheckpointIO" in printed
     assert "save_last: link" in printed
     code = main(
         ["fit", "--config", str(RECIPES / "mpp.yaml"), "--weights_only", "false",

@@ -9,7 +9,7 @@ import pytest
 import torch
 from cli_helpers import one_step_fit_args, wandb_records
 
-from ssl_vit.tasks.health import CollapseError, HealthMonitor, effective_rank, feature_std, target_variance
+from ssl_vit.run.health import CollapseError, HealthMonitor, effective_rank, feature_std, target_variance
 
 
 def test_feature_std_is_zero_when_collapsed_and_one_over_sqrt_width_when_spread():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ssl_vit.errors import BadValue
-from ssl_vit.tasks.nonfinite import NonFiniteGuard
-from ssl_vit.tasks.rollback import SafeSteps
-from ssl_vit.tasks.spikes import NON_FINITE, SPIKE, SpikeDetector
+from ssl_vit.run.nonfinite import NonFiniteGuard
+from ssl_vit.run.rollback import SafeSteps
+from ssl_vit.run.spikes import NON_FINITE, SPIKE, SpikeDetector
 
 
 def test_a_spike_is_measured_against_the_median_of_the_last_window_normal_steps():

@@ -4,12 +4,12 @@ them."""
 
 # The order kinds are listed in, as `kind:`'s valid values: frozen features first.
 # isort: off
-from ssl_vit.evaluation.kinds.fewshot import FewShotProtocol
-from ssl_vit.evaluation.kinds.knn import KNNProtocol
-from ssl_vit.evaluation.kinds.linear_probe import LinearProbeProtocol
-from ssl_vit.evaluation.kinds.attentive_probe import AttentiveProbeProtocol
-from ssl_vit.evaluation.kinds.linear_seg import LinearSegProtocol
-from ssl_vit.evaluation.kinds.finetune import FineTuneProtocol
+from ssl_vit.evaluation.kinds.fewshot_protocol import FewShotProtocol
+from ssl_vit.evaluation.kinds.knn_protocol import KNNProtocol
+from ssl_vit.evaluation.kinds.linear_probe_protocol import LinearProbeProtocol
+from ssl_vit.evaluation.kinds.attentive_probe_protocol import AttentiveProbeProtocol
+from ssl_vit.evaluation.kinds.linear_seg_protocol import LinearSegProtocol
+from ssl_vit.evaluation.kinds.finetune_protocol import FineTuneProtocol
 
 # isort: on
 

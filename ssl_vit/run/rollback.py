@@ -28,7 +28,7 @@ import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 
 from ssl_vit.errors import BadValue, UserError
-from ssl_vit.tasks.resume import RandomState
+from ssl_vit.run.resume import RandomState
 
 
 def restore_learner(trainer: pl.Trainer, path: str) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import Features
-from ssl_vit.evaluation.kinds.probe import ProbeProtocol
+from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import FEATURES, STRICT, register
 from ssl_vit.evaluation.segmentation import (
     MIOU,

@@ -1,6 +1,6 @@
 """The `ssl-vit` command.
 
-`fit`, `validate` and `test` are LightningCLI (`ssl_vit.fit`, imported only when one of them runs): the
+`fit`, `validate` and `test` are LightningCLI (`ssl_vit.cli.fit`, imported only when one of them runs): the
 model and data are chosen in YAML by `class_path`, every constructor argument is an option. Every other
 subcommand is an argparse subparser registered by the module that owns the concept, so this file only
 dispatches, and turns what a command raises into its one line and exit status.
@@ -23,11 +23,11 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 def build_parser() -> argparse.ArgumentParser:
     from ssl_vit import info
-    from ssl_vit.analysis import commands as analysis_commands
-    from ssl_vit.benchmark import commands as bench_commands
-    from ssl_vit.checkpoints import commands as checkpoint_commands
-    from ssl_vit.data import commands as data_commands
-    from ssl_vit.evaluation import commands as evaluation_commands
+    from ssl_vit.cli import analyze as analysis_commands
+    from ssl_vit.cli import bench as bench_commands
+    from ssl_vit.cli import data as data_commands
+    from ssl_vit.cli import evaluate as evaluation_commands
+    from ssl_vit.cli import export as checkpoint_commands
 
     parser = argparse.ArgumentParser(prog="ssl-vit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -51,25 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A user's mistake, however deep it was raised and however it was wrapped on the
     way up, ends as one line, `ssl-vit: error: WHAT: FIX`, and exit status 2; the machine running out
     of memory or disk space, or a DataLoader worker dying, as one such line and exit status 1. A
-    mistake in a fit's config is such a line too (`ssl_vit.fit.config_error`); argparse's own usage
+    mistake in a fit's config is such a line too (`ssl_vit.cli.fit.config_error`); argparse's own usage
     errors of the other commands pass through as they are (usage message, exit 2)."""
     verbose, argv = verbose_requested(sys.argv[1:] if argv is None else argv)
     quiet(verbose)
     try:
         if argv and argv[0] in LIGHTNING_COMMANDS:
             # Until the trainer's own handlers take over (a fit's from its setup on: a checkpoint at the
-            # step's end, `ssl_vit.tasks.preemption`), SIGTERM ends the command with its one line, the run
+            # step's end, `ssl_vit.run.preemption`), SIGTERM ends the command with its one line, the run
             # directory's lock released, and SLURM's requeue signal (SIGUSR1, whose default action would
             # end the job unsaved and never requeued) is kept for the training to act on when it starts.
             with raises(signal.SIGTERM, Terminated), recorded(signal.SIGUSR1):
-                from ssl_vit.fit import SslVitCLI  # Lightning and every task: only for these commands
+                from ssl_vit.cli.fit import SslVitCLI  # Lightning and every task: only for these commands
 
                 SslVitCLI(argv)
             return 0
         args = build_parser().parse_args(argv)
         # Ctrl-C and a scheduler's SIGTERM end a command by exceptions, so that what it cleans up on the way
         # out (a staged --out, a half-written shard, a temporary directory) is cleaned up; `fit` has its
-        # own meaning for SIGTERM (a checkpoint, `ssl_vit.tasks.preemption`).
+        # own meaning for SIGTERM (a checkpoint, `ssl_vit.run.preemption`).
         with (
             raises(signal.SIGINT, Interrupted, in_children=KeyboardInterrupt),
             raises(signal.SIGTERM, Terminated),
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:
         if type(stop).__name__ != "SIGTERMException":  # Lightning's, raised on every rank at one step
             raise
-        # `ssl_vit.tasks.preemption` saved last.ckpt and wrote what happened into the exception (rank 0
+        # `ssl_vit.run.preemption` saved last.ckpt and wrote what happened into the exception (rank 0
         # of a requeued job has printed it already: SLURM may stop the job any moment).
         if str(stop):
             print(f"ssl-vit: {stop}", file=sys.stderr)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _saved(err: Exception) -> str:
-    """What the line of a run ended by `err` adds when `ssl_vit.tasks.preemption` saved its state."""
+    """What the line of a run ended by `err` adds when `ssl_vit.run.preemption` saved its state."""
     saved = getattr(err, "saved", None)
     return f"; saved {saved}: resume with the same command and --ckpt_path last" if saved else ""
 

@@ -15,8 +15,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from ssl_vit.data.writer import clock
-
 _current: _Job | None = None
 
 
@@ -130,3 +128,9 @@ class _Job:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def clock(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"

@@ -3,7 +3,7 @@ the step's loss against it.
 
 What the detector sees is one number per optimizer step, the same on every rank: the highest loss of the
 ranks (so that a spike on one rank is a spike of the step), read from the device in the one host read
-the non-finite guard makes per step (`ssl_vit.tasks.nonfinite`). The median, over the steps that were not
+the non-finite guard makes per step (`ssl_vit.run.nonfinite`). The median, over the steps that were not
 spikes, is kept on the host: a few floats, and the window is part of the guard's checkpoint state, so a
 resumed run judges its next steps as the uninterrupted one would.
 

@@ -173,7 +173,7 @@ def with_safe_io(plugins: Any) -> list:
         elif not isinstance(io, SafeCheckpointIO):
             raise UserError(
                 f"trainer.plugins holds {type(io).__name__}, but ssl-vit reads and writes checkpoints with "
-                "ssl_vit.tasks.checkpointing.SafeCheckpointIO (atomic saves, weights-only loads); remove it, "
+                "ssl_vit.run.checkpointing.SafeCheckpointIO (atomic saves, weights-only loads); remove it, "
                 "or subclass SafeCheckpointIO"
             )
     return plugins
@@ -286,7 +286,7 @@ class LastLinkCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, candidates)
 
     def save_rolled_back(self, trainer) -> None:
-        """Saves the state of a fit that a loss-spike rollback (`ssl_vit.tasks.nonfinite`) has returned to
+        """Saves the state of a fit that a loss-spike rollback (`ssl_vit.run.nonfinite`) has returned to
         the step of one of its checkpoints: over the checkpoint of that step, under its name, and
         `last.ckpt` with it. The periodic saves, the rotation and the link Lightning makes again at the
         end of an epoch then go on from it as from the checkpoint it replaces (a file beside it, which

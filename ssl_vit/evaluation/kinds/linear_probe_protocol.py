@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from pydantic.dataclasses import dataclass
 
-from ssl_vit.evaluation.kinds.probe import ProbeProtocol
+from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, register
 from ssl_vit.evaluation.training import optimizer, schedule
 from ssl_vit.tasks import LinearProbe

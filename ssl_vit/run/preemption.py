@@ -37,7 +37,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssl_vit.data.workers import stop_all_workers
 from ssl_vit.errors import worker_died
-from ssl_vit.run_lock import release_all
+from ssl_vit.lock import release_all
 from ssl_vit.signals import received
 
 log = logging.getLogger("ssl_vit")

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS, model_name
-from ssl_vit.data.commands import add_jpeg_options, check_jpeg_options
+from ssl_vit.cli.data import add_jpeg_options, check_jpeg_options
 from ssl_vit.errors import UserError, check_at_least
 
 

@@ -54,10 +54,10 @@ def add_parsers(subparsers) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from ssl_vit.evaluation import progress
+    from ssl_vit import progress
     from ssl_vit.evaluation.stats import finite
     from ssl_vit.evaluation.suite import check_inputs, evaluate, load_suite
-    from ssl_vit.evaluation.tables import all_notes
+    from ssl_vit.report.tables import all_notes
 
     suite = load_suite(args.suite)
     check_inputs({args.checkpoint: [args.checkpoint]}, suite)
@@ -75,7 +75,7 @@ def parse_checkpoints(items: list[str], scratch: int, baseline: str | None = Non
     """NAME=CKPT or NAME=CKPT1,CKPT2,... (pretraining runs of one method) -> {name: [sources]}; `scratch`
     random initialisations make a `scratch` row; `baseline` must name a row. A name is a folder of
     --out: one path component, none of the files compare writes there (`report.OUTPUTS`)."""
-    from ssl_vit.evaluation.report import OUTPUTS
+    from ssl_vit.report.writer import OUTPUTS
 
     checkpoints = {}
     for item in items:
@@ -126,10 +126,10 @@ def repeated_checkpoints(checkpoints: dict[str, list[str]]) -> list[str]:
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ssl_vit.evaluation.report import OUTPUTS, compare
     from ssl_vit.evaluation.suite import load_suite
-    from ssl_vit.evaluation.verdicts import load_claims
     from ssl_vit.outdir import Input
+    from ssl_vit.report.verdicts import load_claims
+    from ssl_vit.report.writer import OUTPUTS, compare
 
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
     for line in repeated_checkpoints(checkpoints):

@@ -12,7 +12,7 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.kinds.probe import ProbeProtocol
+from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, PositiveInt, check_unique, register
 from ssl_vit.evaluation.training import OptimizerName, optimizer, schedule
 from ssl_vit.models.vit import parse_variant

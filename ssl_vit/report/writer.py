@@ -36,7 +36,11 @@ from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
 from ssl_vit.evaluation.cache import FeatureCache, datamodule_args, with_normalisation
-from ssl_vit.evaluation.plots import (
+from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
+from ssl_vit.evaluation.stats import Difference, Score, finite, interval, paired_difference, scored
+from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, evaluation_inputs, write_record
+from ssl_vit.outdir import Input, Output
+from ssl_vit.report.plots import (
     plot_bars,
     plot_compute,
     plot_differences,
@@ -44,10 +48,7 @@ from ssl_vit.evaluation.plots import (
     plot_label_efficiency,
     plot_training_curves,
 )
-from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
-from ssl_vit.evaluation.stats import Difference, Score, finite, interval, paired_difference, scored
-from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, evaluation_inputs, write_record
-from ssl_vit.evaluation.tables import (
+from ssl_vit.report.tables import (
     COST,
     all_notes,
     label_efficiency_protocols,
@@ -57,8 +58,7 @@ from ssl_vit.evaluation.tables import (
     write_csv,
     write_label_efficiency,
 )
-from ssl_vit.evaluation.verdicts import Claim, baseline_text, claims_text
-from ssl_vit.outdir import Input, Output
+from ssl_vit.report.verdicts import Claim, baseline_text, claims_text
 
 # A few images suffice: a head's mean attention distance varies little from image to image.
 ATTENTION_IMAGES = 64

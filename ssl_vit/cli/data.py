@@ -143,7 +143,7 @@ def add_bench_parser(bench_subparsers) -> None:
 
 
 def add_jpeg_options(parser, stored: tuple[int, int]) -> None:
-    """`--stored` and `--quality` of the JPEGs a benchmark generates (`ssl_vit.data.bench.make_jpegs`);
+    """`--stored` and `--quality` of the JPEGs a benchmark generates (`ssl_vit.benchmark.data.make_jpegs`);
     `check_jpeg_options` checks them."""
     parser.add_argument(
         "--stored",
@@ -214,7 +214,7 @@ def _inspect(args) -> int:
 
 
 def _bench(args) -> int:
-    from ssl_vit.data.bench import format_results, run
+    from ssl_vit.benchmark.data import format_results, run
 
     check_at_least(args, 1, "images", "samples", "memory_samples", "image_size", "batch_size", "repeats")
     check_jpeg_options(args)

@@ -16,7 +16,7 @@ from matplotlib.ticker import NullLocator
 
 from ssl_vit.evaluation.stats import ACCURACY, Difference, Interval, scored
 from ssl_vit.evaluation.suite import Suite
-from ssl_vit.evaluation.tables import NOT_SCORED, label_efficiency_points, label_efficiency_protocols
+from ssl_vit.report.tables import NOT_SCORED, label_efficiency_points, label_efficiency_protocols
 
 
 def _errors(intervals: list[Interval | Difference]) -> list[list[float]]:

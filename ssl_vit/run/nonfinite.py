@@ -10,9 +10,9 @@ for the others in a collective.
 
 A rollback (`policy: rollback`): the step's loss and whether it and the gradient norm are finite are
 reduced over the ranks (the highest loss, any non-finite) and read in one host read, where `skip` reads
-its flag; `ssl_vit.tasks.spikes` judges the step against the running median. A spike's update is not
+its flag; `ssl_vit.run.spikes` judges the step against the running median. A spike's update is not
 applied (its gradients are dropped before the optimizer step), and at the end of its step every rank
-restores the newest intact checkpoint of the run saved at or before it (`ssl_vit.tasks.rollback`: model,
+restores the newest intact checkpoint of the run saved at or before it (`ssl_vit.run.rollback`: model,
 teacher, optimizer, schedule, gradient scaler, RNGs, step count; read from the file, as a resume does),
 moves its data stream past the batches read since that checkpoint, the spike's included, plus
 `skip_batches` more (`ShardDataModule.skip_batches`: positions only move forward, so no batch between
@@ -35,10 +35,10 @@ import pytorch_lightning as pl
 import torch
 
 from ssl_vit.errors import BadValue, UserError
-from ssl_vit.tasks.checkpointing import NothingIntact, resumable
-from ssl_vit.tasks.preemption import last_path
-from ssl_vit.tasks.rollback import SafeSteps, count_skipped, restore_learner
-from ssl_vit.tasks.spikes import NON_FINITE, SPIKE, SpikeDetector
+from ssl_vit.run.checkpointing import NothingIntact, resumable
+from ssl_vit.run.preemption import last_path
+from ssl_vit.run.rollback import SafeSteps, count_skipped, restore_learner
+from ssl_vit.run.spikes import NON_FINITE, SPIKE, SpikeDetector
 from ssl_vit.tracking import logging_step
 
 Policy = Literal["skip", "stop", "rollback"]

@@ -41,21 +41,21 @@ from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data.checks import check_shard_urls
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
-from ssl_vit.run_lock import LOCK_NAME, RunLock, job_leader
-from ssl_vit.tasks.base import Throughput
-from ssl_vit.tasks.checkpointing import (
+from ssl_vit.lock import LOCK_NAME, RunLock, job_leader
+from ssl_vit.run.checkpointing import (
     DAMAGED_FIX,
     LastLinkCheckpoint,
     checkpoint_step,
     resumable,
     with_safe_io,
 )
+from ssl_vit.run.health import HealthMonitor
+from ssl_vit.run.nonfinite import NonFiniteGuard, check_rollback
+from ssl_vit.run.preemption import Preemption
+from ssl_vit.run.resume import RandomState
+from ssl_vit.run.rollback import SafeSteps
+from ssl_vit.tasks.base import Throughput
 from ssl_vit.tasks.compile import CompileTask, check_compile
-from ssl_vit.tasks.health import HealthMonitor
-from ssl_vit.tasks.nonfinite import NonFiniteGuard, check_rollback
-from ssl_vit.tasks.preemption import Preemption
-from ssl_vit.tasks.resume import RandomState
-from ssl_vit.tasks.rollback import SafeSteps
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
 # What the model takes from the data module once that is built (`link_arguments(..., apply_on=
@@ -105,7 +105,7 @@ class SslVitCLI(LightningCLI):
                         Preemption(),  # SIGTERM / SLURM's SIGUSR1: save at the step's end (and requeue)
                     ],
                     # Atomic saves, weights-only loads (also of http(s) checkpoints).
-                    "plugins": [{"class_path": "ssl_vit.tasks.checkpointing.SafeCheckpointIO"}],
+                    "plugins": [{"class_path": "ssl_vit.run.checkpointing.SafeCheckpointIO"}],
                 },
                 # A mistake in the config raises, for `parse_arguments` to say in one line, instead of
                 # jsonargparse's usage message and nested union report (80 lines for a typo)

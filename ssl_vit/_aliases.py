@@ -1,0 +1,61 @@
+"""Where modules lived before the package took its present layout, so that what names them by their old
+paths keeps working: run configs (`config.yaml` of a run names `ssl_vit.tasks.checkpointing.
+SafeCheckpointIO`), users' recipes and scripts. One table, and a finder that answers an old name with the
+module now at the new one (the same module object, not a copy)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+MOVED = {
+    "ssl_vit.tasks.checkpointing": "ssl_vit.run.checkpointing",
+    "ssl_vit.tasks.nonfinite": "ssl_vit.run.nonfinite",
+    "ssl_vit.tasks.preemption": "ssl_vit.run.preemption",
+    "ssl_vit.tasks.rollback": "ssl_vit.run.rollback",
+    "ssl_vit.tasks.health": "ssl_vit.run.health",
+    "ssl_vit.tasks.resume": "ssl_vit.run.resume",
+    "ssl_vit.tasks.spikes": "ssl_vit.run.spikes",
+    "ssl_vit.run_lock": "ssl_vit.lock",
+    "ssl_vit.evaluation.report": "ssl_vit.report.writer",
+    "ssl_vit.evaluation.tables": "ssl_vit.report.tables",
+    "ssl_vit.evaluation.plots": "ssl_vit.report.plots",
+    "ssl_vit.evaluation.verdicts": "ssl_vit.report.verdicts",
+    "ssl_vit.evaluation.progress": "ssl_vit.progress",
+    "ssl_vit.data.bench": "ssl_vit.benchmark.data",
+    "ssl_vit.fit": "ssl_vit.cli.fit",
+    "ssl_vit.data.commands": "ssl_vit.cli.data",
+    "ssl_vit.evaluation.commands": "ssl_vit.cli.evaluate",
+    "ssl_vit.analysis.commands": "ssl_vit.cli.analyze",
+    "ssl_vit.checkpoints.commands": "ssl_vit.cli.export",
+    "ssl_vit.benchmark.commands": "ssl_vit.cli.bench",
+    "ssl_vit.evaluation.kinds.fewshot": "ssl_vit.evaluation.kinds.fewshot_protocol",
+    "ssl_vit.evaluation.kinds.knn": "ssl_vit.evaluation.kinds.knn_protocol",
+    "ssl_vit.evaluation.kinds.linear_probe": "ssl_vit.evaluation.kinds.linear_probe_protocol",
+    "ssl_vit.evaluation.kinds.attentive_probe": "ssl_vit.evaluation.kinds.attentive_probe_protocol",
+    "ssl_vit.evaluation.kinds.finetune": "ssl_vit.evaluation.kinds.finetune_protocol",
+    "ssl_vit.evaluation.kinds.linear_seg": "ssl_vit.evaluation.kinds.linear_seg_protocol",
+    "ssl_vit.evaluation.kinds.probe": "ssl_vit.evaluation.kinds.probe_protocol",
+}
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old name of `MOVED`; loading it imports the new module and puts that very module in
+    `sys.modules` under the old name too (the import system returns what `sys.modules` holds after
+    `exec_module`), so classes keep one identity whichever name imported them."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in MOVED else None
+
+    def create_module(self, spec):
+        return None  # the default module, replaced in exec_module
+
+    def exec_module(self, module) -> None:
+        sys.modules[module.__name__] = importlib.import_module(MOVED[module.__name__])
+
+
+def install() -> None:
+    if not any(isinstance(finder, _Moved) for finder in sys.meta_path):
+        sys.meta_path.append(_Moved())
