@@ -41,6 +41,7 @@ from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data.checks import check_shard_urls
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
+from ssl_vit.internals import LightningCLIHooks, option_names
 from ssl_vit.lock import LOCK_NAME, RunLock, job_leader
 from ssl_vit.run.checkpointing import (
     DAMAGED_FIX,
@@ -78,7 +79,7 @@ class SaveAndLogConfig(SaveConfigCallback):
             trainer.logger.log_hyperparams({"cli": self.config.as_dict()})
 
 
-class SslVitCLI(LightningCLI):
+class SslVitCLI(LightningCLIHooks):
     """One run directory per job (`trainer.default_root_dir`): config.yaml, checkpoints/,
     wandb/ and pictures/ all land there, and a restarted job finds them again."""
 
@@ -118,7 +119,8 @@ class SslVitCLI(LightningCLI):
         except ArgumentError as err:
             if user_error_message(err) is not None:  # a value a constructor refused, its own line
                 raise
-            raise UserError(config_error(str(err), self.argv, self._parser(self.argv[0]), err)) from None
+            parser = self.subcommand_parser(self.argv[0])
+            raise UserError(config_error(str(err), self.argv, parser, err)) from None
 
     def subcommands(self) -> dict[str, set[str]]:
         # Only the command being run gets a parser: each is built from the signatures of the
@@ -152,15 +154,13 @@ class SslVitCLI(LightningCLI):
         for source, target in FROM_DATA.items():
             parser.link_arguments(source, target, apply_on="instantiate")
 
-    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+    def subcommand_parser_ready(self, parser, subcommand: str, method_arguments: list[str]) -> None:
         # `--weights_only` comes from the Trainer method's signature (default None, which Lightning's
         # _load turns into weights_only=False for http(s) checkpoints); it exists only from here on.
-        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if "weights_only" in self._subcommand_method_arguments[subcommand]:
+        if "weights_only" in method_arguments:
             parser.set_defaults(weights_only=True)
-        return parser
 
-    def _parse_ckpt_path(self) -> None:
+    def parse_ckpt_path(self) -> None:
         """LightningCLI rebuilds the model from a local checkpoint's hyperparameters, over the config.
         Here first: the file is checked (one line if it is not a checkpoint that loads safely),
         `last` is resolved as Lightning will resolve it so its model is rebuilt the same way, the
@@ -200,9 +200,10 @@ class SslVitCLI(LightningCLI):
         before = copy.deepcopy(config.as_dict()) if hparams else None
         config.ckpt_path = str(path)
         try:
-            super()._parse_ckpt_path()
+            super().parse_ckpt_path()
         except ArgumentError as err:  # the model the checkpoint records, refused by this version's parser
-            what = config_error(str(err), [self.config.subcommand], self._parser(self.config.subcommand), err)
+            command = self.config.subcommand
+            what = config_error(str(err), [command], self.subcommand_parser(command), err)
             raise unparsable_model(path, what) from None
         finally:
             config = self.config[self.config.subcommand]
@@ -302,7 +303,7 @@ class SslVitCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         # A recipe's `trainer.plugins` replaces the default list (LightningCLI merges only callbacks
         # with trainer_defaults), so the checkpoint IO is (re)added here.
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
+        plugins = self.config_init[self.subcommand].get("trainer", {}).get("plugins")
         trainer = super().instantiate_trainer(plugins=with_safe_io(plugins), **kwargs)
         if not trainer.loggers:  # --trainer.logger false: the LR monitor has nowhere to log, and raises
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
@@ -668,7 +669,7 @@ def _kind(body: str, rest: list[str], stack: list, number: int) -> list[_Finding
 def _unknown_key(argv: list[str], keys: tuple[str, ...], name: str, cls: str | None, parser) -> str:
     """`KEY: no such option`, with the closest of the options of the class (or command) it was given to."""
     where = _where(argv, ".".join([*keys, name]))
-    options = _class_options(cls) if cls else [action.dest for action in parser._actions]
+    options = _class_options(cls) if cls else option_names(parser)
     close = difflib.get_close_matches(name, [o for o in options if not o.endswith("help")], n=1)
     dash = "--" if where.startswith("--") else ""
     hint = f"; did you mean {dash}{'.'.join([*keys, close[0]])}?" if close else ""
@@ -682,7 +683,7 @@ def _class_options(class_path: str) -> list[str]:
     as jsonargparse builds them."""
     options = ArgumentParser(exit_on_error=False)
     options.add_class_arguments(_import(class_path), fail_untyped=False)
-    return [action.dest for action in options._actions]
+    return option_names(options)
 
 
 def _class_key(keys: tuple[str, ...]) -> str:

@@ -59,6 +59,7 @@ from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import channel_choices, expand, manifest_url, read_manifest
 from ssl_vit.errors import BadValue, UserError
+from ssl_vit.internals import restart_fetcher
 
 log = logging.getLogger("ssl_vit.data")
 
@@ -635,7 +636,7 @@ class ShardDataModule(pl.LightningDataModule):
             self._check_same_data(state_dict["data"], self._urls["train"])
         started = self._train_loader is not None and self._train_loader.epoch is not None
         if started and self.trainer is not None and not self._train_loader.consumed:
-            self._restart_training_iterator(fetched=0)  # Lightning counts the restored batches itself
+            restart_fetcher(self.trainer, fetched=0)  # Lightning counts the restored batches itself
 
     def skip_batches(self, count: int) -> int:
         """Moves the training stream `count` batches past the last one training consumed, without
@@ -657,16 +658,8 @@ class ShardDataModule(pl.LightningDataModule):
         if consumed + count < self.batches_per_epoch:
             self._moved = (loader.epoch, ResumePlan(positions, first=(consumed + count) % workers))
             if self.trainer is not None:  # else the loader's next `iter` starts there
-                self._restart_training_iterator(fetched=consumed + count)
+                restart_fetcher(self.trainer, fetched=consumed + count)
         return count
-
-    def _restart_training_iterator(self, fetched: int) -> None:
-        """A new training iterator for Lightning's fetcher, which has no public way to restart it; its
-        count of the epoch's batches fetched (which tells the epoch's last batch) is set to `fetched`,
-        as Lightning sets it when a pass starts."""
-        fetcher = self.trainer.fit_loop._data_fetcher
-        iter(fetcher)
-        fetcher.fetched = fetched
 
     def refuse_changed_data(self, state_dict: dict[str, Any]) -> None:
         """With `on_data_change: refuse`, the error for training data that differ from those of the

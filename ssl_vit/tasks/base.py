@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import BadValue, UserError
+from ssl_vit.internals import accumulating
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
 
@@ -238,7 +239,7 @@ class Throughput(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._images += batch["image"].shape[0]
-        if (trainer.global_step % trainer.log_every_n_steps) or trainer.fit_loop._should_accumulate():
+        if (trainer.global_step % trainer.log_every_n_steps) or accumulating(trainer):
             return
         self._sync(pl_module)
         now = self.clock()
