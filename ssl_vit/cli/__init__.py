@@ -22,12 +22,12 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ssl_vit import info
     from ssl_vit.cli import analyze as analysis_commands
     from ssl_vit.cli import bench as bench_commands
     from ssl_vit.cli import data as data_commands
     from ssl_vit.cli import evaluate as evaluation_commands
     from ssl_vit.cli import export as checkpoint_commands
+    from ssl_vit.cli import info
 
     parser = argparse.ArgumentParser(prog="ssl-vit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
