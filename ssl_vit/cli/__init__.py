@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from ssl_vit import plugins
 from ssl_vit.errors import Interrupted, resource_error_message, user_error_message
 from ssl_vit.quiet import quiet, verbose_requested
 from ssl_vit.signals import Terminated, raises, received, recorded
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose, argv = verbose_requested(sys.argv[1:] if argv is None else argv)
     quiet(verbose)
     try:
+        plugins.load()  # before any parser: a plugin's presets, targets, kinds and sources are valid names
         if argv and argv[0] in LIGHTNING_COMMANDS:
             # Until the trainer's own handlers take over (a fit's from its setup on: a checkpoint at the
             # step's end, `ssl_vit.run.preemption`), SIGTERM ends the command with its one line, the run
