@@ -82,7 +82,10 @@ def describe(source: str) -> list[str]:
     else:
         dims = architecture(config)
         shape = ", ".join(f"{key} {dims[key]}" for key in ("width", "depth", "heads", "mlp_dim"))
-        lines.append(f"backbone: {config.variant} ({shape}), {config.img_size} px, {config.pooling} pooling")
+        bands = "" if config.in_chans == 3 else f", {config.in_chans} bands"
+        lines.append(
+            f"backbone: {config.variant} ({shape}), {config.img_size} px{bands}, {config.pooling} pooling"
+        )
     lines.append(f"parameters: {sum(t.numel() for t in weights.backbone.values()) / 1e6:.2f} M (backbone)")
     if weights.verified:
         lines.append(f"verified by {weights.verified}")
