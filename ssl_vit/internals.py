@@ -324,6 +324,15 @@ class LightningCLIHooks(LightningCLI):
         return self._parser(subcommand)
 
 
+# The key under which LightningCLI finds the model's class among a checkpoint's hyperparameters: its
+# `_parse_ckpt_path` rebuilds the model of a `--ckpt_path` from the class named there, with the other
+# hyperparameters as its arguments. LightningCLI records it for a model it builds from a class path (its
+# `_InstantiatorFn`: "a special key `_class_path` to clarify its internal use"); ssl-vit's tasks save it
+# themselves, so a task built in Python resumes too, and its checks read it. Checkpoints hold it.
+CLASS_PATH_KEY = "_class_path"
+TOUCHES["CLASS_PATH_KEY"] = Touch("pytorch_lightning", ('checkpoint["hyper_parameters"]["_class_path"]',))
+
+
 @_touch("jsonargparse", "ArgumentParser._actions")
 def option_names(parser) -> list[str]:
     """The destinations of every option of an (argparse or jsonargparse) parser, nested ones dotted."""
@@ -361,8 +370,8 @@ def is_dataloader_sigchld_handler(handler: Any) -> bool:
 
 
 __all__ = [
-    "TOUCHES", "LightningCLIHooks", "ModelCheckpointHooks", "Touch", "WandbLoggerHooks", "accumulating",
-    "count_skipped", "inductor_cudagraph_skips", "is_dataloader_sigchld_handler", "logging_step",
-    "loss_scale", "option_names", "restart_fetcher", "restore_step_counters", "stop_as_on_sigterm",
-    "total_batch_idx", "wraps_checkpoint_io",
+    "CLASS_PATH_KEY", "TOUCHES", "LightningCLIHooks", "ModelCheckpointHooks", "Touch", "WandbLoggerHooks",
+    "accumulating", "count_skipped", "inductor_cudagraph_skips", "is_dataloader_sigchld_handler",
+    "logging_step", "loss_scale", "option_names", "restart_fetcher", "restore_step_counters",
+    "stop_as_on_sigterm", "total_batch_idx", "wraps_checkpoint_io",
 ]  # fmt: skip

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from ssl_vit import internals
 from ssl_vit.internals import (
+    CLASS_PATH_KEY,
     TOUCHES,
     LightningCLIHooks,
     ModelCheckpointHooks,
@@ -363,7 +364,7 @@ def test_the_cli_hooks_run_and_the_checkpoints_hyperparameters_reach_the_config(
     # What LightningCLI records of a model given by class path (ssl-vit's tasks): `_class_path` and the
     # constructor's arguments
     class_path = f"{Tiny.__module__}.{Tiny.__qualname__}"
-    torch.save({"hyper_parameters": {"_class_path": class_path, "width": 3}}, tmp_path / "tiny.ckpt")
+    torch.save({"hyper_parameters": {CLASS_PATH_KEY: class_path, "width": 3}}, tmp_path / "tiny.ckpt")
     with pytest.raises(_Parsed) as stopped, pytest.warns(UserWarning, match="args"):
         ProbeCLI(["fit", "--model", class_path, "--ckpt_path", str(tmp_path / "tiny.ckpt")])
     cli = stopped.value.args[0]
@@ -374,6 +375,23 @@ def test_the_cli_hooks_run_and_the_checkpoints_hyperparameters_reach_the_config(
     assert "trainer.max_steps" in internals.option_names(cli.subcommand_parser("fit"))
     public = [n for n, v in vars(LightningCLIHooks).items() if not n.startswith("_")]
     assert not [n for n in public if hasattr(LightningCLI, n)]
+
+
+class Wide(Tiny):
+    pass
+
+
+@canary("CLASS_PATH_KEY")
+def test_the_class_a_checkpoints_hyperparameters_name_is_the_model_rebuilt(tmp_path):
+    """LightningCLI's own key: a checkpoint of `Wide` resumed under `--model Tiny` rebuilds a `Wide`."""
+    wide = f"{Wide.__module__}.{Wide.__qualname__}"
+    torch.save({"hyper_parameters": {CLASS_PATH_KEY: wide, "width": 4}}, tmp_path / "wide.ckpt")
+    tiny = f"{Tiny.__module__}.{Tiny.__qualname__}"
+    with pytest.raises(_Parsed) as stopped, pytest.warns(UserWarning, match="args"):
+        ProbeCLI(["fit", "--model", tiny, "--ckpt_path", str(tmp_path / "wide.ckpt")])
+    model = stopped.value.args[0].config.fit.model
+    assert (model.class_path, model.init_args.width) == (wide, 4)
+    assert CLASS_PATH_KEY not in model.init_args
 
 
 @canary("option_names")
@@ -435,6 +453,8 @@ NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"} 
 PRIVATE_MODULE = re.compile(rf"\b({'|'.join(LIBRARIES)})(\.\w+)*\._\w")
 # Lightning's loops are private classes (`_FitLoop`, `_TrainingEpochLoop`) behind public attributes.
 LOOPS = {"fit_loop", "epoch_loop"}
+# Keys of Lightning's own in what it saves, named only through ssl_vit.internals.
+PRIVATE_KEYS = {CLASS_PATH_KEY}
 HINT = "go through ssl_vit.internals (or, for ssl-vit's own attribute, make it public)"
 
 
@@ -469,7 +489,8 @@ def token_touches(path: Path) -> list[str]:
             if tok.string in LOOPS:
                 found.append(f"{line} `.{tok.string}` is one of Lightning's private loops; {HINT}")
         if tok.type == tokenize.STRING and tok.start[0] not in docstrings:
-            if PRIVATE_MODULE.search(tok.string) or re.search(r"\b(fit|epoch)_loop\b", tok.string):
+            key = tok.string.strip("'\"") in PRIVATE_KEYS
+            if key or PRIVATE_MODULE.search(tok.string) or re.search(r"\b(fit|epoch)_loop\b", tok.string):
                 found.append(f"{line} {tok.string[:60]} names a library's private module or loop; {HINT}")
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in LIBRARIES:
@@ -545,6 +566,7 @@ from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import ModelCheckpoint
 def f(trainer):
     return trainer.fit_loop._data_fetcher, "torch.utils.data._utils.x", trainer.fit_loop.epoch_loop
+HPARAMS = {"_class_path": "x.Y"}
 class C(ModelCheckpoint):
     def _save_checkpoint(self, trainer, filepath):
         return self._monitor_candidates(trainer), self._enable_version_counter, self._mine
@@ -561,7 +583,7 @@ def test_the_checks_find_each_kind_of_touch(tmp_path):
     tokens = "\n".join(token_touches(probe))
     for what in (
         "probe.py:1: imports lightning_fabric.utilities.types._PATH", "probe.py:4: `fit_loop._data_fetcher`",
-        'probe.py:4: "torch.utils.data._utils.x"', "probe.py:4: `.epoch_loop`",
+        'probe.py:4: "torch.utils.data._utils.x"', "probe.py:4: `.epoch_loop`", 'probe.py:5: "_class_path"',
     ):  # fmt: skip
         assert what in tokens
     names = sorted(line.split(" reaches ")[1].split(" ")[0] for line in class_touches(probe, module))

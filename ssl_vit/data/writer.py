@@ -532,4 +532,3 @@ class _Progress:
     def __exit__(self, *exc):
         if self.bar:
             self.bar.stop()
-
