@@ -22,7 +22,8 @@ from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import Features, extract_feature_set
-from ssl_vit.models.vit import LAST_K, TokenKind, ViT, ViTConfig
+from ssl_vit.models.feature import FEATURES
+from ssl_vit.models.vit import LAST_K, ViT, ViTConfig
 
 # The share of free memory a split's token cache may take: building it holds the batches, their
 # concatenation and the copy in key order at once, about three times the cache itself.
@@ -155,13 +156,13 @@ class FeatureCache:
     def token_bytes(self) -> int:
         """Bytes of the token kinds this cache holds per image (float32), and of a mask (uint8, at the
         image size) where the split has masks: 0 without token kinds."""
-        tokens, width = self.backbone.patch_embed.num_patches, self.backbone.embed_dim
-        per_kind = {
-            "tokens": (tokens + self.backbone.num_prefix_tokens) * width,
-            "patches": tokens * width,
-            "patches_lastk": tokens * width * LAST_K,
-        }
-        found = 4 * sum(per_kind[kind] for kind in self.kinds if kind in TokenKind.__args__)
+        vit = self.backbone
+        sizes = [
+            FEATURES[kind].size(vit.patch_embed.num_patches, vit.num_prefix_tokens, vit.embed_dim, LAST_K)
+            for kind in self.kinds
+            if not FEATURES[kind].pooled
+        ]
+        found = 4 * sum(tokens * width for tokens, width in sizes)
         return found + (self.datamodule.image_size**2 if found and self.datamodule.has_masks("train") else 0)
 
     def _check_memory(self, split: str) -> None:

@@ -45,6 +45,7 @@ from ssl_vit.evaluation.protocol import (
 )
 from ssl_vit.evaluation.scoring import class_mask
 from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
+from ssl_vit.models.vit import WidthFeature
 from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
@@ -83,7 +84,7 @@ class TrainedProtocol(Protocol):
     part of it per label fraction), scored once on the test split at the end; a protocol with several
     candidates chooses among them first, on images the test split does not hold."""
 
-    feature: Literal["cls", "mean"] = "cls"
+    feature: WidthFeature = "cls"
     epochs: PositiveInt | None = None  # passes over the training (sub)set; 10 unless `steps` is given
     # optimizer steps instead of epochs: one number for every label fraction, or one per fraction
     steps: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] | None = None
