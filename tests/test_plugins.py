@@ -62,7 +62,7 @@ class CentroidProtocol(Protocol):
     KIND: ClassVar[str] = "centroid"
     TITLE: ClassVar[str] = "nearest centroid"
 
-    def run(self, features, config, suite):
+    def run(self, features, config, seed, where):
         train = restrict(features.get("train", self.feature), self.classes)
         test = restrict(features.get("test", self.feature), self.classes)
         classes = train.y.unique()

@@ -25,11 +25,6 @@ from ssl_vit.evaluation.features import Features, extract_feature_set
 from ssl_vit.models.feature import FEATURES
 from ssl_vit.models.vit import LAST_K, ViT, ViTConfig
 
-# ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
-DATA_KEYS = (
-    "image_size", "batch_size", "num_workers", "channels", "mean", "std", "eval_crop_pct", "num_classes",
-    "seed", "read_retries", "read_timeout_s", "loader_timeout_s", "max_image_pixels",
-)  # fmt: skip
 # The share of free memory a split's token cache may take: building it holds the batches, their
 # concatenation and the copy in key order at once, about three times the cache itself.
 CACHE_SHARE = 0.3
@@ -41,8 +36,9 @@ class Index(NamedTuple):
 
 
 def datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
-    """The ShardDataModule arguments of a suite's data block (its splits' URLs aside)."""
-    return {key: value for key, value in data.items() if key in DATA_KEYS}
+    """The ShardDataModule arguments of a suite's data block (`suite_file.DataBlock`): its keys but its
+    splits' URLs."""
+    return {key: value for key, value in data.items() if not key.endswith("_urls")}
 
 
 def with_normalisation(data: dict[str, Any], datamodule: ShardDataModule) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from ssl_vit.registry import Registry
 
 if TYPE_CHECKING:
     from ssl_vit.evaluation.cache import FeatureCache
-    from ssl_vit.evaluation.suite import Suite
     from ssl_vit.models.vit import ViTConfig
 
 # Strict: a string is never read as a number, nor a number as a flag (`epochs: true`).
@@ -99,9 +98,11 @@ class Protocol:
         """Fill the defaults that depend on other keys, on the dataset block `data` or on the suite's
         `backbone`; refuse combinations that cannot run (one-line UserError, `where` first)."""
 
-    def run(self, features: FeatureCache, config: ViTConfig, suite: Suite) -> Outcome:
+    def run(self, features: FeatureCache, config: ViTConfig, seed: int, where: str) -> Outcome:
         """Evaluate the checkpoint whose frozen features (and backbone, `features.backbone`) `features`
-        holds on the suite's dataset; `config`: its architecture at the dataset's image size."""
+        holds on the suite's dataset; `config`: its architecture at the dataset's image size. `seed`:
+        the suite's, the same for every checkpoint (label subsets, held-out images, the order of cached
+        batches), so paired differences stay paired; `where` names the protocol in a one-line error."""
         raise NotImplementedError
 
 
