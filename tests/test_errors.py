@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from ssl_vit.checkpoints import config_metadata, load_backbone
 from ssl_vit.cli.fit import check_ckpt_path, local_ckpt_path
-from ssl_vit.data.urls import check_manifest
+from ssl_vit.data.manifest import check_manifest
 from ssl_vit.errors import BadValue, UserError, user_error_message
 from ssl_vit.models.vit import ViTConfig
 

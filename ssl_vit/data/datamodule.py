@@ -53,11 +53,12 @@ from ssl_vit.data.checks import (
 from ssl_vit.data.device_decode import device_transform, place_jpegs
 from ssl_vit.data.identity import changes, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
+from ssl_vit.data.manifest import channel_choices, manifest_url, read_manifest
 from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.data.samples import MAX_IMAGE_PIXELS, Bands
 from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
-from ssl_vit.data.urls import channel_choices, expand, manifest_url, read_manifest
+from ssl_vit.data.urls import expand
 from ssl_vit.errors import BadValue, UserError
 
 log = logging.getLogger("ssl_vit.data")

@@ -75,21 +75,35 @@ def fingerprint(path: str | os.PathLike, size: int) -> str:
 def changes(saved: dict, now: dict) -> list[str]:
     """How the data `now` differ from the checkpoint's `saved` identity, in a few words each (empty
     when they read the same). A checkpoint from before a field was recorded is not compared by it."""
-    found = []
+    return [*_list_changes(saved, now), *_shard_changes(saved, now), *_manifest_changes(saved, now)]
+
+
+def _list_changes(saved: dict, now: dict) -> list[str]:
+    """Shards no longer given, added, or given in another order."""
     before, after = saved.get("shards", []), now["shards"]
     gone = [url for url in before if url not in set(after)]
     added = [url for url in after if url not in set(before)]
+    found = []
     if gone:
         found.append(f"{len(gone)} shard(s) no longer given ({_names(gone)})")
     if added:
         found.append(f"{len(added)} shard(s) added ({_names(added)})")
     if not gone and not added and before != after:
         found.append("the shards are given in another order")
-    then = {field: dict(zip(before, saved.get(field) or [])) for field in ("sizes", "mtimes", "fingerprints")}
+    return found
+
+
+def _shard_changes(saved: dict, now: dict) -> list[str]:
+    """Local shards given then and now whose size, contents (`fingerprint`) or modification time
+    differ; a shard remote or missing then or now is left to the manifest."""
+    then = {
+        field: dict(zip(saved.get("shards", []), saved.get(field) or []))
+        for field in ("sizes", "mtimes", "fingerprints")
+    }
     resized, rewritten, modified = [], [], []
-    for url, size, mtime, content in zip(after, now["sizes"], now["mtimes"], now["fingerprints"]):
+    for url, size, mtime, content in zip(now["shards"], now["sizes"], now["mtimes"], now["fingerprints"]):
         old = then["sizes"].get(url)
-        if old is None or size is None:  # remote or missing then or now: the manifest stands for it
+        if old is None or size is None:
             continue
         if size != old:
             resized.append(f"{Path(url).name} {old} -> {size} bytes")
@@ -97,6 +111,7 @@ def changes(saved: dict, now: dict) -> list[str]:
             rewritten.append(url)
         elif then["mtimes"].get(url) not in (None, mtime):
             modified.append(url)
+    found = []
     if resized:
         found.append(f"{len(resized)} shard(s) changed ({_names(resized, paths=False)})")
     if rewritten:
@@ -108,13 +123,16 @@ def changes(saved: dict, now: dict) -> list[str]:
             f"{len(modified)} shard(s) modified since, with the same size and first and last 64 KiB "
             f"({_names(modified)}; a copy that keeps modification times, cp -p or rsync -a, is no change)"
         )
-    if saved.get("num_samples") != now["num_samples"]:
-        found.append(
-            f"the manifest counts {now['num_samples']} samples, the checkpoint's {saved.get('num_samples')}"
-        )
-    elif saved.get("manifest_sha256") != now["manifest_sha256"]:
-        found.append("the manifest changed")
     return found
+
+
+def _manifest_changes(saved: dict, now: dict) -> list[str]:
+    counted, then = now["num_samples"], saved.get("num_samples")
+    if then != counted:
+        return [f"the manifest counts {counted} samples, the checkpoint's {then}"]
+    if saved.get("manifest_sha256") != now["manifest_sha256"]:
+        return ["the manifest changed"]
+    return []
 
 
 def _names(items: list[str], paths: bool = True, most: int = 3) -> str:
