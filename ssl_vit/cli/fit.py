@@ -113,8 +113,12 @@ class SslVitCLI(LightningCLI):
             )
 
     def parse_arguments(self, parser, args) -> None:
+        moved = with_moved_options(self.argv)  # a run's own config.yaml written before options moved
         try:
-            super().parse_arguments(parser, args)
+            if moved is None:
+                super().parse_arguments(parser, args)
+            else:
+                self.config = parser.parse_args(moved)
         except ArgumentError as err:
             if user_error_message(err) is not None:  # a value a constructor refused, its own line
                 raise
@@ -666,8 +670,12 @@ def _kind(body: str, rest: list[str], stack: list, number: int) -> list[_Finding
 
 
 def _unknown_key(argv: list[str], keys: tuple[str, ...], name: str, cls: str | None, parser) -> str:
-    """`KEY: no such option`, with the closest of the options of the class (or command) it was given to."""
+    """`KEY: no such option`, with the closest of the options of the class (or command) it was given to;
+    `KEY: moved to NEW` for an option the class moved (its `MOVED_OPTIONS`, old name -> new dotted)."""
     where = _where(argv, ".".join([*keys, name]))
+    moved = _moved_options(cls).get(name) if cls else None
+    if moved is not None:
+        return f"{where}: moved to {where.split(' (in ')[0].removesuffix(name)}{moved}"
     options = _class_options(cls) if cls else [action.dest for action in parser._actions]
     close = difflib.get_close_matches(name, [o for o in options if not o.endswith("help")], n=1)
     dash = "--" if where.startswith("--") else ""
@@ -675,6 +683,66 @@ def _unknown_key(argv: list[str], keys: tuple[str, ...], name: str, cls: str | N
     command = f"ssl-vit {argv[0] if argv else 'fit'}"
     lists = f"{command} --{'.'.join(keys[:-1])}.help {cls}" if cls else f"{command} --help"
     return f"{where}: no such option{f' of {cls}' if cls else ''}{hint} ({lists} lists them)"
+
+
+def _moved_options(class_path: str) -> dict[str, str]:
+    """The options the class `class_path` names moved (`MOVED_OPTIONS`: old name -> new dotted name)."""
+    try:
+        return dict(getattr(_import(class_path), "MOVED_OPTIONS", {}))
+    except (ImportError, AttributeError, ValueError):
+        return {}
+
+
+def with_moved_options(argv: list[str]) -> list[str] | None:
+    """`argv` with each `--config` file that is a run's own config.yaml (the one in its
+    `trainer.default_root_dir`, which a resume reads) given as its text with the options its classes
+    moved read at their new places (`MOVED_OPTIONS`: `data.init_args.crop_scale` ->
+    `data.init_args.augment.crop_scale`), so that a run written before they moved resumes; None when
+    no such file has one. A recipe or the command line with an old option is refused, naming the new one
+    (`_unknown_key`): only a run's own file, which the run writes anew, is read this way."""
+    files = set(_config_files(argv))
+    out, changed = list(argv), False
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        if path not in files:
+            continue
+        tree = _run_config(path)
+        if tree is not None and _move_options(tree):
+            out[i + 1], changed = yaml.safe_dump(tree, sort_keys=False), True
+    return out if changed else None
+
+
+def _run_config(path: str) -> dict | None:
+    """The config at `path` when it is `config.yaml` in its own run directory; None otherwise."""
+    if Path(path).name != "config.yaml":
+        return None
+    try:
+        tree = yaml.safe_load(Path(path).read_text())
+        root = tree["trainer"]["default_root_dir"] or DEFAULT_ROOT
+        own = Path(root).resolve() == Path(path).resolve().parent
+    except (OSError, yaml.YAMLError, TypeError, KeyError):
+        return None  # what is wrong with it is said when it is parsed
+    return tree if own else None
+
+
+def _move_options(node) -> bool:
+    """Moves, in the config tree `node`, each class's moved options to their new places; whether any."""
+    if isinstance(node, list):
+        return any([_move_options(item) for item in node])
+    if not isinstance(node, dict):
+        return False
+    moved = False
+    init_args = node.get("init_args")
+    if isinstance(node.get("class_path"), str) and isinstance(init_args, dict):
+        for old, new in _moved_options(node["class_path"]).items():
+            if old in init_args:
+                *groups, name = new.split(".")
+                place = init_args
+                for group in groups:
+                    place = place.setdefault(group, {})
+                place[name] = init_args.pop(old)
+                moved = True
+    return any([_move_options(value) for value in node.values()]) or moved
 
 
 def _class_options(class_path: str) -> list[str]:

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from ssl_vit.data.urls import local_path
+from ssl_vit.errors import UserError
+
+log = logging.getLogger("ssl_vit.data")
 
 EDGE = 64 << 10  # bytes hashed at each end of a shard
 # (path, device, inode, size, mtime_ns, ctime_ns) -> fingerprint, of the shards this process has read: a
@@ -76,6 +80,26 @@ def changes(saved: dict, now: dict) -> list[str]:
     """How the data `now` differ from the checkpoint's `saved` identity, in a few words each (empty
     when they read the same). A checkpoint from before a field was recorded is not compared by it."""
     return [*_list_changes(saved, now), *_shard_changes(saved, now), *_manifest_changes(saved, now)]
+
+
+def check_same_data(saved: dict, now: dict, on_data_change: str, say: bool = True) -> None:
+    """One line when the training data `now` differ from the checkpoint's `saved` identity: a warning
+    (when `say`: rank 0 says it for all), or with `on_data_change` "refuse" the error that stops the
+    resume."""
+    found = changes(saved, now)
+    if not found:
+        return
+    text = (
+        f"the training data differ from the checkpoint's ({'; '.join(found)}), so this resume is not "
+        "exact: the epoch's remaining samples are drawn from the data as they are now"
+    )
+    if on_data_change == "refuse":
+        raise UserError(
+            f"{text}: give the shards the run was trained on, or resume anyway with "
+            "--data.init_args.stream.on_data_change warn"
+        )
+    if say:
+        log.warning("%s (--data.init_args.stream.on_data_change refuse stops instead)", text)
 
 
 def _list_changes(saved: dict, now: dict) -> list[str]:

@@ -1,5 +1,6 @@
 """The manifest beside a split's shards (`{split}.json`, written by `ssl-vit data convert`, described in
-data/README.md): where it is, reading it, and checking every key a reader relies on.
+data/README.md): where it is, reading it, checking every key a reader relies on, and what a data module
+decides from it (`Manifests`, read once each; the epoch size, the eval view, the bands, the labels).
 
 Every reader (the data module, `data inspect`, `wds:` and `mosaic:` sources, `bench feed`) reads it
 through `read_manifest`: a manifest that exists but cannot be read, or whose keys have the wrong
@@ -16,8 +17,10 @@ from urllib.parse import urlparse
 
 from ssl_vit.data import remote
 from ssl_vit.data.arrays import ARRAY_DTYPES
+from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
-from ssl_vit.data.samples import MAX_CLASSES
+from ssl_vit.data.samples import MAX_CLASSES, Bands
+from ssl_vit.data.transforms import EvalView
 from ssl_vit.data.urls import local_path, without_url
 from ssl_vit.errors import UserError, shown
 
@@ -181,3 +184,104 @@ def channel_choices(manifest: dict) -> tuple[int, ...]:
     if channels is None:
         return ()
     return (1, 3) if channels == 1 and manifest.get("dtype", "uint8") == "uint8" else (channels,)
+
+
+# --- what a data module decides from a split's manifest --------------------------------------------------
+
+
+class Manifests:
+    """The manifests of a data module's splits, by URL (None: there is none), each read once with
+    `policy`. Another data module of the same run may share this object (evaluation's trained protocols,
+    the few-shot monitor) so that both decide from one reading: the epoch size, the class count, the
+    eval view."""
+
+    def __init__(self, policy: ReadPolicy = DEFAULT) -> None:
+        self.policy = policy
+        self.read: dict[str, dict | None] = {}
+
+    def of(self, first_url: str) -> dict | None:
+        """The manifest beside the shard `first_url` (`read_manifest`)."""
+        url = manifest_url(first_url)
+        if url is None:
+            return None
+        if url not in self.read:
+            self.read[url] = read_manifest(first_url, self.policy)
+        return self.read[url]
+
+
+def samples_in(manifest: dict | None, urls: list[str]) -> int | None:
+    """The samples in the shards `urls` (before any class filter), as their manifest counts them shard by
+    shard; None when a shard is not in it or there is none."""
+    counts = {
+        entry["url"].rsplit("/", 1)[-1]: entry["num_samples"] for entry in (manifest or {}).get("shards", [])
+    }
+    names = [url.rsplit("/", 1)[-1] for url in urls]
+    return sum(counts[name] for name in names) if all(name in counts for name in names) else None
+
+
+def epoch_samples(manifest: dict | None, first_url: str, classes: list[int] | None) -> int:
+    """The training samples an epoch is sized by: the manifest's count, of `classes` when given; one line
+    when the shards have no manifest."""
+    if manifest is None:
+        url = manifest_url(first_url)
+        where = (
+            f"{url} does not exist"
+            if url
+            else f"only shards named SPLIT-NNNNNN.tar, not {first_url}, have one beside them: SPLIT.json"
+        )
+        raise UserError(
+            f"train_urls have no manifest ({where}) to size an epoch: set data.init_args.train_batches"
+        )
+    if classes is None:
+        return manifest["num_samples"]
+    counts = manifest.get("class_counts", {})
+    return sum(counts.get(str(c), 0) for c in classes)
+
+
+def check_labels(manifest: dict | None, num_classes: int | None) -> None:
+    """Labels the manifest counts beyond `num_classes` would fail the first training step (an index
+    error in the loss): refused here, before anything runs. A sample whose label is beyond the class
+    count anyway is a corrupt sample: the stream skips and counts it. So are mask classes (`mask_pixels`):
+    a sample whose mask holds one beyond `num_classes` would be skipped, and with a class count below the
+    manifest's, most would."""
+    if num_classes is None or manifest is None:
+        return
+    for what, counts in (
+        ("labels", manifest.get("class_counts")),
+        ("mask classes", manifest.get("mask_pixels")),
+    ):
+        values = [int(v) for v in counts or {} if int(v) != IGNORE_INDEX or what == "labels"]
+        beyond = sorted(v for v in values if v >= num_classes)
+        if beyond:
+            raise UserError(
+                f"the shards' manifest counts {what} up to {beyond[-1]}, beyond num_classes "
+                f"{num_classes}: set data.init_args.num_classes to at least {beyond[-1] + 1} (the "
+                "manifest's num_classes), or leave it unset"
+            )
+
+
+def eval_view(manifest: dict | None, image_size: int) -> EvalView:
+    """How the `eval` transform frames a split's images: `whole` when its manifest records every image at
+    `image_size` x `image_size` (CIFAR-style sets stored at the model's resolution: nothing to resize,
+    and a centre crop would only throw the border away); otherwise `crop`, ImageNet's resize to
+    `image_size / eval_crop_pct` and centre crop."""
+    return "whole" if (manifest or {}).get("image_size") == [image_size, image_size] else "crop"
+
+
+def bands(manifest: dict | None, split: str, channels: int, randaugment: str | None) -> Bands:
+    """What the stream of `split` reads: `channels` bands, of the dtype its manifest records. One line
+    when the manifest records another band count (a grey 8-bit set is read as RGB with channels 3), or a
+    dtype RandAugment cannot take."""
+    manifest = manifest or {}
+    dtype, stored = manifest.get("dtype"), manifest.get("channels")
+    if stored is not None and channels not in channel_choices(manifest):
+        raise UserError(
+            f"{split}_urls: their manifest says {stored} channels of {dtype}, data.init_args.channels is "
+            f"{channels}: set channels to {stored} (with mean and std per band, or 'auto')"
+        )
+    if randaugment and dtype not in (None, "uint8"):
+        raise UserError(
+            f"{split}_urls: their manifest says dtype {dtype}, and randaugment (timm's RandAugment) works on "
+            "8-bit RGB images: leave it out (data.init_args.augment.randaugment null)"
+        )
+    return Bands(channels, dtype)

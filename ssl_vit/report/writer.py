@@ -35,6 +35,7 @@ from ssl_vit.analysis.images import read_images
 from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import grouped
 from ssl_vit.evaluation.cache import FeatureCache, datamodule_args, with_normalisation
 from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
 from ssl_vit.evaluation.stats import Difference, Score, finite, interval, paired_difference, scored
@@ -205,7 +206,7 @@ def attention_images(suite: Suite) -> torch.Tensor:
     """(n, C, H, W): the first `ATTENTION_IMAGES` images of the first dataset's test split, normalised."""
     first = next(iter(suite.datasets.values()))
     data = with_normalisation(first, FeatureCache.datamodule_of(first))
-    datamodule = ShardDataModule(test_urls=data["test_urls"], **datamodule_args(data))
+    datamodule = ShardDataModule(**grouped(dict(test_urls=data["test_urls"], **datamodule_args(data))))
     return read_images(datamodule, "test", ATTENTION_IMAGES)[0]
 
 
