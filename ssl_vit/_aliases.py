@@ -31,6 +31,7 @@ MOVED = {
     "ssl_vit.analysis.commands": "ssl_vit.cli.analyze",
     "ssl_vit.checkpoints.commands": "ssl_vit.cli.export",
     "ssl_vit.benchmark.commands": "ssl_vit.cli.bench",
+    "ssl_vit.info": "ssl_vit.cli.info",
     "ssl_vit.evaluation.kinds.fewshot": "ssl_vit.evaluation.kinds.fewshot_protocol",
     "ssl_vit.evaluation.kinds.knn": "ssl_vit.evaluation.kinds.knn_protocol",
     "ssl_vit.evaluation.kinds.linear_probe": "ssl_vit.evaluation.kinds.linear_probe_protocol",
@@ -60,5 +61,7 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
+    # First: an old name is the new module's whatever else could answer it (an editable install's finder
+    # answers a package's direct children from its own checkout, where an old file may still lie).
     if not any(isinstance(finder, _Moved) for finder in sys.meta_path):
-        sys.meta_path.append(_Moved())
+        sys.meta_path.insert(0, _Moved())

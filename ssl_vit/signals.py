@@ -34,11 +34,17 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
     main_pid = os.getpid()
     previous_hook = sys.unraisablehook
 
+    in_hook = []  # non-empty while `unraisable` runs: an exception raised there is ignored too
+
     def unraisable(info) -> None:
-        if isinstance(info.exc_value, error) and os.getpid() == main_pid:
-            _send_again(main_pid, signum, 0.01)  # sent from here, it would be handled (and ignored) here
-            return
-        previous_hook(info)
+        in_hook.append(True)
+        try:
+            if isinstance(info.exc_value, error) and os.getpid() == main_pid:
+                _send_again(main_pid, signum, 0.01)  # sent from here, it would be handled (and ignored) here
+                return
+            previous_hook(info)
+        finally:
+            in_hook.clear()
 
     def handler(received, frame):
         if os.getpid() != main_pid:
@@ -46,6 +52,9 @@ def raises(signum: int, error: type[BaseException], in_children: type[BaseExcept
                 raise in_children()
             signal.signal(received, signal.SIG_DFL)
             os.kill(os.getpid(), received)
+            return
+        if in_hook:  # on a busy machine the signal sent again can land before the hook has returned
+            _send_again(main_pid, received, 0.01)
             return
         if in_logging(frame):
             # Raised there, it could leave logging's module lock held, and the next log line (the

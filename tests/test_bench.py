@@ -28,7 +28,7 @@ from ssl_vit.benchmark.step import (
     simmim_cell,
     task_flops,
 )
-from ssl_vit.info import mae_cost, vit_cost
+from ssl_vit.models.cost import mae_cost, vit_cost
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.base import step_loss

@@ -70,6 +70,17 @@ def drop_last_samples(shard: Path, n: int) -> None:
                 tar.addfile(member, io.BytesIO(data))
 
 
+def written(run: Path) -> dict[str, int]:
+    """When each file of the run directory was last written. W&B's service process of a fit may still
+    append to its own debug logs (`logs/debug*.log`) after the fit has exited, on a loaded machine: those
+    are not the next command's writes, and are left out."""
+    return {
+        str(p.relative_to(run)): p.stat().st_mtime_ns
+        for p in run.rglob("*")
+        if p.is_file() and not (p.parent.name == "logs" and p.name.startswith("debug"))
+    }
+
+
 @pytest.mark.slow
 def test_a_resume_on_changed_shards_says_it_is_not_exact_or_refuses(shards, tmp_path):
     run, record = tmp_path / "run", tmp_path / "steps.jsonl"
@@ -79,23 +90,14 @@ def test_a_resume_on_changed_shards_says_it_is_not_exact_or_refuses(shards, tmp_
     new_size = (shards / "train-000002.tar").stat().st_size
 
     # --data.init_args.stream.on_data_change refuse: one line, nothing trained or written.
-    # W&B's service process of the first fit may still append to its own debug logs (`logs/debug*.log`
-    # of that run) after the fit has exited, on a loaded machine: those are not this command's writes.
-    def written():
-        return {
-            str(p.relative_to(run)): p.stat().st_mtime_ns
-            for p in run.rglob("*")
-            if p.is_file() and not (p.parent.name == "logs" and p.name.startswith("debug"))
-        }
-
-    before = written()
+    before = written(run)
     args = fit_args(shards, run, record, "--ckpt_path", "last", epochs=2)
     proc = run_cli(*args, "--data.init_args.stream.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in lines(proc.stderr) if line.startswith("ssl-vit: error:")]
     assert f"1 shard(s) changed (train-000002.tar {size} -> {new_size} bytes)" in line
     assert "--data.init_args.stream.on_data_change warn" in line
-    assert written() == before  # checkpoints, config.yaml and the W&B run as they were
+    assert written(run) == before  # checkpoints, config.yaml and the W&B run as they were
 
     # The default warns in one line and resumes.
     proc = run_cli(*args, cwd=ROOT, env=ENV)
@@ -128,12 +130,12 @@ def test_a_resume_on_shards_reordered_at_the_same_size_says_it_is_not_exact_or_r
     assert {p.name: p.stat().st_size for p in shards.glob("train-*.tar")} == sizes
     what = "3 shard(s) rewritten with other contents of the same size (train-000001.tar, train-000002.tar, "
     args = fit_args(shards, run, record, "--ckpt_path", "last", epochs=2)
-    before = {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    before = written(run)
     proc = run_cli(*args, "--data.init_args.stream.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in lines(proc.stderr) if line.startswith("ssl-vit: error:")]
     assert what in line and "--data.init_args.stream.on_data_change warn" in line
-    assert {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    assert written(run) == before
     proc = run_cli(*args, cwd=ROOT, env=ENV)
     (warning,) = [line for line in lines(proc.stderr) if "the training data differ" in line]
     assert what in warning and "not exact" in warning

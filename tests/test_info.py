@@ -3,7 +3,7 @@
 import pytest
 from test_errors import error_line
 
-from ssl_vit.info import mae_cost, vit_cost
+from ssl_vit.models.cost import mae_cost, vit_cost
 
 
 def test_b16_flops_match_timm_published_17_6_gmacs():

@@ -3,6 +3,7 @@ when it lands in a finalizer."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -41,3 +42,25 @@ def test_other_exceptions_of_finalizers_still_reach_the_hook_before(monkeypatch)
     with raises(signal.SIGTERM, Terminated):
         Failing()
     assert seen == [ValueError]
+
+
+def test_a_signal_sent_again_that_lands_in_the_hook_itself_is_not_lost(monkeypatch):
+    """On a busy machine the signal sent again from the hook can arrive before the hook returns, where
+    Python ignores what the handler raises too: the first time it is sent again at once, synchronously,
+    as if the hook's thread lost the CPU for longer than the delay; it must still stop the block."""
+    from ssl_vit import signals
+
+    sent = []
+
+    def at_once_then_later(pid, signum, delay_s):
+        if not sent:
+            sent.append(signum)
+            os.kill(pid, signum)  # handled right here, inside the hook
+        else:
+            threading.Timer(delay_s, os.kill, (pid, signum)).start()
+
+    monkeypatch.setattr(signals, "_send_again", at_once_then_later)
+    with pytest.raises(Terminated), raises(signal.SIGTERM, Terminated):
+        KilledInItsFinalizer()
+        time.sleep(5)
+    assert sent == [signal.SIGTERM]

@@ -70,7 +70,7 @@ def rgb_picture_before_bands(task, images, out, count=8):
     pixels = task.unnormalize(images[:count]).float()
     idx = out.idx[:count]
     if out.target.dtype == torch.long:
-        true = task.make_targets(pixels)
+        true = task.target.make(task, images[:count])
         pred = true.clone().scatter_(1, token_index(idx, true), out.pred[:count].argmax(-1))
         rows = [pixels, _colour_image(true, p, grid), _colour_image(pred, p, grid)]
     else:
@@ -148,7 +148,7 @@ def test_colour_picture_shows_true_and_predicted_mean_colours(digits_batch):
     model, images, out, picture = _picture("vit_mpp", digits_batch)
     assert picture.shape == (3, 3 * 33 + 1, 4 * 33 + 1)
     true_row = picture[:, 34:66, 1:33]
-    true = model.make_targets(model.unnormalize(images))[0]  # (16,) classes of image 0
+    true = model.target.make(model, images)[0]  # (16,) classes of image 0
     colours = torch.stack([true % 8, true // 8 % 8, true // 64], -1).float().add(0.5).div(8)
     torch.testing.assert_close(true_row[:, 0, 0], colours[0])  # top-left patch, its true mean colour
 

@@ -5,6 +5,7 @@ import timm
 import torch
 
 from ssl_vit import build_vit
+from ssl_vit.models.feature import FEATURES
 from ssl_vit.models.vit import EXAMPLE_VARIANTS, ViTConfig, parse_variant
 
 TINY = dict(width=64, depth=2, heads=2)
@@ -118,6 +119,20 @@ def test_feature_kinds_pool_as_the_papers_do(tiny):
         tiny.check_feature("lastk", last_k=3)
     with pytest.raises(ValueError, match=r"needs a \[class\] token.*use 'mean' or 'lastk'$"):
         gap.check_feature("cls")
+
+
+@pytest.mark.parametrize("pooling", ["cls", "gap"])
+def test_every_registered_feature_has_the_size_it_declares(pooling):
+    """Each feature of `ssl_vit.models.features`, read from one pass with the others, is (B, F) pooled or
+    (B, T, F) per token as its `size` says (what the evaluation's token cache is sized by)."""
+    vit = build_vit("S/8", 32, pooling=pooling, **TINY).eval()
+    kinds = tuple(name for name, f in FEATURES.items() if vit.cls_token is not None or not f.needs_cls)
+    with torch.no_grad():
+        found = vit.feature_set(torch.randn(3, 3, 32, 32), kinds, last_k=2)
+    assert tuple(found) == kinds and ("cls" in kinds) == (pooling == "cls")
+    for name in kinds:
+        tokens, width = FEATURES[name].size(16, vit.num_prefix_tokens, 64, 2)
+        assert found[name].shape == ((3, width) if FEATURES[name].pooled else (3, tokens, width)), name
 
 
 def test_kept_tokens_keep_their_own_position(tiny):

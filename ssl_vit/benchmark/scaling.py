@@ -70,7 +70,7 @@ def run_scaling(args) -> dict:
 
 
 def traffic_table() -> list[dict]:
-    from ssl_vit.info import mae_cost, vit_cost
+    from ssl_vit.models.cost import mae_cost, vit_cost
 
     rows = []
     for recipe, variant, task, batch, gpus in RECIPES:

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from ssl_vit import plugins
 from ssl_vit.errors import Interrupted, resource_error_message, user_error_message
 from ssl_vit.quiet import quiet, verbose_requested
 from ssl_vit.signals import Terminated, raises, received, recorded
@@ -22,12 +23,12 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ssl_vit import info
     from ssl_vit.cli import analyze as analysis_commands
     from ssl_vit.cli import bench as bench_commands
     from ssl_vit.cli import data as data_commands
     from ssl_vit.cli import evaluate as evaluation_commands
     from ssl_vit.cli import export as checkpoint_commands
+    from ssl_vit.cli import info
 
     parser = argparse.ArgumentParser(prog="ssl-vit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -51,11 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A user's mistake, however deep it was raised and however it was wrapped on the
     way up, ends as one line, `ssl-vit: error: WHAT: FIX`, and exit status 2; the machine running out
     of memory or disk space, or a DataLoader worker dying, as one such line and exit status 1. A
-    mistake in a fit's config is such a line too (`ssl_vit.cli.fit.config_error`); argparse's own usage
+    mistake in a fit's config is such a line too (`ssl_vit.cli.config_errors`); argparse's own usage
     errors of the other commands pass through as they are (usage message, exit 2)."""
     verbose, argv = verbose_requested(sys.argv[1:] if argv is None else argv)
     quiet(verbose)
     try:
+        plugins.load()  # before any parser: a plugin's presets, targets, kinds and sources are valid names
         if argv and argv[0] in LIGHTNING_COMMANDS:
             # Until the trainer's own handlers take over (a fit's from its setup on: a checkpoint at the
             # step's end, `ssl_vit.run.preemption`), SIGTERM ends the command with its one line, the run

@@ -23,13 +23,9 @@ from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import grouped
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import Features, extract_feature_set
-from ssl_vit.models.vit import LAST_K, TokenKind, ViT, ViTConfig
+from ssl_vit.models.feature import FEATURES
+from ssl_vit.models.vit import LAST_K, ViT, ViTConfig
 
-# ShardDataModule arguments a suite's `data` may set (the rest are the protocols' business).
-DATA_KEYS = (
-    "image_size", "batch_size", "num_workers", "channels", "mean", "std", "eval_crop_pct", "num_classes",
-    "seed", "read_retries", "read_timeout_s", "loader_timeout_s", "max_image_pixels",
-)  # fmt: skip
 # The share of free memory a split's token cache may take: building it holds the batches, their
 # concatenation and the copy in key order at once, about three times the cache itself.
 CACHE_SHARE = 0.3
@@ -41,9 +37,10 @@ class Index(NamedTuple):
 
 
 def datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
-    """The ShardDataModule arguments of a suite's data block (its splits' URLs aside), flat as the suite
-    writes them: a data module is built from them with `ssl_vit.data.options.grouped`."""
-    return {key: value for key, value in data.items() if key in DATA_KEYS}
+    """The ShardDataModule arguments of a suite's data block (`suite_file.DataBlock`): its keys but its
+    splits' URLs, flat as the suite writes them (a data module is built from them with
+    `ssl_vit.data.options.grouped`)."""
+    return {key: value for key, value in data.items() if not key.endswith("_urls")}
 
 
 def with_normalisation(data: dict[str, Any], datamodule: ShardDataModule) -> dict[str, Any]:
@@ -165,13 +162,13 @@ class FeatureCache:
     def token_bytes(self) -> int:
         """Bytes of the token kinds this cache holds per image (float32), and of a mask (uint8, at the
         image size) where the split has masks: 0 without token kinds."""
-        tokens, width = self.backbone.patch_embed.num_patches, self.backbone.embed_dim
-        per_kind = {
-            "tokens": (tokens + self.backbone.num_prefix_tokens) * width,
-            "patches": tokens * width,
-            "patches_lastk": tokens * width * LAST_K,
-        }
-        found = 4 * sum(per_kind[kind] for kind in self.kinds if kind in TokenKind.__args__)
+        vit = self.backbone
+        sizes = [
+            FEATURES[kind].size(vit.patch_embed.num_patches, vit.num_prefix_tokens, vit.embed_dim, LAST_K)
+            for kind in self.kinds
+            if not FEATURES[kind].pooled
+        ]
+        found = 4 * sum(tokens * width for tokens, width in sizes)
         return found + (self.datamodule.image_size**2 if found and self.datamodule.has_masks("train") else 0)
 
     def _check_memory(self, split: str) -> None:

@@ -11,7 +11,7 @@ through those alone, so a new kind is its keys and its run, in its own module.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -19,10 +19,12 @@ from pydantic.dataclasses import dataclass
 from ssl_vit.data.samples import MAX_CLASSES
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
+from ssl_vit.models.feature import FEATURES
+from ssl_vit.models.vit import FeatureKind
+from ssl_vit.registry import Registry
 
 if TYPE_CHECKING:
     from ssl_vit.evaluation.cache import FeatureCache
-    from ssl_vit.evaluation.suite import Suite
     from ssl_vit.models.vit import ViTConfig
 
 # Strict: a string is never read as a number, nor a number as a flag (`epochs: true`).
@@ -33,17 +35,6 @@ NonNegative = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 Momentum = Annotated[float, Field(ge=0, lt=1)]
 Seed = Annotated[int, Field(ge=0, lt=2**32)]  # torch's and numpy's generators take these
-
-# What each feature a protocol can read is, in words (verdicts and tables name the feature a result
-# rests on). The pooled ones are `ViT.features`; the token-level ones `ViT.feature_set`'s.
-FEATURES = {
-    "cls": "[class] token",
-    "mean": "mean patch token",
-    "lastk": "last blocks' [class] tokens",
-    "tokens": "all output tokens",
-    "patches": "patch tokens",
-    "patches_lastk": "last blocks' patch tokens",
-}
 
 
 class Outcome(NamedTuple):
@@ -60,7 +51,7 @@ class Protocol:
     name: str
     kind: str
     dataset: str | None = None  # a key of the suite's datasets; None: the first
-    feature: Literal["cls", "mean", "lastk"] = "cls"
+    feature: FeatureKind = "cls"
     classes: list[Annotated[int, Field(ge=0, lt=MAX_CLASSES)]] | None = None  # train and test on these only
 
     KIND: ClassVar[str] = ""  # the `kind:` value that selects the class (`register`)
@@ -97,7 +88,7 @@ class Protocol:
     def describe(self, column: str) -> str:
         """`fewshot_mean_5shot (few-shot, mean patch token)`: a column and what it rests on."""
         classes = f", classes {_classes(self.classes)}" if self.classes else ""
-        return f"{column} ({self.TITLE}, {FEATURES[self.feature]}{classes})"
+        return f"{column} ({self.TITLE}, {FEATURES[self.feature].words}{classes})"
 
     def needs_epoch_size(self) -> bool:
         """Whether it trains for epochs of the whole train split, whose size only a manifest knows."""
@@ -107,21 +98,20 @@ class Protocol:
         """Fill the defaults that depend on other keys, on the dataset block `data` or on the suite's
         `backbone`; refuse combinations that cannot run (one-line UserError, `where` first)."""
 
-    def run(self, features: FeatureCache, config: ViTConfig, suite: Suite) -> Outcome:
+    def run(self, features: FeatureCache, config: ViTConfig, seed: int, where: str) -> Outcome:
         """Evaluate the checkpoint whose frozen features (and backbone, `features.backbone`) `features`
-        holds on the suite's dataset; `config`: its architecture at the dataset's image size."""
+        holds on the suite's dataset; `config`: its architecture at the dataset's image size. `seed`:
+        the suite's, the same for every checkpoint (label subsets, held-out images, the order of cached
+        batches), so paired differences stay paired; `where` names the protocol in a one-line error."""
         raise NotImplementedError
 
 
-PROTOCOLS: dict[str, type[Protocol]] = {}
+PROTOCOLS = Registry("protocol kind")  # KIND -> its class
 
 
 def register(cls: type[Protocol]) -> type[Protocol]:
     """Class decorator: `kind: cls.KIND` in a suite selects `cls`."""
-    if not cls.KIND or cls.KIND in PROTOCOLS:
-        raise ValueError(f"{cls.__name__}: KIND {cls.KIND!r} is empty or registered twice")
-    PROTOCOLS[cls.KIND] = cls
-    return cls
+    return PROTOCOLS.add(cls.KIND, cls)
 
 
 def check_unique(values: list, what: str, where: str) -> None:

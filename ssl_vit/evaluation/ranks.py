@@ -1,10 +1,12 @@
 """`ssl-vit compare` under `torchrun`: the checkpoints (each run of a group on its own) dealt out to
 the ranks, each evaluated whole on its rank's device, the evaluations gathered on rank 0.
 
-A checkpoint's evaluation is its forward passes (one per split, `FeatureCache`) and its trained
-protocols; dealing whole checkpoints keeps every evaluation exactly what it is in one process (same
-seeds, same full passes, a Lightning trainer of its own), so the table does not depend on the number
-of ranks, and the ranks need no collective until the end.
+A checkpoint's evaluation is its forward passes (one per split, `FeatureCache`), its trained
+protocols and its heads' mean attention distances (`suite.attention_distances`, measured while its
+backbone is loaded: the report draws them and loads no checkpoint); dealing whole checkpoints keeps
+every evaluation exactly what it is in one process (same seeds, same full passes, a Lightning trainer
+of its own), so the table does not depend on the number of ranks, and the ranks need no collective
+until the end.
 
     torchrun --nproc-per-node 4 -m ssl_vit compare a=A.ckpt b=B.ckpt c=C.ckpt d=D.ckpt --suite S --out OUT
 """
@@ -22,6 +24,9 @@ from ssl_vit import progress
 from ssl_vit.errors import NoUsableData, user_error_message
 from ssl_vit.evaluation.suite import Evaluation, Suite, evaluate
 
+# The images each checkpoint's mean attention distances are measured on: a few suffice, a head's mean
+# attention distance varies little from image to image.
+ATTENTION_IMAGES = 64
 # Ranks reach the final gather when their last checkpoint is done, hours apart when fine-tuning
 # protocols differ; the rendezvous waits that long rather than fail the finished ranks.
 GATHER_TIMEOUT = timedelta(hours=24)
@@ -52,10 +57,11 @@ def evaluate_checkpoints(
 ) -> dict[str, list[Evaluation | Failed]] | None:
     """checkpoints: name -> sources (a group's pretraining runs). The runs, in order, are dealt out:
     rank r evaluates runs r, r + W, r + 2W, ... (W ranks), each with its replicate index within its
-    group. Returns name -> each run's `Evaluation` (record and per-image correctness, which rank 0's
-    intervals and paired differences need) or its Failed, on rank 0, and None on the other ranks. One
-    broken run never loses the others' results; data no run can be evaluated on (NoUsableData) stops
-    every rank at its first such run, and rank 0 with the one line, before anything is written."""
+    group. Returns name -> each run's `Evaluation` (record, with its attention distances, and per-image
+    correctness, which rank 0's intervals and paired differences need) or its Failed, on rank 0, and
+    None on the other ranks. One broken run never loses the others' results; data no run can be
+    evaluated on (NoUsableData) stops every rank at its first such run, and rank 0 with the one line,
+    before anything is written."""
     runs = [(name, i, source) for name, sources in checkpoints.items() for i, source in enumerate(sources)]
     grouped = {name for name, sources in checkpoints.items() if len(sources) > 1}
     rank, world_size = rank_and_world_size()
@@ -67,7 +73,7 @@ def evaluate_checkpoints(
         for k, (name, i, source) in enumerate(assigned):
             progress.run(k, f"{name}/{i + 1}" if name in grouped else name)  # as its results.json folder
             try:
-                mine[name, i] = evaluate(source, suite, replicate=i)
+                mine[name, i] = evaluate(source, suite, replicate=i, attention_images=ATTENTION_IMAGES)
             except Exception as err:
                 mine[name, i] = failure(err)
                 if mine[name, i].unusable:

@@ -42,46 +42,38 @@ import argparse
 import contextlib
 import copy
 import json
-import math
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
+from ssl_vit.analysis.attention import attention_distance
+from ssl_vit.analysis.images import read_images
 from ssl_vit.checkpoints import load_backbone
-from ssl_vit.data.checks import COUNT_MINIMUMS, SECONDS, check_counts, check_seconds
 from ssl_vit.data.urls import shard_directories
-from ssl_vit.errors import UserError, shown
-from ssl_vit.evaluation import kinds  # noqa: F401  (registers the protocol kinds)
-from ssl_vit.evaluation.cache import DATA_KEYS, FeatureCache
+from ssl_vit.errors import UserError
+from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.features import local_device
-from ssl_vit.evaluation.protocol import PROTOCOLS, Protocol
+from ssl_vit.evaluation.protocol import Protocol
 from ssl_vit.evaluation.scorable import check_classes, check_classes_seen, check_scorable
 from ssl_vit.evaluation.stats import Score, finite, interval, scored
+from ssl_vit.evaluation.suite_file import SuiteFile, file_problem, read_yaml
 from ssl_vit.models.vit import ViTConfig, parse_variant
 from ssl_vit.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.tasks.base import COST_KEY
 
 IMAGE_SIZE = 224  # ShardDataModule's default image_size, which a data block without one is read at
-# The suite's seed seeds numpy through Lightning's `seed_everything`, which takes 0 to 2^32 - 1; the
-# replicates of a group add their index to it.
-MAX_SEED = 2**31 - 1
-# Bootstrap resamples per interval: 1,000 is the usual; 100,000 already take minutes per column.
-MAX_RESAMPLES = 100_000
-# Data keys whose null means something (no manifest count, no limit, the default wait); the others'
-# null would reach the data module as a value.
-NULLABLE_DATA_KEYS = ("num_classes", "max_image_pixels", "loader_timeout_s")
+SUITE_FILE = TypeAdapter(SuiteFile)
 
 
 @dataclass
 class Suite:
     backbone: ViTConfig
-    datasets: dict[str, dict[str, Any]]  # name -> ShardDataModule arguments
+    datasets: dict[str, dict[str, Any]]  # name -> its data block (`suite_file.DataBlock`)
     protocols: list[Protocol]
     path: str = ""
     seed: int = 0  # seeds scratch initialisation, the trained protocols, label subsets and the bootstrap
@@ -107,66 +99,29 @@ class Suite:
 
 
 def load_suite(path: str | Path) -> Suite:
-    """Parse and check a suite file; every problem is a one-line UserError naming the fix."""
-    refuse_url(str(path), "suite")
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise UserError(f"suite {path} {what}; give a suite file (see recipes/eval/ for examples)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise UserError(f"suite {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    """Parse and check a suite file (`suite_file.SuiteFile`); every problem is a one-line UserError
+    naming the fix."""
+    raw = read_yaml(path, "suite", "give a suite file (see recipes/eval/ for examples)")
     if not isinstance(raw, dict) or "protocols" not in raw or ("data" in raw) == ("datasets" in raw):
         raise UserError(f"suite {path} needs 'protocols' and one of 'data' or 'datasets' (and 'backbone')")
-    _check_keys(raw, SUITE_KEYS, f"{path}")
-    backbone = ViTConfig.from_dict(raw.get("backbone") or {}, f"{path}: backbone")
-    if not isinstance(raw["protocols"], list) or not raw["protocols"]:
-        raise UserError(f"{path}: protocols should be a non-empty list of {{name: ..., kind: ...}} mappings")
-    protocols = [_protocol(p, path, i) for i, p in enumerate(raw["protocols"])]
-    names = [p.name for p in protocols]
-    if len(set(names)) != len(names):
-        raise UserError(f"{path}: protocol names must be unique, got {names}")
-    datasets = raw["datasets"] if "datasets" in raw else {"data": raw["data"]}
-    if not isinstance(datasets, dict) or not datasets:
-        raise UserError(
-            f"{path}: datasets should map names to data blocks, e.g. {{cifar10: {{train_urls: ...}}}}"
-        )
-    data_keys = ("train_urls", "val_urls", "test_urls", *DATA_KEYS)
+    try:
+        found = SUITE_FILE.validate_python(raw)
+    except ValidationError as err:
+        raise UserError(f"{path}: {file_problem(err)}") from None
+    datasets = found["datasets"] if "datasets" in found else {"data": found["data"]}
+    backbone = found.get("backbone", ViTConfig())
     for name, data in datasets.items():
-        where = f"{path}: {name}" if "datasets" in raw else f"{path}: data"
-        if not isinstance(data, dict):
-            raise UserError(
-                f"{where} is a {type(data).__name__}, not a mapping: give keys among {', '.join(data_keys)}"
-            )
-        _check_keys(data, data_keys, where)
-        _check_data_values(data, backbone, where)
-        for key in ("train_urls", "test_urls"):
-            if not data.get(key):
-                raise UserError(f"{path}: {name}.{key} is missing (train: probe/support, test: evaluation)")
+        _check_patches(data, backbone, f"{path}: {name}")
     backbone = _with_bands(backbone, datasets, raw.get("backbone") or {}, path)
-    for p in protocols:
+    for p in found["protocols"]:
         p.dataset = p.dataset or next(iter(datasets))
         if p.dataset not in datasets:
             valid = ", ".join(datasets)
             raise UserError(f"{path}: protocol {p.name!r} names dataset {p.dataset!r}; valid: {valid}")
         p.settle(datasets[p.dataset], backbone, f"{path}: protocol {p.name!r}")
         check_classes(p, datasets[p.dataset], f"{path}: protocol {p.name!r}")
-    seed, resamples = raw.get("seed", 0), raw.get("resamples", 1000)
-    if not _integer_in(seed, 0, MAX_SEED):
-        raise UserError(f"{path}: seed is {seed!r}: it should be an integer of 0 to {MAX_SEED:,}")
-    if not _integer_in(resamples, 100, MAX_RESAMPLES):
-        raise UserError(
-            f"{path}: resamples is {resamples!r}: it should be an integer of 100 to {MAX_RESAMPLES:,}"
-        )
-    return Suite(backbone, datasets, protocols, str(path), seed, resamples)
-
-
-def refuse_url(text: str, what: str) -> None:
-    """One line for a suite or claims file given as a URL: they are read from local files (a URL would
-    reach `Path` as `http:/...`, a file that does not exist)."""
-    if "://" in text or text.startswith("pipe:"):
-        raise UserError(f"{what} {text} is a URL: give a local file (fetch it first, e.g. with curl -o FILE)")
+    seed, resamples = found.get("seed", 0), found.get("resamples", 1000)
+    return Suite(backbone, datasets, found["protocols"], str(path), seed, resamples)
 
 
 def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
@@ -175,8 +130,6 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
     loads and fits the suite's backbone (`load_backbone`: it exists, is intact, its architecture matches
     or converts), every dataset's shards are there or reachable, and a trained protocol that sizes its
     epochs from a manifest has one. One line naming the row or the dataset and the fix."""
-    from ssl_vit.data.checks import check_shard_urls, read_policy
-
     for name, sources in checkpoints.items():
         for source in dict.fromkeys(sources):
             if source != "scratch":
@@ -185,35 +138,41 @@ def check_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> None:
                 except UserError as err:  # a compare row's name first (`evaluate`'s names the source)
                     raise UserError(str(err) if name == source else f"{name}: {err}") from None
     for name, data in suite.datasets.items():
-        urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
-        check_shard_urls(None, urls, read_policy(data))
-        datamodule = FeatureCache.datamodule_of(data)
-        dense = [p for p in suite.protocols if p.dataset == name and p.TARGET == "mask"]
-        if dense:
-            for split in ("train", "test"):
-                manifest = datamodule.split_manifest(split)
-                if manifest is not None and manifest.get("masks") is not True:
-                    raise UserError(
-                        f"{suite.path}: protocol {dense[0].name!r}: the {split} shards of {name} carry no "
-                        "segmentation masks (their manifest says so): give shards written by `ssl-vit data "
-                        "convert` from ade20k:, voc: or mosaic:"
-                    )
-        for p in suite.protocols:
-            if p.dataset == name:
-                check_scorable(p, datamodule, name, f"{suite.path}: protocol {p.name!r}")
-        sized = [p for p in suite.protocols if p.dataset == name and p.needs_epoch_size()]
-        if sized and FeatureCache.manifest_count(data) is None:
+        _check_dataset(name, data, suite)
+
+
+def _check_dataset(name: str, data: dict[str, Any], suite: Suite) -> None:
+    """`check_inputs` of one dataset: its shards, and what its protocols need of their manifests."""
+    from ssl_vit.data.checks import check_shard_urls, read_policy
+
+    urls = {f"{split}_urls": data.get(f"{split}_urls") for split in ("train", "val", "test")}
+    check_shard_urls(None, urls, read_policy(data))
+    datamodule = FeatureCache.datamodule_of(data)
+    protocols = [p for p in suite.protocols if p.dataset == name]
+    dense = [p for p in protocols if p.TARGET == "mask"]
+    for split in ("train", "test") if dense else ():
+        manifest = datamodule.split_manifest(split)
+        if manifest is not None and manifest.get("masks") is not True:
             raise UserError(
-                f"{suite.path}: protocol {sized[0].name!r}: train_urls of {name} have no manifest to size an "
-                "epoch by: give the protocol steps (optimizer steps instead of epochs), or shards written by "
-                "`ssl-vit data convert`"
+                f"{suite.path}: protocol {dense[0].name!r}: the {split} shards of {name} carry no "
+                "segmentation masks (their manifest says so): give shards written by `ssl-vit data "
+                "convert` from ade20k:, voc: or mosaic:"
             )
+    for p in protocols:
+        check_scorable(p, datamodule, name, f"{suite.path}: protocol {p.name!r}")
+    sized = [p for p in protocols if p.needs_epoch_size()]
+    if sized and FeatureCache.manifest_count(data) is None:
+        raise UserError(
+            f"{suite.path}: protocol {sized[0].name!r}: train_urls of {name} have no manifest to size an "
+            "epoch by: give the protocol steps (optimizer steps instead of epochs), or shards written by "
+            "`ssl-vit data convert`"
+        )
 
 
 def _with_bands(backbone: ViTConfig, datasets: dict, given: dict, path: Path) -> ViTConfig:
     """The suite's backbone reading its data's bands: `in_chans` = the datasets' `channels` (3 unless
     given), which every dataset of a suite shares (a checkpoint reads one band count)."""
-    bands = {name: data.get("channels", 3) for name, data in datasets.items()}  # checked: check_counts
+    bands = {name: data.get("channels", 3) for name, data in datasets.items()}
     if len(set(bands.values())) > 1:
         listed = ", ".join(f"{name} {count}" for name, count in bands.items())
         raise UserError(
@@ -229,94 +188,16 @@ def _with_bands(backbone: ViTConfig, datasets: dict, given: dict, path: Path) ->
     return replace(backbone, in_chans=channels)
 
 
-def _check_data_values(data: dict, backbone: ViTConfig, where: str) -> None:
-    """A data block's counts, normalisation and crop, and its image size, which the backbone's patches
-    must tile (a size other than the backbone's is read with its position embeddings resampled,
-    `dataset_backbone`)."""
-    for key, value in data.items():
-        if value is None and key not in NULLABLE_DATA_KEYS:
-            raise UserError(f"{where}: {key} is null: give a value, or leave the key out for its default")
-    check_counts({key: value for key, value in data.items() if key in COUNT_MINIMUMS}, f"{where}: ")
-    for key in ("mean", "std"):
-        values = data.get(key, "auto")
-        if values == "auto":  # the manifest's band_stats, read by the data module
-            continue
-        if not isinstance(values, list) or not values or not all(_number(v) for v in values):
-            raise UserError(
-                f"{where}: {key} is {shown(values)}: it should be a list of numbers, one per channel, or auto"
-            )
-        if key == "std" and not all(v > 0 for v in values):
-            raise UserError(f"{where}: std is {shown(values)}: each channel's std must be above 0")
-    crop = data.get("eval_crop_pct", 1.0)
-    if not _number(crop) or not 0 < crop <= 1:
-        raise UserError(f"{where}: eval_crop_pct is {crop!r}: it should be a number in (0, 1]")
-    check_seconds({key: value for key, value in data.items() if key in SECONDS}, f"{where}: ")
+def _check_patches(data: dict, backbone: ViTConfig, where: str) -> None:
+    """A data block's image size, which the backbone's patches must tile (a size other than the
+    backbone's is read with its position embeddings resampled, `dataset_backbone`)."""
     size = data.get("image_size", IMAGE_SIZE)
     patch = parse_variant(backbone.variant).patch_size
-    if isinstance(size, int) and size % patch:
+    if size % patch:
         raise UserError(
             f"{where}: image_size {size} is not a multiple of the backbone's patch size {patch}: give one "
             f"such as {max(patch, size // patch * patch)}"
         )
-
-
-# Top-level keys of a suite file; a data block's keys are train_urls, val_urls, test_urls and
-# protocols.DATA_KEYS.
-SUITE_KEYS = ("backbone", "data", "datasets", "protocols", "seed", "resamples")
-
-
-def _check_keys(values: dict, known: tuple[str, ...], where: str) -> None:
-    unknown = sorted(str(k) for k in values if k not in known)
-    if unknown:
-        raise UserError(f"{where}: unknown keys {unknown}: valid keys are {', '.join(known)}")
-
-
-def _protocol(values: Any, path: Path, index: int) -> Protocol:
-    """The suite file's protocol number `index`, as its kind's dataclass."""
-    where = f"{path}: protocol {index}"
-    if not isinstance(values, dict):
-        raise UserError(f"{where} is a {type(values).__name__}, not a mapping: give at least name and kind")
-    if isinstance(values.get("name"), str):
-        where = f"{path}: protocol {values['name']!r}"
-    kind = values.get("kind")
-    if not isinstance(kind, str) or kind not in PROTOCOLS:
-        raise UserError(f"{where} has kind {shown(kind)}; valid: {', '.join(PROTOCOLS)}")
-    cls = PROTOCOLS[kind]
-    _check_keys(values, tuple(f.name for f in fields(cls)), f"{where} ({kind})")
-    try:
-        return cls(**values)
-    except ValidationError as err:
-        raise UserError(f"{where}: {_problem(err)}") from None
-
-
-def _problem(err: ValidationError) -> str:
-    """The first problem pydantic found, as `KEY is VALUE: what it should be` (`lrs[1]` in a list)."""
-    first = err.errors()[0]
-    key = "".join(f"[{part}]" if isinstance(part, int) else str(part) for part in first["loc"][:2])
-    if first["type"] == "missing_argument":
-        return f"{key} is missing"
-    value, message = first["input"], first["msg"]
-    text = f"{key} is {value!r}: {message[0].lower()}{message[1:]}"
-    if isinstance(value, str) and _is_number(value):
-        text += " (YAML reads a number without a dot, such as 1e-3, as text: write 1.0e-3)"
-    return text
-
-
-def _integer_in(value: object, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _number(value: object) -> bool:
-    """A finite YAML number (not a flag)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 class Evaluation(NamedTuple):
@@ -325,7 +206,12 @@ class Evaluation(NamedTuple):
 
 
 def evaluate(
-    source: str, suite: Suite, out_dir: str | Path | None = None, replicate: int = 0, overwrite: bool = False
+    source: str,
+    suite: Suite,
+    out_dir: str | Path | None = None,
+    replicate: int = 0,
+    overwrite: bool = False,
+    attention_images: int = 0,
 ) -> Evaluation:
     """Run every protocol of `suite` on the checkpoint `source`; the record (also written to
     out_dir/results.json) is {"checkpoint", "backbone", "results": {column: accuracy}, "intervals":
@@ -335,6 +221,9 @@ def evaluate(
     replicate: the index of `source` among pretraining runs of one method; it offsets the seed of the
     scratch initialisation and the trained protocols, so `scratch` replicates are distinct draws.
 
+    attention_images: with a number, the record holds "attention_distance" too (`attention_distances`
+    on that many images): `compare` draws it from the records, and loads no checkpoint a second time.
+
     out_dir is checked and locked before anything runs (`outdir.Output`: a non-empty one only with
     `overwrite`, never one that is, holds or lies inside an input) and replaced once the record is complete.
     """
@@ -342,21 +231,20 @@ def evaluate(
         if out_dir is not None:
             inputs = evaluation_inputs({source: [source]}, suite)
             output = stack.enter_context(Output(out_dir, "evaluate", inputs, overwrite))
-        evaluation = _run_protocols(source, suite, replicate)
+        evaluation = _run_protocols(source, suite, replicate, attention_images)
         if out_dir is not None:
             with output.staged() as temp:
                 write_record(evaluation.record, temp)
     return evaluation
 
 
-def _run_protocols(source: str, suite: Suite, replicate: int) -> Evaluation:
+def _run_protocols(source: str, suite: Suite, replicate: int, attention_images: int) -> Evaluation:
     import pytorch_lightning as pl
 
     start = time.time()
     pl.seed_everything(suite.seed + replicate, verbose=False)
     backbone, config = load_backbone(source, suite.backbone)
     backbone.to(local_device())
-    results: dict[str, float] = {}
     details: dict[str, Any] = {}
     scores: dict[str, Score] = {}
     features = {
@@ -365,10 +253,13 @@ def _run_protocols(source: str, suite: Suite, replicate: int) -> Evaluation:
     }
     for protocol in suite.protocols:
         cache = features[protocol.dataset]
-        check_classes_seen(protocol, cache, f"{suite.path}: protocol {protocol.name!r}")
-        outcome = protocol.run(cache, cache.config, suite)
+        where = f"{suite.path}: protocol {protocol.name!r}"
+        check_classes_seen(protocol, cache, where)
+        outcome = protocol.run(cache, cache.config, suite.seed, where)
         scores.update(outcome.scores)
         details.update(outcome.details)
+    first = next(iter(features.values()))  # the first dataset's, which `compare`'s picture shows
+    attention = attention_distances(first, attention_images) if attention_images else None
     results = {column: score.value() for column, score in scores.items()}
     record = {
         "checkpoint": source,
@@ -393,10 +284,21 @@ def _run_protocols(source: str, suite: Suite, replicate: int) -> Evaluation:
             for column, value in results.items()
             if not scored(value)
         },
+        **({"attention_distance": attention} if attention else {}),
         "suite": suite.path,
         "seconds": round(time.time() - start, 1),
     }
     return Evaluation(record, scores)
+
+
+def attention_distances(cache: FeatureCache, images: int) -> dict[str, Any]:
+    """The ViT paper's mean attention distance (sec 4.5) of every head of the cache's backbone, on the
+    first `images` images of its dataset's test split as the protocols read them (its image size, its
+    normalisation): {"images": the number read, "per_head": (L, H) pixels as nested lists}."""
+    found = read_images(cache.datamodule, "test", images)[0]
+    cache.backbone.eval()
+    per_head = attention_distance(cache.backbone, found, batch_size=images)
+    return {"images": len(found), "per_head": per_head.tolist()}
 
 
 def evaluation_inputs(checkpoints: dict[str, list[str]], suite: Suite) -> list[Input]:

@@ -46,6 +46,7 @@ from ssl_vit.evaluation.protocol import (
 )
 from ssl_vit.evaluation.scoring import class_mask
 from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
+from ssl_vit.models.vit import WidthFeature
 from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
@@ -84,7 +85,7 @@ class TrainedProtocol(Protocol):
     part of it per label fraction), scored once on the test split at the end; a protocol with several
     candidates chooses among them first, on images the test split does not hold."""
 
-    feature: Literal["cls", "mean"] = "cls"
+    feature: WidthFeature = "cls"
     epochs: PositiveInt | None = None  # passes over the training (sub)set; 10 unless `steps` is given
     # optimizer steps instead of epochs: one number for every label fraction, or one per fraction
     steps: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] | None = None
@@ -159,6 +160,17 @@ class TrainedProtocol(Protocol):
         )
 
     def settle(self, data: dict[str, Any], backbone, where: str) -> None:
+        self._settle_length(where)
+        if self.batch_size is None:
+            self.batch_size = data.get("batch_size", DATA_BATCH_SIZE)
+        self._settle_optimizer(where)
+        self._check_augmentation(where)
+        if len(set(self.label_fractions)) != len(self.label_fractions):
+            raise UserError(f"{where}: label_fractions {self.label_fractions} repeat a fraction")
+        check_unique(self.lrs, "lrs", where)
+
+    def _settle_length(self, where: str) -> None:
+        """Epochs or steps, not both (10 epochs when neither); steps as one number or one per fraction."""
         if self.epochs is not None and self.steps is not None:
             raise UserError(
                 f"{where}: epochs and steps are both given: keep one (steps: the same for every fraction)"
@@ -170,8 +182,9 @@ class TrainedProtocol(Protocol):
                 f"{where}: steps {self.steps} gives {len(self.steps)} numbers for "
                 f"{len(self.label_fractions)} label_fractions: give one per fraction, or one number for all"
             )
-        if self.batch_size is None:
-            self.batch_size = data.get("batch_size", DATA_BATCH_SIZE)
+
+    def _settle_optimizer(self, where: str) -> None:
+        """adamw takes betas ([0.9, 0.999] unless given), sgd and lars momentum (0.9)."""
         if self.optimizer == "adamw":
             if self.momentum is not None:
                 raise UserError(f"{where}: momentum is for sgd and lars; adamw takes betas")
@@ -180,23 +193,24 @@ class TrainedProtocol(Protocol):
             if self.betas is not None:
                 raise UserError(f"{where}: betas are adamw's; {self.optimizer} takes momentum")
             self.momentum = 0.9 if self.momentum is None else self.momentum
+
+    def _check_augmentation(self, where: str) -> None:
+        """A crop scale of [smallest, largest] area; a RandAugment string timm reads, with `supervised`."""
         if self.crop_scale[0] > self.crop_scale[1]:
             raise UserError(f"{where}: crop_scale is {self.crop_scale}: give [smallest, largest] area")
-        if self.randaugment is not None:
-            if self.augmentation != "supervised":
-                raise UserError(
-                    f"{where}: randaugment is part of augmentation 'supervised', not {self.augmentation!r}"
-                )
-            try:
-                rand_augment_transform(self.randaugment, {})
-            except Exception:
-                raise UserError(
-                    f"{where}: randaugment is {self.randaugment!r}: give a timm RandAugment string such "
-                    "as 'rand-m9-mstd0.5-inc1'"
-                ) from None
-        if len(set(self.label_fractions)) != len(self.label_fractions):
-            raise UserError(f"{where}: label_fractions {self.label_fractions} repeat a fraction")
-        check_unique(self.lrs, "lrs", where)
+        if self.randaugment is None:
+            return
+        if self.augmentation != "supervised":
+            raise UserError(
+                f"{where}: randaugment is part of augmentation 'supervised', not {self.augmentation!r}"
+            )
+        try:
+            rand_augment_transform(self.randaugment, {})
+        except Exception:
+            raise UserError(
+                f"{where}: randaugment is {self.randaugment!r}: give a timm RandAugment string such "
+                "as 'rand-m9-mstd0.5-inc1'"
+            ) from None
 
     # --- what it is scored on: classification by default (a segmentation overrides these) ---
 
@@ -217,23 +231,23 @@ class TrainedProtocol(Protocol):
         column itself)."""
         return {None: Score(found[None])}
 
-    def run(self, features: FeatureCache, config, suite) -> Outcome:
+    def run(self, features: FeatureCache, config, seed: int, where: str) -> Outcome:
         """For each label fraction: train on its images (`training_set`), choose a candidate when there
         are several, score the test split with it (`fit_fraction`)."""
         scores, details = {}, {}
         for fraction in self.label_fractions:
             column = self.column(fraction)
-            plan = training_set(self, features, fraction, suite.seed)
-            found, detail = self.fit_fraction(plan, features, config, suite)
+            plan = training_set(self, features, fraction, seed)
+            found, detail = self.fit_fraction(plan, features, config, seed)
             scores.update({(column if key is None else f"{column}_{key}"): s for key, s in found.items()})
             details[column] = {**plan.used, **detail}
         return Outcome(scores, details)
 
     def fit_fraction(
-        self, plan: TrainingSet, features: FeatureCache, config, suite
+        self, plan: TrainingSet, features: FeatureCache, config, seed: int
     ) -> tuple[dict[str | None, Score], dict]:
         """Train on `plan`, choose, score the test split: ({column suffix: Score} (None: the column
-        itself), details)."""
+        itself), details); `seed` orders the batches of cached features (`train_cached`)."""
         raise NotImplementedError
 
 
@@ -391,10 +405,8 @@ def levelling(points: list[list[float]]) -> dict:
     return found
 
 
-def train_streamed(
-    model, protocol: TrainedProtocol, suite, features: FeatureCache, plan: TrainingSet
-) -> dict:
-    """Train `model` on the suite's train split (only the samples `plan.keys` when given) for the
+def train_streamed(model, protocol: TrainedProtocol, features: FeatureCache, plan: TrainingSet) -> dict:
+    """Train `model` on the dataset's train split (only the samples `plan.keys` when given) for the
     protocol's epochs or the plan's steps, through its training transform; the test split is never read
     here. Returns the optimizer steps taken, the last training loss and the loss curve."""
     import pytorch_lightning as pl
@@ -473,12 +485,12 @@ def _following(advance: Callable[[int], None], curve: _Curve):
 
 
 def train_cached(
-    model, protocol: TrainedProtocol, suite, features: FeatureCache, train: Features, steps: int | None
+    model, protocol: TrainedProtocol, features: FeatureCache, train: Features, steps: int | None, seed: int
 ) -> dict:
     """`train_streamed` for a frozen-backbone probe whose training transform is `eval`: its backbone
     would see exactly the images the cache holds features of, so the heads train on those features
     (`train`: pooled or token features and their labels or masks) instead of a forward pass per step,
-    for `steps` (None: the protocol's epochs).
+    for `steps` (None: the protocol's epochs), in an order drawn from `seed`.
     Same optimizer, schedule, batch size and epochs (an epoch: the training images in whole batches, at
     least one batch). Hand-written: a Lightning Trainer would add a DataLoader and device handling
     around a few hundred steps on tensors already in memory."""
@@ -488,7 +500,7 @@ def train_cached(
     targets = protocol.targets(train)
     size, count = protocol.batch_size, len(train.y)
     steps = steps or protocol.epochs * max(1, count // size)
-    generator = torch.Generator().manual_seed(suite.seed)
+    generator = torch.Generator().manual_seed(seed)
     # Consecutive shuffles of the training images, cut into batches (a set smaller than a batch repeats).
     order = torch.cat([torch.randperm(count, generator=generator) for _ in range(-(-steps * size // count))])
     optim = optimizer(protocol, protocol.lrs[0])(model.param_groups())  # each head's group has its lr

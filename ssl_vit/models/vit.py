@@ -25,6 +25,8 @@ from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
 from torch import Tensor
 
 from ssl_vit.errors import BadValue
+from ssl_vit.models import features as _features  # noqa: F401  (registers the features)
+from ssl_vit.models.feature import FEATURES, Readout, names
 
 # name -> (width, depth, heads, mlp_dim). B/L/H: ViT paper Table 1; Ti/S: DeiT; M: big_vision.
 VARIANTS: dict[str, tuple[int, int, int, int]] = {
@@ -41,15 +43,17 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
 HYBRID_STAGES: dict[int, tuple[int, ...]] = {16: (3, 4, 9), 32: (3, 4, 6, 3)}
 _VARIANT_RE = re.compile(r"^(?:(?P<hybrid>R50)\+)?(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
 EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R50+B/16")
-# Which feature of an image heads and frozen-feature protocols read (`ViT.features`); SSL papers differ on
-# it, so it is always an explicit, logged choice.
-FeatureKind = Literal["cls", "mean", "lastk"]
+# The features heads and frozen-feature protocols read (`ssl_vit.models.feature`, one module each in
+# `ssl_vit.models.features`): pooled, one vector per image (`ViT.features`), and of those the ones of the
+# backbone's width D (what a head of that width takes: not `lastk`'s k x D); one vector per token
+# (`ViT.feature_set`).
+FeatureKind = Literal[names(pooled=True)]
+WidthFeature = Literal[names(pooled=True, blocks=False)]
+TokenKind = Literal[names(pooled=False)]
 # The largest image side, width, depth, head count or MLP width a config may give: 3x the largest
 # ViT trained (ViT-22B: width 6,144, MLP 24,576, depth 48); a larger number is a mistake that would only
 # fail in an allocation.
 MAX_SIZE = 1 << 16
-# Token-level features, for probes that read every token (`ViT.feature_set`): one vector per token.
-TokenKind = Literal["tokens", "patches", "patches_lastk"]
 LAST_K = 4  # the blocks `lastk` and `patches_lastk` read by default (DINO's linear evaluation: the last 4)
 # The convolution that reads the input bands, by its key in timm's state dict: the patch embedding's, or
 # for hybrids the ResNet stem's (their `patch_embed.proj` is a 1x1 convolution over ResNet features).
@@ -161,95 +165,70 @@ class ViT(VisionTransformer):
         """images: (B, C, H, W) -> all named outputs of the plain (uncorrupted) forward."""
         return self.encode(self.embed_patches(images))
 
-    def check_feature(
-        self,
-        feature: str,
-        last_k: int = 4,
-        kinds: tuple[str, ...] = (*FeatureKind.__args__, *TokenKind.__args__),
-    ) -> None:
+    def check_feature(self, feature: str, last_k: int = 4, kinds: tuple[str, ...] | None = None) -> None:
         """Raise ValueError (one line) unless `features(images, feature, last_k)` can run; `kinds` narrows
-        the valid ones for callers whose heads take width D (no `lastk`)."""
+        the valid ones (default: every registered feature) for callers whose heads take width D (no
+        `lastk`) or read tokens."""
+        kinds = tuple(FEATURES) if kinds is None else kinds
         if feature not in kinds:
             raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(map(repr, kinds))}")
-        if feature == "cls" and self.cls_token is None:
-            # 'cls' is a pooled feature: its alternatives are the other pooled ones.
-            others = " or ".join(repr(k) for k in FeatureKind.__args__ if k != "cls" and k in kinds)
-            raise ValueError(
-                f"feature 'cls' needs a [class] token, but this backbone pools by global average ('gap'): "
-                f"use {others}"
+        chosen = FEATURES[feature]
+        if chosen.needs_cls and self.cls_token is None:
+            # its alternatives are the valid ones of its sort (pooled, or per token) that need none
+            others = " or ".join(
+                repr(name)
+                for name, other in FEATURES.items()
+                if name in kinds and other.pooled == chosen.pooled and not other.needs_cls
             )
-        if feature in ("lastk", "patches_lastk") and not 1 <= last_k <= len(self.blocks):
+            raise ValueError(
+                f"feature {feature!r} needs a [class] token, but this backbone pools by global average "
+                f"('gap'): use {others}"
+            )
+        if chosen.blocks and not 1 <= last_k <= len(self.blocks):
             raise ValueError(
                 f"last_k must be in [1, {len(self.blocks)}] (the backbone's depth), got {last_k}"
             )
 
     def features(self, images: Tensor, feature: FeatureKind, last_k: int = 4) -> Tensor:
         """images: (B, C, H, W) -> one feature per image (B, F): F = D for `cls`/`mean`, last_k x D for
-        `lastk` (check it first with `check_feature`).
-
-        - `cls`: the [class] token after the final norm (ViT paper; MAE's linear probe).
-        - `mean`: the mean of the patch tokens after the final norm. A global-average-pooling backbone
-          normalises after pooling instead (timm's `fc_norm`): its `pooled` output, the feature it was
-          trained with.
-        - `lastk`: the pooled token ([class] token, or normalised mean patch token for GAP backbones) of
-          each of the last k blocks, each through the final norm, concatenated: DINO's linear evaluation
-          ("concatenation of the [class] tokens of the last 4 blocks", `eval_linear.py`, n_last_blocks=4).
-        """
+        `lastk` (check it first with `check_feature`; each feature's module in `ssl_vit.models.features`
+        says what it is)."""
         return self.feature_set(images, (feature,), last_k)[feature]
 
     def feature_set(
         self, images: Tensor, kinds: tuple[FeatureKind | TokenKind, ...], last_k: int = 4
     ) -> dict[str, Tensor]:
         """images: (B, C, H, W) -> {kind: features} for every kind in `kinds`, all from one forward pass:
-        a suite that reads several kinds pays for the blocks once. Pooled kinds (see `features`) are
-        (B, F); token kinds are (B, T, F):
-
-        - `tokens`: every output token after the final norm, [class] token first (T = 1 + N; N without
-          one): what an attentive probe attends over;
-        - `patches`: the patch tokens after the final norm (T = N, in grid order): what a dense probe
-          classifies;
-        - `patches_lastk`: the patch tokens of each of the last k blocks, each through the final norm,
-          concatenated per token (F = last_k x D): the dense counterpart of `lastk` (DINOv2's linear
-          segmentation reads the last blocks' patch tokens).
-        """
-        if "lastk" not in kinds and "patches_lastk" not in kinds:
-            tokens = self.forward_tokens(images)
-            normed = None
+        a suite that reads several kinds pays for the blocks once. Pooled kinds are (B, F); token kinds
+        (B, T, F): `tokens` every output token ([class] token first), `patches` and `patches_lastk` the
+        patch tokens in grid order (`ssl_vit.models.features`)."""
+        if any(FEATURES[kind].blocks for kind in kinds):
+            readout = self.read_blocks(images, last_k)
         else:
-            # timm's forward_intermediates returns the last k blocks' outputs, un-normalised and split
-            # into (patches, prefix) pairs when there is a [class] token; forward_head(norm(.)) then pools
-            # each exactly as the final layer's `pooled` is (token or fc_norm(mean)), so lastk with k=1 ==
-            # pooled, and the last of them is the final layer itself.
-            blocks = self.forward_intermediates(
-                images, indices=last_k, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
-            )
-            normed = [
-                self.norm(torch.cat([out[1], out[0]], dim=1) if isinstance(out, tuple) else out)
-                for out in blocks
-            ]  # each (B, T, D)
-            pooled = [self.forward_head(x, pre_logits=True) for x in normed]
-            final = normed[-1]
-            tokens = Tokens(
-                cls=final[:, 0] if self.cls_token is not None else None,
-                patches=final[:, self.num_prefix_tokens :],
-                pooled=pooled[-1],
-            )
-        found: dict[str, Tensor] = {}
-        for kind in kinds:
-            if kind == "cls":
-                found[kind] = tokens.cls
-            elif kind == "mean":
-                found[kind] = tokens.pooled if self.cls_token is None else tokens.patches.mean(1)
-            elif kind == "lastk":
-                found[kind] = torch.cat(pooled, dim=1)  # (B, last_k * D)
-            elif kind == "tokens":
-                prefix = [] if tokens.cls is None else [tokens.cls[:, None]]
-                found[kind] = torch.cat([*prefix, tokens.patches], dim=1)  # (B, T, D)
-            elif kind == "patches":
-                found[kind] = tokens.patches  # (B, N, D)
-            else:
-                found[kind] = torch.cat([x[:, self.num_prefix_tokens :] for x in normed], dim=2)  # (B, N, kD)
-        return found
+            readout = Readout(self.forward_tokens(images), None, None, self.num_prefix_tokens)
+        return {kind: FEATURES[kind].read(readout) for kind in kinds}
+
+    def read_blocks(self, images: Tensor, last_k: int) -> Readout:
+        """images: (B, C, H, W) -> the final layer's outputs and the last `last_k` blocks', each through
+        the final norm, from one forward pass."""
+        # timm's forward_intermediates returns the last k blocks' outputs, un-normalised and split
+        # into (patches, prefix) pairs when there is a [class] token; forward_head(norm(.)) then pools
+        # each exactly as the final layer's `pooled` is (token or fc_norm(mean)), so lastk with k=1 ==
+        # pooled, and the last of them is the final layer itself.
+        blocks = self.forward_intermediates(
+            images, indices=last_k, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
+        )
+        normed = [
+            self.norm(torch.cat([out[1], out[0]], dim=1) if isinstance(out, tuple) else out) for out in blocks
+        ]  # each (B, T, D)
+        pooled = [self.forward_head(x, pre_logits=True) for x in normed]
+        final = normed[-1]
+        tokens = Tokens(
+            cls=final[:, 0] if self.cls_token is not None else None,
+            patches=final[:, self.num_prefix_tokens :],
+            pooled=pooled[-1],
+        )
+        return Readout(tokens, normed, pooled, self.num_prefix_tokens)
 
 
 def build_vit(

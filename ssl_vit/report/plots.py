@@ -1,4 +1,4 @@
-"""`compare`'s pictures, from the rows `report.aggregate` makes: fewshot.png, bars.png, compute.png,
+"""`compare`'s pictures, from the rows `writer.aggregate` makes: fewshot.png, bars.png, compute.png,
 label_efficiency.png, differences.png (a grid of paired differences against the baseline) and
 training_curves.png (each trained column's training loss, to see whether it levelled off). Each
 result is drawn in its own unit (accuracy, mIoU, pixel accuracy: `Suite.unit`); a result with nothing

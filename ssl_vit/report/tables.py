@@ -1,5 +1,5 @@
 """`compare`'s tables: results.csv, results.md (with paired differences against a baseline) and
-label_efficiency.csv, from the rows `report.aggregate` makes."""
+label_efficiency.csv, from the rows `writer.aggregate` makes."""
 
 from __future__ import annotations
 

@@ -29,25 +29,46 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
-from pydantic import ConfigDict, Field, ValidationError
-from pydantic.dataclasses import dataclass
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+from typing_extensions import Required, TypedDict
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import BadValue, UserError
+from ssl_vit.evaluation.protocol import STRICT
 from ssl_vit.evaluation.stats import LEVEL, Difference, contrast, scored
-from ssl_vit.evaluation.suite import Suite, refuse_url
+from ssl_vit.evaluation.suite import Suite
+from ssl_vit.evaluation.suite_file import FILE, problem, read_yaml
 
 READING = {"win": "holds beyond noise", "noise": "within noise", "loss": "reversed"}
-Names = Annotated[list[str], Field(min_length=1)]
 
 
-@dataclass(config=ConfigDict(strict=True, extra="forbid"))
-class Claim:
+def _listed(value: Any) -> Any:
+    """One name where a list goes (`rows: mae`): a list of it."""
+    return [value] if isinstance(value, str) else value
+
+
+Names = Annotated[list[str], Field(min_length=1), BeforeValidator(_listed)]
+
+
+class Claim(BaseModel):
+    """One claim of a claims file; validated with the comparison it is read on as context (`load_claims`):
+    rows it has, columns of its suite."""
+
+    model_config = FILE
+
     says: str  # the claim in words, the verdict's subject
     rows: Names  # rows that should be ahead
     against: Names  # the rows they should be ahead of
     columns: Names  # result columns the claim is read on
-    minus: list[str] | None = None  # per column, a column whose (row - against) is subtracted
+    # per column, a column whose (row - against) is subtracted
+    minus: Annotated[list[str] | None, BeforeValidator(_listed)] = None
 
     def comparisons(self) -> list[tuple[str, str, str, str | None]]:
         """(row, against, column, minus column or None) for every comparison the claim makes."""
@@ -60,74 +81,79 @@ class Claim:
             for column, less in zip(self.columns, minus)
         ]
 
+    @model_validator(mode="after")
+    def _readable(self, info: ValidationInfo) -> Claim:
+        """Its rows are the comparison's, its columns the suite's, each `minus` pairs with its column,
+        and it compares two rows at least (`info.context`: the suite and the row names; without them,
+        its types alone are checked)."""
+        if info.context is None:
+            return self
+        suite, names = info.context
+        for key in ("rows", "against"):
+            unknown = [name for name in getattr(self, key) if name not in names]
+            if unknown:
+                raise BadValue(f"{key} {unknown} name no row; rows: {', '.join(names)}")
+        columns = suite.columns()
+        for key in ("columns", "minus"):
+            unknown = [c for c in getattr(self, key) or [] if c not in columns]
+            if unknown:
+                raise BadValue(f"{key} {unknown} are not columns of the suite; columns: {', '.join(columns)}")
+        if self.minus is not None:
+            _check_minus(self, suite)
+        if not self.comparisons():
+            raise BadValue("rows and against are the same rows: a claim compares two")
+        return self
+
+
+def _check_minus(claim: Claim, suite: Suite) -> None:
+    """One `minus` column per column, each scored on the same test images and seeds as its column."""
+    if len(claim.minus) != len(claim.columns):
+        raise BadValue(f"minus has {len(claim.minus)} columns for {len(claim.columns)}: give one each")
+    for column, less in zip(claim.columns, claim.minus):
+        if _scored_on(suite, column) != _scored_on(suite, less):
+            raise BadValue(
+                f"{column} and {less} are not scored on the same test images and seeds (dataset, classes, "
+                "few-shot seeds): their difference has no paired interval"
+            )
+
+
+class ClaimsFile(TypedDict):
+    __pydantic_config__ = STRICT
+
+    claims: Required[Annotated[list[Claim], Field(min_length=1)]]
+
+
+CLAIMS_FILE = TypeAdapter(ClaimsFile)
+
 
 def load_claims(path: str | Path, suite: Suite, names: list[str]) -> list[Claim]:
     """Parse and check a claims file against the suite's columns and the comparison's row `names`;
     every problem is one line naming the claim, the key and the fix."""
-    refuse_url(str(path), "claims file")
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(
-            f"claims file {path} does not exist; give a YAML file (see recipes/study/claims.yaml)"
-        )
+    raw = read_yaml(path, "claims file", "give a YAML file (see recipes/study/claims.yaml)")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise UserError(f"claims file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("claims"), list) or not raw["claims"]:
-        raise UserError(f"{path}: give 'claims:', a non-empty list of {{says, rows, against, columns}}")
-    columns = suite.columns()
-    claims = []
-    for i, values in enumerate(raw["claims"]):
-        where = f"{path}: claim {i}"
-        if isinstance(values, dict):
-            values = {k: [v] if k in ("rows", "against", "columns", "minus") and isinstance(v, str) else v
-                      for k, v in values.items()}  # fmt: skip
-        try:
-            claim = Claim(**values) if isinstance(values, dict) else None
-        except (ValidationError, TypeError) as err:
-            raise UserError(f"{where}: {_problem(err)}") from None
-        if claim is None:
-            raise UserError(
-                f"{where} is a {type(values).__name__}: give a mapping {{says, rows, against, columns}}"
-            )
-        for key in ("rows", "against"):
-            unknown = [name for name in getattr(claim, key) if name not in names]
-            if unknown:
-                raise UserError(f"{where}: {key} {unknown} name no row; rows: {', '.join(names)}")
-        for key in ("columns", "minus"):
-            unknown = [c for c in getattr(claim, key) or [] if c not in columns]
-            if unknown:
-                raise UserError(
-                    f"{where}: {key} {unknown} are not columns of the suite; columns: {', '.join(columns)}"
-                )
-        if claim.minus is not None:
-            if len(claim.minus) != len(claim.columns):
-                raise UserError(
-                    f"{where}: minus has {len(claim.minus)} columns for {len(claim.columns)}: give one each"
-                )
-            for column, less in zip(claim.columns, claim.minus):
-                if _scored_on(suite, column) != _scored_on(suite, less):
-                    raise UserError(
-                        f"{where}: {column} and {less} are not scored on the same test images and seeds "
-                        "(dataset, classes, few-shot seeds): their difference has no paired interval"
-                    )
-        if not claim.comparisons():
-            raise UserError(f"{where}: rows and against are the same rows: a claim compares two")
-        claims.append(claim)
-    return claims
+        return CLAIMS_FILE.validate_python(raw, context=(suite, names))["claims"]
+    except ValidationError as err:
+        raise UserError(f"{path}{_problem(err.errors()[0])}") from None
 
 
-def _problem(err: Exception) -> str:
-    if not isinstance(err, ValidationError):
-        return str(err)
-    first = err.errors()[0]
-    key = ".".join(str(part) for part in first["loc"])
-    if first["type"] in ("missing", "missing_argument"):
-        return f"{key} is missing (give says, rows, against, columns)"
-    if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-        return f"unknown key {key}: valid keys are says, rows, against, columns, minus"
-    return f"{key} is {first['input']!r}: {first['msg'][0].lower()}{first['msg'][1:]}"
+def _problem(error: dict) -> str:
+    """The first problem of a claims file as `: claim N: ...` (nothing but `: ...` for the file's own)."""
+    loc = error["loc"]
+    if len(loc) < 2:
+        return ": give 'claims:', a non-empty list of {says, rows, against, columns}"
+    where = f": claim {loc[1]}"
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, UserError):
+        return f"{where}: {cause}"
+    if len(loc) == 2:
+        return (
+            f"{where} is a {type(error['input']).__name__}: give a mapping {{says, rows, against, columns}}"
+        )
+    if error["type"] == "missing":
+        return f"{where}: {loc[2]} is missing (give says, rows, against, columns)"
+    if error["type"] in ("extra_forbidden", "invalid_key"):
+        return f"{where}: unknown key {loc[2]}: valid keys are says, rows, against, columns, minus"
+    return f"{where}: {problem({**error, 'loc': loc[2:]})}"
 
 
 def _scored_on(suite: Suite, column: str) -> tuple:
@@ -154,7 +180,7 @@ def judge(
     claim: Claim, rows: dict[str, dict], suite: Suite
 ) -> tuple[list[tuple[tuple, Difference]], list[str]]:
     """Each comparison of `claim` with its paired interval, from the rows' Scores per column
-    (`report.aggregate`); comparisons with a failed row are left out, and so are those on a column a
+    (`writer.aggregate`); comparisons with a failed row are left out, and so are those on a column a
     row has no number in (nothing to score), which are returned as the second item (`row on column`)."""
     found, unscored = [], []
     for row, other, column, less in claim.comparisons():
@@ -206,7 +232,7 @@ def claims_text(claims: list[Claim], rows: list[dict], suite: Suite) -> str:
 
 def baseline_text(differences: dict[str, dict[str, Difference]], baseline: str, suite: Suite) -> str:
     """verdicts.md without claims: per row, the columns where it is above, within noise of and below
-    `baseline` (paired differences, `report.paired`)."""
+    `baseline` (paired differences, `writer.paired`)."""
     lines = [
         f"# Verdicts against {baseline}\n\nEach column is read from its paired {LEVEL:.0%} interval "
         f"({_LEGEND}).\n"

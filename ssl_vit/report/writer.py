@@ -1,4 +1,4 @@
-"""`ssl-vit compare`: one suite on many checkpoints, one table and a few pictures.
+"""What `ssl-vit compare` writes from the evaluations its ranks made: one table and a few pictures.
 
 A row is one checkpoint, or a group of pretraining runs of one method (`NAME=CKPT1,CKPT2,...`: its
 values are means over the runs, its intervals cover the spread between runs too, see `stats`).
@@ -12,13 +12,16 @@ examples per class, one line per checkpoint), bars.png (a bar chart per protocol
 (each result against pretraining FLOPs), with label fractions in a trained protocol label_efficiency.png
 and .csv (each result against the labelled training images used, one line per checkpoint, one row per
 checkpoint and fraction), with trained protocols training_curves.png (their training losses),
-attention_distance.png and .json (the ViT paper's mean attention
-distance against depth, sec 4.5, one curve per checkpoint, on `ATTENTION_IMAGES` images of the first
-dataset's test split), each checkpoint's own results.json (a group's runs under NAME/1, NAME/2, ...),
-and an offline W&B run with the table and the pictures. A checkpoint that fails gets its error in its
-row; the others' results are never lost. The numbers are written beside the output directory and moved
-into place before the pictures and the W&B run, which may fail without costing them (`ssl_vit.outdir`):
-it holds one comparison.
+attention_distance.png and .json (the ViT paper's mean attention distance against depth, sec 4.5, one
+curve per checkpoint, as each run's record holds it: measured on its rank while its backbone was loaded,
+`ranks.ATTENTION_IMAGES` images of the first dataset's test split), each checkpoint's own results.json
+(a group's runs under NAME/1, NAME/2, ...), and an offline W&B run with the table and the pictures. A
+checkpoint that fails gets its error in its row; the others' results are never lost. The numbers are
+written beside the output directory and moved into place before the pictures and the W&B run, which
+may fail without costing them (`ssl_vit.outdir`): it holds one comparison.
+
+Everything here reads the ranks' records and per-image statistics: intervals over a group's runs and
+paired differences need every rank's, and nothing here loads a checkpoint or reads a shard.
 """
 
 from __future__ import annotations
@@ -30,17 +33,11 @@ from typing import NamedTuple
 
 import torch
 
-from ssl_vit.analysis.attention import attention_distance
-from ssl_vit.analysis.images import read_images
 from ssl_vit.analysis.pictures import attention_distance_curves
-from ssl_vit.checkpoints import load_backbone
-from ssl_vit.data import ShardDataModule
-from ssl_vit.data.options import grouped
-from ssl_vit.evaluation.cache import FeatureCache, datamodule_args, with_normalisation
-from ssl_vit.evaluation.ranks import Failed, evaluate_checkpoints, failure
+from ssl_vit.evaluation.ranks import Failed
 from ssl_vit.evaluation.stats import Difference, Score, finite, interval, paired_difference, scored
-from ssl_vit.evaluation.suite import Suite, check_inputs, dataset_backbone, evaluation_inputs, write_record
-from ssl_vit.outdir import Input, Output
+from ssl_vit.evaluation.suite import Evaluation, Suite, write_record
+from ssl_vit.outdir import Output
 from ssl_vit.report.plots import (
     plot_bars,
     plot_compute,
@@ -61,9 +58,6 @@ from ssl_vit.report.tables import (
 )
 from ssl_vit.report.verdicts import Claim, baseline_text, claims_text
 
-# A few images suffice: a head's mean attention distance varies little from image to image.
-ATTENTION_IMAGES = 64
-
 # What `compare` writes at the top of its output directory beside one folder per row: no row is named so.
 OUTPUTS = (
     "results.csv", "results.md", "fewshot.png", "bars.png", "compute.png", "label_efficiency.png",
@@ -72,55 +66,41 @@ OUTPUTS = (
 )  # fmt: skip
 
 
-def compare(
-    checkpoints: dict[str, list[str]],
-    suite: Suite,
-    out_dir: str | Path,
-    baseline: str | None = None,
-    overwrite: bool = False,
-    claims: list[Claim] | None = None,
-    inputs: Iterable[Input] = (),
-) -> list[dict] | None:
-    """checkpoints: name -> sources (path, timm:NAME or scratch), several for replicate pretraining runs
-    of one method. baseline: a name; adds the paired differences of every other row against it.
-    claims: `verdicts.Claim`s (checked against the rows and columns) to give verdicts on in
-    verdicts.md; without them a baseline's differences are the verdicts. inputs: files read besides the
-    checkpoints and the suite (the claims file), which out_dir must keep out of.
-    out_dir is checked and locked before anything is evaluated (`outdir.Output`: a non-empty one only with
-    `overwrite`, never one that is, holds or lies inside an input) and replaced whole once the numbers
-    are written, so it never mixes two comparisons; the pictures and the W&B run follow.
-    Returns the rows written; under torchrun the runs are spread over the ranks (`ranks.py`) and only
-    rank 0 writes and returns them (None on the others); every rank checks out_dir alike."""
-    check_inputs(checkpoints, suite)
-    inputs = [*evaluation_inputs(checkpoints, suite), *inputs]
-    with Output(out_dir, "compare", inputs, overwrite) as output:
-        outcomes = evaluate_checkpoints(checkpoints, suite)
-        if outcomes is None:
-            return None
-        with output.staged() as temp:
-            report = write_results(outcomes, checkpoints, suite, temp, baseline, claims)
-        pictures = draw_pictures(report, suite, baseline, output)
-        output.optional(
-            "the W&B run",
-            lambda: log_to_wandb(report.rows, report.columns, pictures, output.path, report.differences),
-        )
-        if output.notes:  # what failed above, said where the numbers are
-            output.rewrite("results.md", results_markdown(report, suite, baseline, output.notes))
-    return report.rows
-
-
 class Report(NamedTuple):
     """What `compare` computed, as `write_results` wrote it: the pictures are drawn from it."""
 
     rows: list[dict]
     columns: list[str]
     differences: dict | None
-    curves: dict[str, torch.Tensor]  # name -> (L, H) mean attention distance in pixels
+    curves: dict[str, torch.Tensor]  # name -> (L, H x runs) mean attention distance in pixels
     notes: list[str]  # the runs' notes (`tables.all_notes`)
 
 
+def write_report(
+    outcomes: dict[str, list[Evaluation | Failed]],
+    checkpoints: dict[str, list[str]],
+    suite: Suite,
+    output: Output,
+    baseline: str | None = None,
+    claims: list[Claim] | None = None,
+) -> Report:
+    """`compare`'s output directory from the runs' outcomes (`ranks.evaluate_checkpoints`): the numbers
+    first, staged and moved into place whole; then the pictures and the W&B run, each of which may fail
+    as a warning and a note in results.md (`Output.optional`)."""
+    with output.staged() as temp:
+        report = write_results(outcomes, checkpoints, suite, temp, baseline, claims)
+    pictures = draw_pictures(report, suite, baseline, output)
+    output.optional(
+        "the W&B run",
+        lambda: log_to_wandb(report.rows, report.columns, pictures, output.path, report.differences),
+    )
+    if output.notes:  # what failed above, said where the numbers are
+        output.rewrite("results.md", results_markdown(report, suite, baseline, output.notes))
+    return report
+
+
 def write_results(
-    outcomes: dict[str, list],
+    outcomes: dict[str, list[Evaluation | Failed]],
     checkpoints: dict[str, list[str]],
     suite: Suite,
     out: Path,
@@ -129,37 +109,12 @@ def write_results(
 ) -> Report:
     """`compare`'s numbers in `out` from the runs' outcomes: each run's results.json, results.csv,
     results.md, verdicts.md, label_efficiency.csv and attention_distance.json."""
-    rows = []
-    curves: dict[str, torch.Tensor] = {}
-    images = None
-    for name, sources in checkpoints.items():
-        row = {"name": name, "checkpoint": ",".join(sources), "runs": len(sources), "error": ""}
-        runs = outcomes[name]
-        for i, run in enumerate(runs):
-            if not isinstance(run, Failed):
-                write_record(run.record, out / name / (str(i + 1) if len(sources) > 1 else ""))
-        failed = next((run for run in runs if isinstance(run, Failed)), None)
-        if failed is None:
-            try:
-                for i, source in enumerate(sources):
-                    if images is None:
-                        images = attention_images(suite)
-                    # A group's heads side by side: (L, H x runs); heads do not correspond across runs.
-                    curve = attention_curve(source, suite, images, i)
-                    curves[name] = torch.cat([curves[name], curve], 1) if name in curves else curve
-                row.update(aggregate(runs, suite))
-            except Exception as err:
-                failed = failure(err)
-                curves.pop(name, None)
-        if failed is not None:  # one broken checkpoint must not lose the others' results
-            row["error"] = failed.error
-            (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "error.txt").write_text(failed.traceback)
-        rows.append(row)
+    rows = [write_row(name, sources, outcomes[name], suite, out) for name, sources in checkpoints.items()]
     columns = suite.columns()
     differences = paired(rows, columns, baseline, suite) if baseline else None
     write_csv(rows, columns, out / "results.csv")
     records = [run.record for runs in outcomes.values() for run in runs if not isinstance(run, Failed)]
+    curves = {row["name"]: attention_curve(outcomes[row["name"]]) for row in rows if not row["error"]}
     report = Report(rows, columns, differences, curves, all_notes(records))
     (out / "results.md").write_text(results_markdown(report, suite, baseline))
     if claims:
@@ -169,8 +124,33 @@ def write_results(
     if label_efficiency_protocols(suite):
         write_label_efficiency(rows, suite, out / "label_efficiency.csv")
     if curves:
-        write_attention_distance(curves, len(images), out / "attention_distance.json")
+        images = records[0]["attention_distance"]["images"]  # the same images for every run
+        write_attention_distance(curves, images, out / "attention_distance.json")
     return report
+
+
+def write_row(
+    name: str, sources: list[str], runs: list[Evaluation | Failed], suite: Suite, out: Path
+) -> dict:
+    """One row of the table from its runs (`aggregate`), each run's results.json in out/NAME (a group's in
+    out/NAME/1, ...); a row with a failed run is that failure, its traceback in out/NAME/error.txt (one
+    broken checkpoint must not lose the others' results)."""
+    row = {"name": name, "checkpoint": ",".join(sources), "runs": len(sources), "error": ""}
+    for i, run in enumerate(runs):
+        if not isinstance(run, Failed):
+            write_record(run.record, out / name / (str(i + 1) if len(runs) > 1 else ""))
+    failed = next((run for run in runs if isinstance(run, Failed)), None)
+    if failed is None:
+        return {**row, **aggregate(runs, suite)}
+    (out / name).mkdir(parents=True, exist_ok=True)
+    (out / name / "error.txt").write_text(failed.traceback)
+    return {**row, "error": failed.error}
+
+
+def attention_curve(runs: list[Evaluation]) -> torch.Tensor:
+    """(L, H x runs): the mean attention distances (pixels) of a row's runs, as their records hold them,
+    a group's heads side by side (heads do not correspond across runs)."""
+    return torch.cat([torch.tensor(run.record["attention_distance"]["per_head"]) for run in runs], 1)
 
 
 def results_markdown(report: Report, suite: Suite, baseline: str | None, more: Iterable[str] = ()) -> str:
@@ -200,24 +180,6 @@ def draw_pictures(report: Report, suite: Suite, baseline: str | None, output: Ou
         drawings["attention_distance.png"] = lambda path: attention_distance_curves(report.curves, path)
     drawn = [output.picture(name, draw) for name, draw in drawings.items()]
     return [path for path in drawn if path is not None]
-
-
-def attention_images(suite: Suite) -> torch.Tensor:
-    """(n, C, H, W): the first `ATTENTION_IMAGES` images of the first dataset's test split, normalised."""
-    first = next(iter(suite.datasets.values()))
-    data = with_normalisation(first, FeatureCache.datamodule_of(first))
-    datamodule = ShardDataModule(**grouped(dict(test_urls=data["test_urls"], **datamodule_args(data))))
-    return read_images(datamodule, "test", ATTENTION_IMAGES)[0]
-
-
-def attention_curve(source: str, suite: Suite, images: torch.Tensor, replicate: int = 0) -> torch.Tensor:
-    """(L, H) mean attention distance (pixels) of every head of the checkpoint's backbone on `images` (the
-    first dataset's: at its image size, as `evaluate` read it)."""
-    torch.manual_seed(suite.seed + replicate)  # `scratch` is the same random backbone `evaluate` drew
-    backbone, config = load_backbone(source, suite.backbone)
-    backbone, _ = dataset_backbone(backbone, config, next(iter(suite.datasets.values())))
-    backbone.eval()
-    return attention_distance(backbone, images, batch_size=ATTENTION_IMAGES)
 
 
 def write_attention_distance(curves: dict[str, torch.Tensor], images: int, path: Path) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -41,12 +41,228 @@ from ssl_vit.run.rollback import SafeSteps, count_skipped, restore_learner
 from ssl_vit.run.spikes import NON_FINITE, SPIKE, SpikeDetector
 from ssl_vit.tracking import logging_step
 
-Policy = Literal["skip", "stop", "rollback"]
-
 
 class NonFiniteError(UserError):
     """Training stopped on a non-finite loss or gradient, or a loss spike it may no longer roll back; the
     message names the step and the fix."""
+
+
+# --- the policies: what differs between skip, stop and rollback --------------------------------------
+
+
+class NonFinitePolicy:
+    """What a policy does at the guard's hooks where the policies differ; here: nothing. A policy acts
+    through its guard (`skip`, `stop`) and keeps there what a checkpoint records of it (so a run may
+    resume under another policy); what it holds itself lasts one step, or until the next check."""
+
+    name: ClassVar[str]  # the `nonfinite.policy` value that chooses it (`POLICIES`)
+    # Under 16-mixed the gradient scaler skips non-finite steps itself: a policy that does not judge
+    # those steps too leaves them to it.
+    judges_scaled_steps: ClassVar[bool] = False
+
+    def __init__(self, guard: NonFiniteGuard) -> None:
+        self.guard = guard
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """At the fit's setup."""
+
+    def on_fit_start(self, trainer: pl.Trainer) -> None:
+        pass
+
+    def on_train_batch_start(self, trainer: pl.Trainer) -> None:
+        pass
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """`loss`: a micro-batch's, already divided by the micro-batches of the step."""
+
+    def on_gradients(self, trainer: pl.Trainer, optimizer, norm: torch.Tensor, scaler: bool) -> None:
+        """Before the optimizer step: `norm` is this rank's gradient norm (0-dim, on the device); `scaler`:
+        the gradients are the gradient scaler's (16-mixed). Zeroing `optimizer`'s gradients drops the
+        step's update."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, outputs) -> None:
+        pass
+
+    def on_save_checkpoint(self, trainer: pl.Trainer) -> None:
+        pass
+
+
+class SkipPolicy(NonFinitePolicy):
+    """A step whose gradients are not finite on any rank is not applied: one host read per step."""
+
+    name = "skip"
+
+    def on_gradients(self, trainer: pl.Trainer, optimizer, norm: torch.Tensor, scaler: bool) -> None:
+        if trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(norm)), all=False):
+            optimizer.zero_grad(set_to_none=True)  # torch optimizers leave parameters without grad untouched
+            self.guard.skip(trainer, trainer.global_step, NON_FINITE)
+
+
+class StopPolicy(NonFinitePolicy):
+    """The first step whose gradients are not finite, kept on the device and read every
+    `check_every_n_steps` steps and before every save: no host synchronisation in between."""
+
+    name = "stop"
+
+    def __init__(self, guard: NonFiniteGuard) -> None:
+        super().__init__(guard)
+        self.first_bad: torch.Tensor | None = None  # the first bad step, -1 while none, on the device
+
+    def on_gradients(self, trainer: pl.Trainer, optimizer, norm: torch.Tensor, scaler: bool) -> None:
+        bad = ~torch.isfinite(norm)
+        if self.first_bad is None:
+            self.first_bad = torch.full((), -1, dtype=torch.long, device=bad.device)
+        self.first_bad = torch.where(bad & (self.first_bad < 0), trainer.global_step, self.first_bad)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, outputs) -> None:
+        every = self.guard.check_every or trainer.log_every_n_steps
+        if trainer.global_step % max(1, every) == 0:
+            self.check(trainer)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: pl.Trainer) -> None:
+        """Stops the run if any rank has seen a bad step: one reduction and one host read."""
+        first = int(self.first_bad) if self.first_bad is not None else -1
+        first = int(trainer.strategy.reduce(torch.tensor(first, dtype=torch.float64), reduce_op="max"))
+        if first >= 0:
+            self.guard.stop(trainer, f"{NON_FINITE} at step {first}")
+
+
+class RollbackPolicy(NonFinitePolicy):
+    """A loss spike or a non-finite step (`SpikeDetector`) is not applied, and at the end of its step every
+    rank returns to the newest intact checkpoint and steps over the batches since (the module's
+    docstring); before the first checkpoint the step is skipped, after `max_rollbacks` the run stops."""
+
+    name = "rollback"
+    judges_scaled_steps = True
+
+    def __init__(self, guard: NonFiniteGuard) -> None:
+        super().__init__(guard)
+        self.loss: torch.Tensor | None = None  # the step's loss so far, on the device
+        self.spike: dict[str, Any] | None = None  # this step's, found before its update
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        checkpointing = trainer.checkpoint_callback is not None
+        check_rollback(checkpointing, trainer.datamodule, str(trainer.precision), self.guard.safe)
+
+    def on_fit_start(self, trainer: pl.Trainer) -> None:
+        self.guard.safe.attach(trainer)
+
+    def on_train_batch_start(self, trainer: pl.Trainer) -> None:
+        self.guard.safe.before_batch(trainer)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        loss = loss.detach()  # summed over the step's micro-batches (each already divided by them)
+        self.loss = loss if self.loss is None else self.loss + loss
+
+    def on_gradients(self, trainer: pl.Trainer, optimizer, norm: torch.Tensor, scaler: bool) -> None:
+        detector = self.guard.detector
+        loss, finite = self.read(trainer, norm, scaler)
+        reason = detector.judge(loss, finite, scaler)
+        if reason is not None:
+            optimizer.zero_grad(set_to_none=True)  # (16-mixed: the scaler skips it then too)
+            self.spike = {"step": trainer.global_step, "loss": loss if finite else None}
+            self.spike.update(median=detector.median, reason=reason)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, outputs) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return
+        guard = self.guard
+        spike, self.spike = self.spike, None
+        if spike is None:
+            guard.safe.after_step(trainer)
+            return
+        anchor, none = self.anchor(trainer, spike["step"])
+        if anchor is None:
+            guard.skip(trainer, spike["step"], f"{spike_detail(spike)}; {none}")
+        elif len(guard.rollbacks) >= guard.max_rollbacks:
+            what = "a " if spike["reason"] == SPIKE else ""
+            guard.stop(
+                trainer,
+                f"{what}{spike['reason']} at step {spike['step']} ({spike_detail(spike)}) after "
+                f"{guard.max_rollbacks} rollback(s), nonfinite.max_rollbacks",
+            )
+        else:
+            self.roll_back(trainer, anchor, spike)
+            if isinstance(outputs, dict):
+                # The hooks after this one (health, pictures) would take the spike's outputs for those
+                # of the rolled-back step.
+                outputs.clear()
+
+    def read(self, trainer: pl.Trainer, norm: torch.Tensor, scaler: bool) -> tuple[float, bool]:
+        """The step's loss, highest over the ranks, and whether every rank's loss and gradient norm are
+        finite: one reduction and one host read."""
+        loss, self.loss = self.loss, None
+        if loss is None:
+            loss = torch.zeros((), device=norm.device)
+        elif scaler:  # on_before_backward saw it multiplied by the scale (torch has no public async getter)
+            loss = loss / trainer.precision_plugin.scaler._get_scale_async()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        stats = torch.stack([torch.where(bad, torch.zeros_like(loss), loss).float(), bad.float()])
+        high, worst = trainer.strategy.reduce(stats, reduce_op="max").tolist()
+        return high, not worst
+
+    def anchor(self, trainer: pl.Trainer, step: int) -> tuple[str | None, str]:
+        """The newest intact checkpoint of the run saved at or before `step` (rank 0 looks, every rank
+        gets its answer), or None and why there is none."""
+        found, none = None, "no checkpoint to roll back to yet"
+        if trainer.is_global_zero:
+            try:
+                found = resumable(last_path(trainer).parent, max_step=step)
+            except NothingIntact as err:  # every one damaged: nothing good to return to, and they are said
+                damaged = "; ".join(f"{path.name}: {why}" for path, why in err.damaged)
+                none = f"no checkpoint to roll back to: every one saved by step {step} is damaged ({damaged})"
+        found, none = trainer.strategy.broadcast((str(found) if found is not None else None, none))
+        return found, none
+
+    def roll_back(self, trainer: pl.Trainer, anchor: str, spike: dict[str, Any]) -> None:
+        guard = self.guard
+        seconds, clock = {}, time.perf_counter()
+        to_step, first = restore_learner(trainer, anchor)
+        seconds["restore"], clock = time.perf_counter() - clock, time.perf_counter()
+        last = trainer.fit_loop.epoch_loop.total_batch_idx  # the spike's batch, counted from the run's first
+        wanted = guard.skip_batches if guard.skip_batches is not None else 2 * (last + 1 - first)
+        accumulate = trainer.accumulate_grad_batches  # whole optimizer steps, so accumulation stays in phase
+        skipped = trainer.datamodule.skip_batches(math.ceil(wanted / accumulate) * accumulate)
+        count_skipped(trainer, skipped)
+        guard.safe.start()
+        seconds["data"], clock = time.perf_counter() - clock, time.perf_counter()
+        record = {
+            "step": spike["step"], "to_step": to_step, "loss": spike["loss"], "median": spike["median"],
+            "reason": spike["reason"], "batches": [first, last + skipped], "checkpoint": anchor,
+            "seconds": seconds,
+        }  # fmt: skip
+        guard.rollbacks.append(record)
+        for logger in trainer.loggers:
+            if callable(getattr(logger, "rewind", None)):
+                logger.rewind(to_step)
+        _log(
+            trainer,
+            {
+                "rollback/count": float(len(guard.rollbacks)),
+                "rollback/from_step": float(spike["step"]),
+                "rollback/to_step": float(to_step),
+                "rollback/skipped_batches": float(last + skipped - first + 1),
+            },
+            to_step,
+        )
+        seconds["wandb"], clock = time.perf_counter() - clock, time.perf_counter()
+        save = getattr(trainer.checkpoint_callback, "save_rolled_back", None)  # ssl-vit's LastLinkCheckpoint
+        if save is not None:
+            save(trainer)
+        else:
+            trainer.save_checkpoint(last_path(trainer), weights_only=False)
+        seconds["save"] = time.perf_counter() - clock
+        _say(trainer, rollback_line(record))
+
+
+POLICIES: dict[str, type[NonFinitePolicy]] = {p.name: p for p in (SkipPolicy, StopPolicy, RollbackPolicy)}
+Policy = Literal[tuple(POLICIES)]  # `nonfinite.policy`: the CLI lists these choices
+
+
+# --- the guard ------------------------------------------------------------------------------------------
 
 
 class NonFiniteGuard(pl.Callback):
@@ -79,6 +295,8 @@ class NonFiniteGuard(pl.Callback):
 
     With `16-mixed` precision, AMP's GradScaler already skips overflowing steps and lowers its scale:
     `skip` and `stop` then leave the steps to it and only keep non-finite states out of checkpoints.
+    The policy, chosen once from `policy` (`POLICIES`), acts at the hooks; the guard keeps what a
+    checkpoint records (`state_dict`) and the refusal to save a non-finite state, the same for all.
     """
 
     def __init__(
@@ -95,8 +313,8 @@ class NonFiniteGuard(pl.Callback):
         safe_fp32: bool = False,
         lr_scale: float = 1.0,
     ) -> None:
-        if policy not in ("skip", "stop", "rollback"):
-            raise BadValue(f"policy must be 'skip', 'stop' or 'rollback', got {policy!r}")
+        if policy not in POLICIES:
+            raise BadValue(f"policy must be {_choices(POLICIES)}, got {policy!r}")
         for name, value in (("max_skips", max_skips), ("max_rollbacks", max_rollbacks)):
             if value < 0:
                 raise BadValue(f"{name} must be >= 0, got {value}")
@@ -109,16 +327,14 @@ class NonFiniteGuard(pl.Callback):
             raise BadValue(
                 f"skip_batches must be >= 0 (or unset: twice the batches rolled back), got {skip_batches}"
             )
-        self.policy, self.max_skips, self.check_every = policy, max_skips, check_every_n_steps
+        self.max_skips, self.check_every = max_skips, check_every_n_steps
         self.skip_batches, self.max_rollbacks = skip_batches, max_rollbacks
         self.detector = SpikeDetector(window, spike_factor, patience)
         self.safe = SafeSteps(safe_steps, safe_fp32, lr_scale)
         self.skipped = 0
-        self.rollbacks: list[dict[str, Any]] = []  # one record per rollback (`_roll_back`)
+        self.rollbacks: list[dict[str, Any]] = []  # one record per rollback (`RollbackPolicy.roll_back`)
         self.bad_validations: list[dict[str, Any]] = []  # passes with a non-finite loss (`on_validation_end`)
-        self._first_bad: torch.Tensor | None = None  # `stop`: first bad step, -1 while none, on the device
-        self._loss: torch.Tensor | None = None  # `rollback`: the step's loss so far, on the device
-        self._spike: dict[str, Any] | None = None  # `rollback`: this step's, found before its update
+        self.policy: NonFinitePolicy = POLICIES[policy](self)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -136,90 +352,39 @@ class NonFiniteGuard(pl.Callback):
         self.detector.load_state_dict(state_dict.get("detector", {}))
         self.safe.left = state_dict.get("safe_steps_left", 0)
 
-    # --- hooks -----------------------------------------------------------------------------------------
+    # --- hooks: the policy's, then what every policy shares ------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.policy == "rollback":
-            check_rollback(
-                trainer.checkpoint_callback is not None, trainer.datamodule, str(trainer.precision), self.safe
-            )
+        if stage == "fit":
+            self.policy.setup(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.policy == "rollback":
-            self.safe.attach(trainer)
+        self.policy.on_fit_start(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.safe.detach(trainer)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch, batch_idx) -> None:
-        if self.policy == "rollback":
-            self.safe.before_batch(trainer)
+        self.policy.on_train_batch_start(trainer)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module, loss: torch.Tensor) -> None:
-        if self.policy == "rollback":  # summed over the step's micro-batches (each already divided by them)
-            loss = loss.detach()
-            self._loss = loss if self._loss is None else self._loss + loss
+        self.policy.on_before_backward(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         scaler = "16-mixed" == str(trainer.precision)
-        if scaler and self.policy != "rollback":
+        if scaler and not self.policy.judges_scaled_steps:
             return
-        # This rank's gradients (its shards under FSDP2): whether any rank's is not finite is reduced below.
+        # This rank's gradients (its shards under FSDP2): whether any rank's is not finite is reduced by
+        # the policy.
         grads = [
             _local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
         ]
-        if not grads:
-            return
-        norm = torch.nn.utils.get_total_norm(grads)  # one fused pass over the gradients
-        step = trainer.global_step
-        if self.policy == "stop":
-            bad = ~torch.isfinite(norm)
-            if self._first_bad is None:
-                self._first_bad = torch.full((), -1, dtype=torch.long, device=bad.device)
-            self._first_bad = torch.where(bad & (self._first_bad < 0), step, self._first_bad)
-            return
-        if self.policy == "skip":
-            if trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(norm)), all=False):
-                optimizer.zero_grad(
-                    set_to_none=True
-                )  # torch optimizers leave parameters without grad untouched
-                self._skip(trainer, step, NON_FINITE)
-            return
-        loss, finite = self._read(trainer, norm, scaler)
-        reason = self.detector.judge(loss, finite, scaler)
-        if reason is not None:
-            optimizer.zero_grad(set_to_none=True)  # (16-mixed: the scaler skips it then too)
-            self._spike = {"step": step, "loss": loss if finite else None, "median": self.detector.median}
-            self._spike["reason"] = reason
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)  # one fused pass over the gradients
+            self.policy.on_gradients(trainer, optimizer, norm, scaler)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.policy == "stop":
-            every = self.check_every or trainer.log_every_n_steps
-            if trainer.global_step % max(1, every) == 0:
-                self._check_stop(trainer)
-            return
-        if self.policy != "rollback" or trainer.fit_loop._should_accumulate():
-            return
-        spike, self._spike = self._spike, None
-        if spike is None:
-            self.safe.after_step(trainer)
-            return
-        anchor, none = self._anchor(trainer, spike["step"])
-        if anchor is None:
-            self._skip(trainer, spike["step"], f"{spike_detail(spike)}; {none}")
-        elif len(self.rollbacks) >= self.max_rollbacks:
-            what = "a " if spike["reason"] == SPIKE else ""
-            self._stop(
-                trainer,
-                f"{what}{spike['reason']} at step {spike['step']} ({spike_detail(spike)}) after "
-                f"{self.max_rollbacks} rollback(s), nonfinite.max_rollbacks",
-            )
-        else:
-            self._roll_back(trainer, anchor, spike)
-            if isinstance(outputs, dict):
-                # The hooks after this one (health, pictures) would take the spike's outputs for those
-                # of the rolled-back step.
-                outputs.clear()
+        self.policy.on_train_batch_end(trainer, outputs)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A validation loss that is not finite decides nothing (training goes on: the training loss and
@@ -244,94 +409,24 @@ class NonFiniteGuard(pl.Callback):
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
         """Refuse to save a non-finite state: it would replace the last good checkpoint."""
-        if self.policy == "stop":
-            self._check_stop(trainer)
+        self.policy.on_save_checkpoint(trainer)
         finite = torch.stack([torch.isfinite(p).all() for p in pl_module.parameters()]).all()
         if trainer.strategy.reduce_boolean_decision(not bool(finite), all=False):
             step = trainer.global_step
-            self._stop(trainer, f"{NON_FINITE} at step {step} (the weights are no longer finite)")
+            self.stop(trainer, f"{NON_FINITE} at step {step} (the weights are no longer finite)")
 
-    # --- decisions ---------------------------------------------------------------------------------
+    # --- where the policies' decisions end ---------------------------------------------------------------
 
-    def _read(self, trainer: pl.Trainer, norm: torch.Tensor, scaler: bool) -> tuple[float, bool]:
-        """The step's loss, highest over the ranks, and whether every rank's loss and gradient norm are
-        finite: one reduction and one host read."""
-        loss, self._loss = self._loss, None
-        if loss is None:
-            loss = torch.zeros((), device=norm.device)
-        elif scaler:  # on_before_backward saw it multiplied by the scale (torch has no public async getter)
-            loss = loss / trainer.precision_plugin.scaler._get_scale_async()
-        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
-        stats = torch.stack([torch.where(bad, torch.zeros_like(loss), loss).float(), bad.float()])
-        high, worst = trainer.strategy.reduce(stats, reduce_op="max").tolist()
-        return high, not worst
-
-    def _anchor(self, trainer: pl.Trainer, step: int) -> tuple[str | None, str]:
-        """The newest intact checkpoint of the run saved at or before `step` (rank 0 looks, every rank
-        gets its answer), or None and why there is none."""
-        found, none = None, "no checkpoint to roll back to yet"
-        if trainer.is_global_zero:
-            try:
-                found = resumable(last_path(trainer).parent, max_step=step)
-            except NothingIntact as err:  # every one damaged: nothing good to return to, and they are said
-                damaged = "; ".join(f"{path.name}: {why}" for path, why in err.damaged)
-                none = f"no checkpoint to roll back to: every one saved by step {step} is damaged ({damaged})"
-        found, none = trainer.strategy.broadcast((str(found) if found is not None else None, none))
-        return found, none
-
-    def _roll_back(self, trainer: pl.Trainer, anchor: str, spike: dict[str, Any]) -> None:
-        seconds, clock = {}, time.perf_counter()
-        to_step, first = restore_learner(trainer, anchor)
-        seconds["restore"], clock = time.perf_counter() - clock, time.perf_counter()
-        last = trainer.fit_loop.epoch_loop.total_batch_idx  # the spike's batch, counted from the run's first
-        wanted = self.skip_batches if self.skip_batches is not None else 2 * (last + 1 - first)
-        accumulate = trainer.accumulate_grad_batches  # whole optimizer steps, so accumulation stays in phase
-        skipped = trainer.datamodule.skip_batches(math.ceil(wanted / accumulate) * accumulate)
-        count_skipped(trainer, skipped)
-        self.safe.start()
-        seconds["data"], clock = time.perf_counter() - clock, time.perf_counter()
-        record = {
-            "step": spike["step"], "to_step": to_step, "loss": spike["loss"], "median": spike["median"],
-            "reason": spike["reason"], "batches": [first, last + skipped], "checkpoint": anchor,
-            "seconds": seconds,
-        }  # fmt: skip
-        self.rollbacks.append(record)
-        for logger in trainer.loggers:
-            if callable(getattr(logger, "rewind", None)):
-                logger.rewind(to_step)
-        _log(
-            trainer,
-            {
-                "rollback/count": float(len(self.rollbacks)),
-                "rollback/from_step": float(spike["step"]),
-                "rollback/to_step": float(to_step),
-                "rollback/skipped_batches": float(last + skipped - first + 1),
-            },
-            to_step,
-        )
-        seconds["wandb"], clock = time.perf_counter() - clock, time.perf_counter()
-        save = getattr(trainer.checkpoint_callback, "save_rolled_back", None)  # ssl-vit's LastLinkCheckpoint
-        if save is not None:
-            save(trainer)
-        else:
-            trainer.save_checkpoint(last_path(trainer), weights_only=False)
-        seconds["save"] = time.perf_counter() - clock
-        _say(trainer, rollback_line(record))
-
-    def _skip(self, trainer: pl.Trainer, step: int, why: str) -> None:
+    def skip(self, trainer: pl.Trainer, step: int, why: str) -> None:
+        """Counts the step `step`, whose update was not applied, in one line; past `max_skips`, stops."""
         self.skipped += 1
         if self.skipped > self.max_skips:
-            self._stop(trainer, f"{why} at step {step} after skipping {self.max_skips} such steps")
+            self.stop(trainer, f"{why} at step {step} after skipping {self.max_skips} such steps")
         _say(trainer, f"skip: step {step} not applied: {why} ({self.skipped} of at most {self.max_skips})")
         _log(trainer, {"train/skipped_steps": float(self.skipped)}, logging_step(trainer))
 
-    def _check_stop(self, trainer: pl.Trainer) -> None:
-        first = int(self._first_bad) if self._first_bad is not None else -1
-        first = int(trainer.strategy.reduce(torch.tensor(first, dtype=torch.float64), reduce_op="max"))
-        if first >= 0:
-            self._stop(trainer, f"{NON_FINITE} at step {first}")
-
-    def _stop(self, trainer: pl.Trainer, what: str) -> None:
+    def stop(self, trainer: pl.Trainer, what: str) -> None:
+        """Ends the fit with one line: `what`, and the last good checkpoint to resume from."""
         saved = _last_checkpoint(trainer)
         raise NonFiniteError(
             f"{what}; nothing was saved after it (last good checkpoint: {saved or 'none yet'}): lower the "
@@ -412,3 +507,9 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 def _last_checkpoint(trainer: pl.Trainer) -> str | None:
     callback = trainer.checkpoint_callback
     return getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None) or None
+
+
+def _choices(names) -> str:
+    """`'a', 'b' or 'c'`, as a message lists choices."""
+    quoted = [repr(name) for name in names]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"

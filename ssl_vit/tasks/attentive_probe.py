@@ -24,14 +24,16 @@ from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
 from ssl_vit.errors import BadValue
+from ssl_vit.models.feature import names
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import Bands
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
-# What the queries attend over: every output token ([class] token included) or the patch tokens only.
-TokenFeature = Literal["tokens", "patches"]
+# What the queries attend over: the per-token features of the final layer (`tokens`: every output token,
+# [class] token included; `patches`: the patch tokens only).
+TokenFeature = Literal[names(pooled=False, blocks=False)]
 
 
 def adamw(params) -> Optimizer:

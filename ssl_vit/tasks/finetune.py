@@ -15,9 +15,8 @@ from timm.optim import param_groups_layer_decay
 from torch import Tensor, nn
 
 from ssl_vit.errors import BadValue
-from ssl_vit.models.vit import ViTConfig, parse_variant
+from ssl_vit.models.vit import ViTConfig, WidthFeature, parse_variant
 from ssl_vit.tasks.base import Bands
-from ssl_vit.tasks.linear_probe import Feature
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
 from ssl_vit.tasks.supervised import SupervisedPretraining
 
@@ -94,7 +93,7 @@ class FineTune(SupervisedPretraining):
         num_classes: int,
         init_from: str = "scratch",
         preset: Preset | None = None,
-        feature: Feature | None = None,
+        feature: WidthFeature | None = None,
         layer_decay: float | None = None,
         loss: Loss | None = None,
         head_bias_init: float | None = None,
@@ -110,7 +109,7 @@ class FineTune(SupervisedPretraining):
             optimizer=optimizer, lr_scheduler=lr_scheduler, lr_reference_batch=lr_reference_batch, mean=mean,
             std=std,
         )  # fmt: skip
-        self.backbone.check_feature(choices["feature"], kinds=Feature.__args__)
+        self.backbone.check_feature(choices["feature"], kinds=WidthFeature.__args__)
         self.save_hyperparameters({**self.hparams, "preset": preset, **choices})  # both saved and logged copy
         self.feature, self.layer_decay = choices["feature"], choices["layer_decay"]
         # A gap backbone's pooled output already ends in timm's fc_norm.

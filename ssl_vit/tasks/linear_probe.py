@@ -5,8 +5,6 @@ Legend: B batch, D width, K classes, H heads (one per learning rate).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from pytorch_lightning.cli import OptimizerCallable
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -16,13 +14,10 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
-from ssl_vit.models.vit import ViTConfig
+from ssl_vit.models.vit import ViTConfig, WidthFeature
 from ssl_vit.tasks.base import Bands
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
-
-# The heads take one token's width D; `lastk` (k x D) is for the frozen-feature protocols only.
-Feature = Literal["cls", "mean"]
 
 
 def sgd_momentum(params) -> Optimizer:
@@ -58,7 +53,7 @@ class LinearProbe(FrozenProbe):
         backbone: ViTConfig,
         num_classes: int,
         init_from: str = "scratch",
-        feature: Feature = "cls",
+        feature: WidthFeature = "cls",
         batch_norm: bool = True,
         lrs: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
         optimizer: OptimizerCallable = sgd_momentum,
@@ -74,7 +69,7 @@ class LinearProbe(FrozenProbe):
             backbone, init_from, num_classes, lrs, None, optimizer, lr_scheduler, lr_reference_batch, mean,
             std, hparams=dict(feature=feature, batch_norm=batch_norm),
         )  # fmt: skip
-        self.backbone.check_feature(feature, kinds=Feature.__args__)
+        self.backbone.check_feature(feature, kinds=WidthFeature.__args__)
         self.feature = feature
         width = self.backbone.embed_dim
         # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.
@@ -131,4 +126,4 @@ class LinearProbe(FrozenProbe):
         self.log(f"{stage}/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
 
 
-__all__ = ["Feature", "LinearProbe", "sgd_momentum"]
+__all__ = ["LinearProbe", "sgd_momentum"]

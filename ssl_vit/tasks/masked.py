@@ -16,14 +16,17 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ssl_vit import masking, targets
+from ssl_vit import masking
 from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import MAEDecoder, PatchHead
 from ssl_vit.models.vit import Tokens, ViTConfig
+from ssl_vit.presets import PRESETS
+from ssl_vit.tasks import targets as _targets  # noqa: F401  (registers the targets)
 from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 from ssl_vit.tasks.pictures import masked_prediction_picture
+from ssl_vit.tasks.target import TARGETS
 from ssl_vit.tasks.teacher import (
     MomentumSchedule,
     TeacherFeatures,
@@ -35,58 +38,13 @@ from ssl_vit.tasks.teacher import (
 from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
-Target = Literal["color3bit", "color3bit_4x4", "pixels", "norm_pixels", "hog", "teacher"]
+# Presets and targets are registries a plugin may add to after this module is imported: the CLI checks
+# a name against each as it is when the command parses, and lists the valid ones when it is not.
+PresetName = PRESETS.option_type("PresetName")
+TargetName = TARGETS.option_type("TargetName")
 MaskShape = Literal["random", "block", "cells", "jepa"]
 PixelLoss = Literal["mse", "l1", "smooth_l1"]
 
-# One word for the common cases; any explicit argument overrides its preset's value.
-PRESETS: dict[str, dict] = {
-    # ViT paper appendix B.1.2: corrupt 50% of patch embeddings 80/10/10, predict 3-bit mean colours.
-    "vit_mpp": dict(corruption="bert", target="color3bit", mask_ratio=0.5, mask_shape="random"),
-    # MAE: 75% random masking, encoder on visible tokens, 8 x 512 decoder, normalised pixels, MSE.
-    "mae": dict(
-        corruption="drop", target="norm_pixels", mask_ratio=0.75, mask_shape="random", pixel_loss="mse"
-    ),
-    # SimMIM: mask token in the encoder, 60% of 32-pixel cells, raw pixels, L1, linear head.
-    "simmim": dict(
-        corruption="mask_token", target="pixels", mask_ratio=0.6, mask_shape="cells", pixel_loss="l1"
-    ),
-    # MaskFeat (Wei et al. 2022): mask token in the encoder, 40% BEiT block masks, HOG of the masked
-    # patches regressed with MSE by a linear head.
-    "maskfeat": dict(
-        corruption="mask_token", target="hog", mask_ratio=0.4, mask_shape="block", pixel_loss="mse"
-    ),
-    # I-JEPA: the context encoder sees one large block less four target blocks; a narrow predictor,
-    # given mask tokens at each target block, regresses the EMA teacher's layer-normed last-layer
-    # features there with smooth L1; momentum 0.996 -> 1.0, linear (`src/train.py`).
-    "ijepa": dict(
-        corruption="drop",
-        target="teacher",
-        mask_shape="jepa",
-        pixel_loss="smooth_l1",
-        teacher_features="final_norm",
-        ema_momentum=0.996,
-        ema_momentum_end=1.0,
-        ema_schedule="linear",
-    ),
-    # data2vec 2.0 (base image config): 80% masked in blocks (theirs inverse blocks of 3, BEiT's here),
-    # encoder on visible tokens, 16 masked views of each image share one teacher pass; targets the
-    # teacher's top 10 blocks, instance-normalised, averaged, layer-normed; MSE; EMA 0.9998 -> 0.99999,
-    # linear.
-    "data2vec2": dict(
-        corruption="drop",
-        target="teacher",
-        mask_ratio=0.8,
-        mask_shape="block",
-        pixel_loss="mse",
-        teacher_features="top_k_mean",
-        teacher_top_k=10,
-        views=16,
-        ema_momentum=0.9998,
-        ema_momentum_end=0.99999,
-        ema_schedule="linear",
-    ),
-}
 # Choices left unset by the arguments and the preset.
 DEFAULTS: dict = dict(
     mask_shape="random",
@@ -98,8 +56,6 @@ DEFAULTS: dict = dict(
     ema_momentum_end=1.0,
     ema_schedule="cosine",
 )
-COLOR_CLASSES = targets.LEVELS**3  # 512
-COLOUR_TARGETS = ("color3bit", "color3bit_4x4")  # quantise 3 RGB bands: refused for other band counts
 # I-JEPA regresses with smooth L1 (`src/train.py`), data2vec 2.0 with MSE.
 PIXEL_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
 
@@ -121,19 +77,18 @@ class MaskedPatchPretraining(BackboneTask):
     """Self-supervised pretraining by masked patch prediction.
 
     Args:
-        preset: `vit_mpp`, `mae`, `simmim`, `maskfeat`, `ijepa` or `data2vec2`; fills every choice below
+        preset: a registered preset's name (`ssl_vit.presets`: one module per published method, or a
+            plugin's; a name not registered is refused with the valid ones); fills every choice below
             left unset.
         corruption: `bert` replaces patch embeddings (80% [mask], 10% another patch, 10% kept) and runs
             the full sequence; `drop` runs only kept tokens and an MAE decoder fills the rest;
             `mask_token` puts a learned token in the encoder (SimMIM).
-        target: 3-bit mean colour (512 classes), its 4x4-downsized variant (16 x 512), raw pixels,
-            per-patch normalised pixels, `hog`: histograms of oriented gradients of the patch's cells
-            (MaskFeat; `ssl_vit.targets.hog`, 8-pixel cells, or the whole patch when 8 does not divide it),
-            or `teacher`: the features of the uncorrupted image from an EMA copy of the backbone (I-JEPA,
-            data2vec 2.0), kept in checkpoints under `teacher.`. With a backbone of C != 3 input bands
-            (multispectral data) the pixel targets are the standardised bands, `norm_pixels` normalises
-            each band of each patch on its own, `hog` is each band's, concatenated (C x 9 x cells values),
-            and the colour targets, which quantise 3 RGB bands, are refused.
+        target: what is predicted at each masked patch: a registered target's name
+            (`ssl_vit.tasks.targets`, or a plugin's), whose module says what it is (3-bit mean colours,
+            raw or normalised pixels, HOG, an EMA teacher's features kept in checkpoints under
+            `teacher.`, ...) and which band counts it takes: with a backbone of C != 3 input bands
+            (multispectral data) pixel targets are the standardised bands, and the colour targets,
+            which quantise 3 RGB bands, are refused.
         mask_ratio: fraction of patches corrupted/masked; the loss is on those only.
         mask_shape: `random`, `block` (BEiT), `cells` (SimMIM: aligned squares of `cell_size` pixels) or
             `jepa` (I-JEPA: four target blocks, the encoder sees a context block less them; `drop` only).
@@ -146,7 +101,7 @@ class MaskedPatchPretraining(BackboneTask):
         ema_momentum, ema_momentum_end, ema_schedule: the teacher's EMA momentum, from the first to the
             second over `ema_anneal_steps` optimizer steps (unset: the whole run), cosine or linear.
         picture_every_n_steps: log reconstructions / predicted colours to the logger this often (0: never;
-            teacher targets have no picture).
+            a target without a picture, an EMA teacher's latents, has none).
         display_bands: the three bands (0-based) drawn as red, green and blue in the pictures of images of
             C != 3 bands, each stretched between its 2nd and 98th percentile; unset: the first three
             (`ssl_vit.tasks.pictures.false_colour`). RGB images are drawn as they are.
@@ -157,9 +112,9 @@ class MaskedPatchPretraining(BackboneTask):
     def __init__(
         self,
         backbone: ViTConfig,
-        preset: Literal["vit_mpp", "mae", "simmim", "maskfeat", "ijepa", "data2vec2"] | None = None,
+        preset: PresetName | None = None,
         corruption: Corruption | None = None,
-        target: Target | None = None,
+        target: TargetName | None = None,
         mask_ratio: float | None = None,
         mask_shape: MaskShape | None = None,
         cell_size: int = 32,
@@ -209,8 +164,11 @@ class MaskedPatchPretraining(BackboneTask):
             ),
         )
         self.corruption, self.target_kind = choices["corruption"], choices["target"]
+        self.target = TARGETS[self.target_kind]
         self.mask_ratio, self.mask_shape = choices["mask_ratio"], choices["mask_shape"]
-        self.pixel_loss, self.picture_every_n_steps = choices["pixel_loss"], picture_every_n_steps
+        self.pixel_loss = choices["pixel_loss"]
+        # a target without a picture (an EMA teacher's latents) draws none
+        self.picture_every_n_steps = picture_every_n_steps if self.target.picture is not None else 0
         self.bands = self.backbone.in_chans
         self.display_bands = check_display_bands(display_bands, self.bands)
         self.patch_size = self.backbone.pixels_per_token
@@ -246,8 +204,8 @@ class MaskedPatchPretraining(BackboneTask):
             self.tokens_per_image = (1 + encoded) * self.views
 
     def build_teacher(self, choices: dict, anneal_steps: int | None) -> nn.Module | None:
-        """The EMA teacher of a `teacher` target (None otherwise), starting as a copy of the backbone."""
-        if self.target_kind != "teacher":
+        """The EMA teacher of a target it makes (None otherwise), starting as a copy of the backbone."""
+        if not self.target.TEACHER:
             return None
         depth = len(self.backbone.blocks)
         if choices["teacher_features"] == "top_k_mean" and choices["teacher_top_k"] > depth:
@@ -258,21 +216,11 @@ class MaskedPatchPretraining(BackboneTask):
         self.teacher_features, self.teacher_top_k = choices["teacher_features"], choices["teacher_top_k"]
         self.ema = (choices["ema_momentum"], choices["ema_momentum_end"], choices["ema_schedule"])
         self.ema_anneal_steps = anneal_steps
-        self.picture_every_n_steps = 0  # latents have no picture
         return make_teacher(self.backbone, ViTConfig(**self.hparams.backbone))
 
     def target_shape(self) -> torch.Size:
         """T: the prediction per patch."""
-        if self.target_kind == "color3bit":
-            return torch.Size([COLOR_CLASSES])
-        if self.target_kind == "color3bit_4x4":
-            return torch.Size([16, COLOR_CLASSES])
-        if self.target_kind == "hog":
-            cells = (self.patch_size // targets.hog_cell_size(self.patch_size)) ** 2
-            return torch.Size([self.bands * targets.HOG_BINS * cells])
-        if self.target_kind == "teacher":
-            return torch.Size([self.backbone.embed_dim])
-        return torch.Size([self.patch_size**2 * self.bands])
+        return self.target.shape(self)
 
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"mask_embedding", "decoder.mask_token"}
@@ -288,13 +236,11 @@ class MaskedPatchPretraining(BackboneTask):
         """images: (B, C, H, W) normalised model inputs, each seen under `views` masks; the targets of the
         uncorrupted images are computed once."""
         pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
+        target = self.target.make(self, images)  # (B, N, ...)
+        out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
         monitor = {"student": features.detach()}
         if self.teacher is None:
-            target = self.make_targets(self.target_images(images))  # (B, N, ...)
-            out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
             return out._replace(monitor_features=monitor)
-        target = teacher_targets(self.teacher, images, self.teacher_features, self.teacher_top_k)  # (B, N, D)
-        out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
         monitor.update(teacher=target.mean(1).detach(), target=out.target.detach())
         return out._replace(teacher=target.mean(1), monitor_features=monitor)
 
@@ -368,18 +314,6 @@ class MaskedPatchPretraining(BackboneTask):
         """Model inputs (B, C, H, W) -> what the targets are computed on: RGB pixels in [0, 1]; for other
         band counts the standardised bands as they are (`ssl_vit.targets`)."""
         return self.unnormalize(images) if self.bands == 3 else images
-
-    def make_targets(self, pixels: Tensor) -> Tensor:
-        """pixels: (B, C, H, W) from `target_images` -> targets for every patch (B, N[, 16]) classes,
-        (B, N, p*p*C) pixels or (B, N, C * 9 * cells) HOG."""
-        if self.target_kind == "color3bit":
-            return targets.mean_color_3bit(pixels, self.patch_size)
-        if self.target_kind == "color3bit_4x4":
-            return targets.mean_color_3bit_4x4(pixels, self.patch_size)
-        if self.target_kind == "hog":
-            return targets.hog(pixels, self.patch_size)
-        normalize = self.target_kind == "norm_pixels"
-        return targets.pixel_targets(pixels, self.patch_size, normalize, per_band=self.bands != 3)
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
         """Loss over the masked tokens only: softmax cross-entropy for colour classes (ViT paper), MSE
@@ -467,15 +401,18 @@ class MaskedPatchPretraining(BackboneTask):
 
 
 def check_target_bands(target: str, preset: str | None, bands: int) -> None:
-    """One line for a colour target on a backbone of other than 3 input bands, naming what works."""
-    if bands == 3 or target not in COLOUR_TARGETS:
+    """One line for a target that does not take the backbone's band count (the colour targets quantise 3
+    RGB bands), naming the targets and presets that do."""
+    chosen = TARGETS[target]
+    if chosen.accepts(bands):
         return
-    working = [t for t in Target.__args__ if t not in COLOUR_TARGETS]
-    presets = [name for name, p in PRESETS.items() if p["target"] not in COLOUR_TARGETS]
+    working = [name for name, other in TARGETS.items() if other.accepts(bands)]
+    presets = [name for name, choices in PRESETS.items() if choices.get("target") in working]
     given = f"preset {preset!r}'s target" if preset else "target"
+    why = chosen.REFUSES or f"takes images of {chosen.BANDS} bands only"
     raise BadValue(
-        f"{given} {target!r} quantises the mean colour of 3 RGB bands, and the data has {bands}: use target "
-        f"{', '.join(working)} (presets {', '.join(presets)})"
+        f"{given} {target!r} {why}, and the data has {bands}: use target {', '.join(working)} "
+        f"(presets {', '.join(presets)})"
     )
 
 
@@ -495,8 +432,6 @@ def check_display_bands(display_bands: tuple[int, ...] | None, bands: int) -> tu
 def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss, **teacher) -> dict:
     """Fill unset choices from the preset (then `DEFAULTS`) and check they form a method; `teacher`: the
     EMA teacher's choices (`teacher_features`, `teacher_top_k`, `views`, `ema_*`)."""
-    if preset is not None and preset not in PRESETS:
-        raise BadValue(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     given = dict(
         corruption=corruption,
         target=target,
@@ -505,15 +440,20 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
         pixel_loss=pixel_loss,
         **teacher,
     )
-    base = {**DEFAULTS, **PRESETS.get(preset, {})}
+    base = {**DEFAULTS, **(PRESETS.pick(preset) if preset is not None else {})}
+    unknown = [key for key in base if key not in given]
+    if unknown:  # a plugin's preset, written for another version
+        raise BadValue(
+            f"preset {preset!r} sets {', '.join(unknown)}, which MaskedPatchPretraining does not take: a "
+            f"preset sets {', '.join(given)}"
+        )
     choices = {key: base.get(key) if value is None else value for key, value in given.items()}
-    valid = {"corruption": Corruption, "target": Target, "mask_shape": MaskShape, "pixel_loss": PixelLoss}
-    valid.update(teacher_features=TeacherFeatures, ema_schedule=MomentumSchedule)
-    for key, kind in valid.items():
-        if choices[key] not in kind.__args__:
-            raise BadValue(
-                f"{key} must be one of {', '.join(kind.__args__)} (or set a preset), got {choices[key]!r}"
-            )
+    valid = {"corruption": Corruption.__args__, "target": tuple(TARGETS), "mask_shape": MaskShape.__args__}
+    valid.update(pixel_loss=PixelLoss.__args__, teacher_features=TeacherFeatures.__args__)
+    valid.update(ema_schedule=MomentumSchedule.__args__)
+    for key, names in valid.items():
+        if choices[key] not in names:
+            raise BadValue(f"{key} must be one of {', '.join(names)} (or set a preset), got {choices[key]!r}")
     jepa = choices["mask_shape"] == "jepa"  # its blocks set how much is masked
     if not jepa and (choices["mask_ratio"] is None or not 0 < choices["mask_ratio"] < 1):
         raise BadValue(f"mask_ratio must be in (0, 1) (or set a preset), got {choices['mask_ratio']}")

@@ -1,20 +1,20 @@
-"""The masked task's pictures: inputs beside what the model saw and what it predicted (mean colours
-for the ViT paper's MPP, reconstructed pixels for MAE and SimMIM, how well each masked patch's HOG was
-predicted for MaskFeat).
+"""The masked task's pictures: inputs beside what the model saw and what it predicted, drawn by each
+target (`ssl_vit.tasks.targets`) with the pieces here: mean colours for the ViT paper's MPP, reconstructed
+pixels for MAE and SimMIM, how well each masked patch's HOG was predicted for MaskFeat.
 
 RGB images are drawn as they are. Images of any other band count are drawn in false colour
 (`false_colour`): three display bands as red, green and blue, each stretched between its 2nd and 98th
 percentile in the input image, and the reconstruction with the same stretch as its input.
 
-Legend: n images, C bands, N patches, p patch size.
+Legend: n images, C bands, N patches, M masked patches, T a target's shape per patch, p patch size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torchvision.utils import make_grid
 
@@ -26,44 +26,63 @@ from ssl_vit.masking import token_index
 STRETCH = (0.02, 0.98)
 
 
+class Scene(NamedTuple):
+    """What a picture of the first n images of a batch is drawn from."""
+
+    pixels: Tensor  # (n, C, H, W) what the targets are made from (`target_images`), float
+    shown: Tensor  # (n, 3, H, W) in [0, 1]: the input as drawn
+    display: Callable[[Tensor], Tensor]  # images like `pixels` -> (n, 3, H, W), drawn as the input is
+    idx: Tensor  # (n, M) the masked patches
+    pred: Tensor  # (n, M, *T) the predictions there
+    target: Tensor  # (n, M, *T) the targets there
+
+
 @torch.no_grad()
 def masked_prediction_picture(task, images: Tensor, out, count: int = 8) -> Tensor:
-    """Rows of `count` images: the input, then what the model saw and predicted.
-
-    Colour targets (ViT-paper MPP): true mean colours per patch, then the predicted colours on the
-    masked patches (true ones elsewhere). Pixel targets (MAE, SimMIM): the input with masked patches
-    grey, then the reconstruction pasted into the visible patches. HOG targets (MaskFeat), which have no
-    pixels to paste back: the input with masked patches grey, then each masked patch filled with the
-    cosine similarity of its predicted and true histograms as a grey level (white: exact).
-    """
-    p, grid = task.patch_size, task.grid
+    """Rows of `count` images: the input, then what the model saw and predicted, as the task's target
+    draws them (`ssl_vit.tasks.target.Target.picture`: `colour_rows`, or `masked_rows` with a
+    reconstruction, `pasted` pixels or `filled` grey levels)."""
     pixels = task.target_images(images[:count]).float()  # (n, C, H, W)
     display = displayed(pixels, task.bands, task.display_bands)
-    shown = display(pixels)  # (n, 3, H, W) in [0, 1]
-    idx = out.idx[:count]
-    if out.target.dtype == torch.long:
-        true = task.make_targets(pixels)  # (n, N) or (n, N, 16)
-        pred = true.clone().scatter_(1, token_index(idx, true), out.pred[:count].argmax(-1))
-        rows = [pixels, _colour_image(true, p, grid), _colour_image(pred, p, grid)]
-    else:
-        shown_patches = targets.patchify(shown, p)  # (n, N, p*p*3)
-        at_masked = token_index(idx, shown_patches)
-        masked = shown_patches.scatter(1, at_masked, 0.5)
-        pred = out.pred[:count].float()
-        if task.target_kind == "hog":
-            agreement = F.cosine_similarity(pred, out.target[:count].float(), dim=-1).clamp(0, 1)  # (n, M)
-            grey = agreement[..., None].expand(-1, -1, shown_patches.shape[-1])
-            recon = targets.unpatchify(shown_patches.scatter(1, at_masked, grey), p, grid)
-        else:
-            patches = targets.patchify(pixels, p)  # (n, N, p*p*C)
-            if task.target_kind == "norm_pixels":  # undo the per-patch normalisation with the true statistics
-                true = torch.gather(patches, 1, token_index(idx, patches))
-                mean, var = targets.patch_moments(true, None if task.bands == 3 else task.bands)
-                pred = pred * (var + 1e-6).sqrt() + mean
-            pasted = patches.scatter(1, token_index(idx, patches), pred)
-            recon = display(targets.unpatchify(pasted, p, grid))
-        rows = [shown, targets.unpatchify(masked, p, grid), recon]
+    scene = Scene(pixels, display(pixels), display, out.idx[:count], out.pred[:count], out.target[:count])
+    rows = task.target.picture(task, scene)
     return make_grid(torch.cat(rows), nrow=pixels.shape[0], padding=1, pad_value=1.0)
+
+
+def colour_rows(task, scene: Scene, true: Tensor) -> list[Tensor]:
+    """Colour classes (ViT-paper MPP): the input, the true mean colours `true` (n, N) or (n, N, 16) of
+    every patch, then the predicted ones on the masked patches (true ones elsewhere)."""
+    pred = true.clone().scatter_(1, token_index(scene.idx, true), scene.pred.argmax(-1))
+    return [
+        scene.pixels,
+        _colour_image(true, task.patch_size, task.grid),
+        _colour_image(pred, task.patch_size, task.grid),
+    ]
+
+
+def masked_rows(task, scene: Scene, recon: Tensor) -> list[Tensor]:
+    """The input, the input with its masked patches grey (what the model saw), then `recon` (n, 3, H, W)."""
+    patches = targets.patchify(scene.shown, task.patch_size)  # (n, N, p*p*3)
+    masked = patches.scatter(1, token_index(scene.idx, patches), 0.5)
+    return [scene.shown, targets.unpatchify(masked, task.patch_size, task.grid), recon]
+
+
+def pasted(task, scene: Scene, pred: Tensor) -> Tensor:
+    """Pixel predictions (n, M, p*p*C) pasted into the input at the masked patches (MAE, SimMIM), drawn
+    with the input's stretch -> (n, 3, H, W)."""
+    patches = targets.patchify(scene.pixels, task.patch_size)  # (n, N, p*p*C)
+    whole = patches.scatter(1, token_index(scene.idx, patches), pred)
+    return scene.display(targets.unpatchify(whole, task.patch_size, task.grid))
+
+
+def filled(task, scene: Scene, levels: Tensor) -> Tensor:
+    """The input with each masked patch filled with one grey level of `levels` (n, M) in [0, 1], for a
+    target with no pixels to paste back -> (n, 3, H, W)."""
+    patches = targets.patchify(scene.shown, task.patch_size)  # (n, N, p*p*3)
+    grey = levels[..., None].expand(-1, -1, patches.shape[-1])
+    return targets.unpatchify(
+        patches.scatter(1, token_index(scene.idx, patches), grey), task.patch_size, task.grid
+    )
 
 
 def displayed(pixels: Tensor, bands: int, display_bands: tuple[int, int, int]) -> Callable[[Tensor], Tensor]:

@@ -20,6 +20,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 
 from ssl_vit.data.masks import IGNORE_INDEX
+from ssl_vit.models.feature import FEATURES, names
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import LAST_K, ViTConfig
 from ssl_vit.tasks.base import Bands
@@ -27,8 +28,9 @@ from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.linear_probe import sgd_momentum
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
-# The patch tokens of the last block, or of the last LAST_K blocks concatenated per token.
-PatchFeature = Literal["patches", "patches_lastk"]
+# The per-token features over the patch grid: the last block's patch tokens, or the last LAST_K blocks'
+# concatenated per token.
+PatchFeature = Literal[names(pooled=False, grid=True)]
 
 
 def upsample(logits: Tensor, size: tuple[int, int]) -> Tensor:
@@ -71,7 +73,7 @@ class LinearSegProbe(FrozenProbe):
         )  # fmt: skip
         self.backbone.check_feature(feature, LAST_K, kinds=PatchFeature.__args__)
         self.feature = feature
-        width = self.backbone.embed_dim * (LAST_K if feature == "patches_lastk" else 1)
+        width = FEATURES[feature].size(0, 0, self.backbone.embed_dim, LAST_K)[1]
         self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()
         self.heads.extend(zero_linear(width, num_classes) for _ in self.lrs)
         self.tokens_per_image = self.backbone.grid_size[0] * self.backbone.grid_size[1]

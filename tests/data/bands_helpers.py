@@ -11,6 +11,8 @@ import numpy as np
 import tifffile
 import webdataset as wds
 
+from ssl_vit.data.sources.eurosat import CLASSES as EUROSAT_CLASSES
+
 
 def write_tiff(path: Path, array: np.ndarray, band_first: bool = False) -> None:
     """An (H, W, C) array as a TIFF with its bands as samples: band-last (`YXS`, contiguous) or band-first
@@ -64,3 +66,13 @@ def write_manifest(root: Path, split: str, counts: list[int], **fields) -> None:
         "shards": [{"url": f"{split}-{i:06d}.tar", "num_samples": n} for i, n in enumerate(counts)], **fields,
     }  # fmt: skip
     (root / f"{split}.json").write_text(json.dumps(manifest))
+
+
+def fake_eurosat(root, per_class: int = 5) -> None:
+    """EuroSAT_MS's layout: 10 class folders of 64 x 64 x 13 uint16 tifs, `Class_N.tif`; band k of
+    every file is 1000 * k + the class index, so band order and labels show in the shards."""
+    for label, name in enumerate(EUROSAT_CLASSES):
+        for n in range(1, per_class + 1):
+            array = np.broadcast_to(1000 * np.arange(13, dtype=np.uint16) + label, (64, 64, 13)).copy()
+            array[0, 0, 0] = n
+            write_tiff(root / "EuroSAT_MS" / name / f"{name}_{n}.tif", array)

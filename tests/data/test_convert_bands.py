@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from bands_helpers import write_tiff
+from bands_helpers import fake_eurosat, write_tiff
 from test_errors import error_line
 
 from ssl_vit.data.sources.eurosat import BAND_NAMES, CLASSES
@@ -63,16 +63,6 @@ def test_tiff_with_a_labels_csv_of_names_or_indices(cli, tmp_path):
     proc = cli("data", "convert", f"tiff:{tmp_path / 'flat'}", str(tmp_path / "c"), check=False)
     error_line(proc, "labels.csv:2:", "gone.tif is not a TIFF file")
     assert not (tmp_path / "c").exists()
-
-
-def fake_eurosat(root, per_class: int = 5) -> None:
-    """EuroSAT_MS's layout: 10 class folders of 64 x 64 x 13 uint16 tifs, `Class_N.tif`; band k of
-    every file is 1000 * k + the class index, so band order and labels show in the shards."""
-    for label, name in enumerate(CLASSES):
-        for n in range(1, per_class + 1):
-            array = np.broadcast_to(1000 * np.arange(13, dtype=np.uint16) + label, (64, 64, 13)).copy()
-            array[0, 0, 0] = n
-            write_tiff(root / "EuroSAT_MS" / name / f"{name}_{n}.tif", array)
 
 
 def test_eurosat_splits_by_seed_or_by_its_lists_with_band_names(cli, tmp_path):

@@ -50,8 +50,13 @@ def test_a_runs_own_config_written_before_the_groups_is_read_with_them(tmp_path)
     run = tmp_path / "runs/before_refactor/supervised"
     run.mkdir(parents=True)
     shutil.copy(OLD_RUN, run / "config.yaml")
-    data = printed_data(run_cli("fit", "--config", "runs/before_refactor/supervised/config.yaml",
-                                "--print_config", cwd=tmp_path))  # fmt: skip
+    # `--config=FILE` here, `--config FILE` in tests/test_before_refactor.py
+    config = "runs/before_refactor/supervised/config.yaml"
+    proc = run_cli("fit", f"--config={config}", "--print_config", cwd=tmp_path)
+    data = printed_data(proc)
+    (note,) = [line for line in proc.stderr.splitlines() if "options that moved" in line]
+    assert "runs/before_refactor/supervised/config.yaml: train_preset -> augment.train_preset, " in note
+    assert "shuffle_buffer -> stream.shuffle_buffer" in note and "read_retries -> limits.read_retries" in note
     old = yaml.safe_load(OLD_RUN.read_text())["data"]["init_args"]
     for name, place in MOVED.items():
         group, key = place.split(".")

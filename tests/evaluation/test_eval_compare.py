@@ -12,8 +12,12 @@ import yaml
 from cli_helpers import failing_evaluation
 from PIL import Image
 
+from ssl_vit.analysis.attention import attention_distance
+from ssl_vit.analysis.images import read_images
+from ssl_vit.checkpoints import load_backbone
 from ssl_vit.cli.evaluate import parse_checkpoints, repeated_checkpoints
 from ssl_vit.errors import UserError
+from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.suite import load_suite
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.report.tables import all_notes, grid_edge_notes
@@ -63,6 +67,26 @@ def setup(digits_shards, tmp_path_factory):
 
 
 FAIL_BROKEN = failing_evaluation("broken.ckpt")
+# While the report is written (`writer.write_report`) loading a checkpoint raises, wherever the name was
+# imported: the report draws the attention distances the ranks measured, and loads nothing itself.
+NO_LOADING_IN_REPORT = """
+import sys
+from ssl_vit import checkpoints as _checkpoints
+from ssl_vit.report import writer as _writer
+_load, _write = _checkpoints.load_backbone, _writer.write_report
+def _refuse(*args, **kwargs):
+    raise RuntimeError("the report loaded a checkpoint")
+def _write_report(*args, **kwargs):
+    holders = [m for m in list(sys.modules.values()) if vars(m).get("load_backbone") is _load]
+    for module in holders:
+        module.load_backbone = _refuse
+    try:
+        return _write(*args, **kwargs)
+    finally:
+        for module in holders:
+            module.load_backbone = _load
+_writer.write_report = _write_report
+"""
 
 
 @pytest.mark.slow
@@ -79,7 +103,7 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
         "--out",
         str(out),
         check=False,
-        prelude=FAIL_BROKEN,
+        prelude=FAIL_BROKEN + NO_LOADING_IN_REPORT,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]  # one checkpoint failed
     for name in (
@@ -121,6 +145,13 @@ def test_compare_writes_every_file_and_a_broken_checkpoint_is_a_failed_row(setup
         (heads,) = curve["per_head"]
         assert len(heads) == 2 and all(0 < d < farthest for d in heads)
         assert curve["mean_per_layer"] == [pytest.approx(sum(heads) / 2, abs=1e-3)]
+    # the heads' distances on the first 64 test images, as `analysis.attention` measures them alone
+    suite = load_suite(root / "suite.yaml")
+    images = read_images(FeatureCache.datamodule_of(suite.datasets["data"]), "test", 64)[0]
+    backbone = load_backbone(ckpts["sup"], suite.backbone)[0].eval()
+    (expected,) = attention_distance(backbone, images, batch_size=64).tolist()
+    assert attention["checkpoints"]["sup"]["per_head"] == [pytest.approx(expected, abs=1e-3)]
+    assert len(details["attention_distance"]["per_head"]) == 1  # each run's record holds its own
     with Image.open(out / "attention_distance.png") as picture:
         assert picture.format == "PNG" and picture.size == (600, 450)
 

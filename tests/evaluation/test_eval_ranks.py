@@ -78,8 +78,9 @@ def test_two_ranks_share_the_checkpoints_and_write_the_same_table(digits_shards,
         assert re.search(rf"compare \(rank {rank} of 2\) \[\d/3\] {name}: ", spread.stdout), name
     assert "(rank " not in alone.stdout
     # rank 0 wrote everything, once: the same tables (intervals and paired differences, from the
-    # per-image correctness gathered from both ranks), every checkpoint's results and the failure
-    for name in ("results.csv", "results.md"):
+    # per-image correctness gathered from both ranks), the attention distances each rank measured on
+    # its checkpoints, every checkpoint's results and the failure
+    for name in ("results.csv", "results.md", "attention_distance.json"):
         assert (tmp_path / "spread" / name).read_text() == (tmp_path / "alone" / name).read_text(), name
     assert spread.stdout.count("| checkpoint |") == 1, spread.stdout[-4000:] + spread.stderr[-4000:]
     assert (tmp_path / "spread/broken/error.txt").is_file()

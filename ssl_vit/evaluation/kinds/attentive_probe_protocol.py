@@ -6,7 +6,7 @@ its 10 x 3 grid on 10% of the training set."""
 from __future__ import annotations
 
 from itertools import product
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
@@ -16,7 +16,7 @@ from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, PositiveInt, check_unique, register
 from ssl_vit.evaluation.training import OptimizerName, optimizer, schedule
 from ssl_vit.models.vit import parse_variant
-from ssl_vit.tasks.attentive_probe import AttentiveProbe
+from ssl_vit.tasks.attentive_probe import AttentiveProbe, TokenFeature
 
 
 @register
@@ -25,7 +25,7 @@ class AttentiveProbeProtocol(ProbeProtocol):
     """One attentive probe per pair of `lrs` x `weight_decays`, on the frozen `tokens` (every output
     token) or `patches`."""
 
-    feature: Literal["tokens", "patches"] = "tokens"
+    feature: TokenFeature = "tokens"
     optimizer: OptimizerName = "adamw"
     lrs: Annotated[list[Positive], Field(min_length=1)] = Field(
         default_factory=lambda: [1e-4, 3e-4, 1e-3, 3e-3]

@@ -36,7 +36,7 @@ class FewShotProtocol(Protocol):
     def support_draws(self) -> tuple:
         return tuple(self.seeds)
 
-    def run(self, features, config, suite) -> Outcome:
+    def run(self, features, config, seed, where) -> Outcome:
         train = restrict(features.get("train", self.feature), self.classes)
         test = restrict(features.get("test", self.feature), self.classes)
         try:
@@ -45,7 +45,7 @@ class FewShotProtocol(Protocol):
                 shots=tuple(self.shots), seeds=tuple(self.seeds), ridge=self.ridge, classes=self.classes,
             )  # fmt: skip
         except ValueError as err:  # too few images of a class for a shot count: the data's, not the model's
-            raise NoUsableData(f"{suite.path}: protocol {self.name!r}: {err}") from None
+            raise NoUsableData(f"{where}: {err}") from None
         scores = {f"{self.name}_{shots}shot": Score.of_correct(hits) for shots, hits in correct.items()}
         detail = {"test_samples": next(iter(correct.values())).shape[1]}
         return Outcome(scores, {self.name: detail})

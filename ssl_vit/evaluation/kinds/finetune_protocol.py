@@ -63,7 +63,7 @@ class FineTuneProtocol(TrainedProtocol):
             )
 
     def fit_fraction(
-        self, plan: TrainingSet, features, config, suite
+        self, plan: TrainingSet, features, config, seed: int
     ) -> tuple[dict[str | None, Score], dict]:
         models, found, selected = [], [], []
         for lr in self.lrs:
@@ -77,7 +77,7 @@ class FineTuneProtocol(TrainedProtocol):
                 optimizer=optimizer(self, lr),
                 lr_scheduler=schedule(self),
             )
-            found.append(train_streamed(model, self, suite, features, plan))
+            found.append(train_streamed(model, self, features, plan))
             if plan.selection is not None:
                 selected.append(statistics([model], self, features, *plan.selection))
             models.append(model.cpu())  # one candidate on the device at a time

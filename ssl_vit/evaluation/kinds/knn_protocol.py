@@ -32,7 +32,7 @@ class KNNProtocol(Protocol):
     def settle(self, data: dict[str, Any], backbone, where: str) -> None:
         _check_k(self, data, where)
 
-    def run(self, features, config, suite) -> Outcome:
+    def run(self, features, config, seed, where) -> Outcome:
         train = restrict(features.get("train", self.feature), self.classes)
         test = restrict(features.get("test", self.feature), self.classes)
         hits = knn_correct(train.x, train.y, test.x, test.y, k=self.k, temperature=self.temperature)

@@ -18,7 +18,7 @@ from torch import Tensor
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import Features
 from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
-from ssl_vit.evaluation.protocol import FEATURES, STRICT, register
+from ssl_vit.evaluation.protocol import STRICT, register
 from ssl_vit.evaluation.segmentation import (
     MIOU,
     PIXEL_ACCURACY,
@@ -28,6 +28,7 @@ from ssl_vit.evaluation.segmentation import (
 )
 from ssl_vit.evaluation.stats import Metric, Score
 from ssl_vit.evaluation.training import optimizer, schedule
+from ssl_vit.models.feature import FEATURES
 from ssl_vit.tasks.seg_probe import LinearSegProbe, upsample
 
 SUFFIXES = ("miou", "pixel_acc")  # its columns per label fraction: NAME_miou, NAME_pixel_acc
@@ -63,7 +64,7 @@ class LinearSegProtocol(ProbeProtocol):
         return PIXEL_ACCURACY if column.endswith("_pixel_acc") else MIOU
 
     def describe(self, column: str) -> str:
-        return f"{column} ({self.TITLE}, {self.metric(column).name}, {FEATURES[self._kind()]})"
+        return f"{column} ({self.TITLE}, {self.metric(column).name}, {FEATURES[self._kind()].words})"
 
     def _kind(self) -> str:
         return "patches_lastk" if self.feature == "lastk" else "patches"

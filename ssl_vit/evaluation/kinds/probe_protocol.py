@@ -36,15 +36,15 @@ class ProbeProtocol(TrainedProtocol):
         raise NotImplementedError
 
     def fit_fraction(
-        self, plan: TrainingSet, features, config, suite
+        self, plan: TrainingSet, features, config, seed: int
     ) -> tuple[dict[str | None, Score], dict]:
         model = self.build(features, config)
         kind = self.cached_kind()
         if kind is None:
-            found = train_streamed(model, self, suite, features, plan)
+            found = train_streamed(model, self, features, plan)
         else:
             train = restrict(features.get("train", kind), self.classes, plan.keys, self.TARGET == "label")
-            found = train_cached(model, self, suite, features, train, plan.steps)
+            found = train_cached(model, self, features, train, plan.steps, seed)
         # The head is chosen on the selection images; only then is the test split read, and only the
         # chosen head scores it.
         head = 0

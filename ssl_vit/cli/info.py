@@ -1,76 +1,18 @@
 """`ssl-vit info`: parameters and forward FLOPs of every variant, and of MAE's encoder + decoder, alone
 and with an EMA teacher (data2vec 2.0 with one view: MAE's student plus the teacher's forward over the
-whole image). The teacher has no backward: a training step costs 3 x the student's forward + 1 x the
-teacher's, as the tasks count it (`MaskedPatchPretraining.measure_flops`).
+whole image), counted by `ssl_vit.models.cost`. The teacher has no backward: a training step costs 3 x
+the student's forward + 1 x the teacher's, as the tasks count it (`MaskedPatchPretraining.measure_flops`).
+Or, given a checkpoint, what it holds.
 
-FLOPs are counted by torch's own `FlopCounterMode` on the meta device (shapes only, no memory, no
-time): matmuls, convolutions and attention, as 2 x multiply-adds, the convention of the MAE and ViT
-papers' FLOP figures. Element-wise ops (norms, GELU) are not counted.
+Light to import (`ssl-vit --help` registers its parser): torch and the models load when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import NamedTuple
 
 from ssl_vit.errors import UserError
-
-META = "meta"
-
-
-class Cost(NamedTuple):
-    params: int
-    flops: int  # forward FLOPs for one image
-
-
-def _count_flops(fn) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
-
-
-def vit_cost(variant: str, img_size: int = 224) -> Cost:
-    """Parameters (no head) and forward FLOPs per image of the plain backbone."""
-    import torch
-
-    from ssl_vit.models.vit import build_vit
-
-    vit = build_vit(variant, img_size, device=META)
-    images = torch.empty(1, 3, img_size, img_size, device=META)
-    return Cost(sum(p.numel() for p in vit.parameters()), _count_flops(lambda: vit(images)))
-
-
-def mae_cost(
-    variant: str,
-    img_size: int = 224,
-    mask_ratio: float = 0.75,
-    decoder_dim: int = 512,
-    decoder_depth: int = 8,
-) -> Cost:
-    """Parameters and forward FLOPs per image of MAE: the encoder on the visible tokens only, the
-    decoder on all of them (He et al. 2021, sec 3)."""
-    import torch
-
-    from ssl_vit.models.heads import MAEDecoder
-    from ssl_vit.models.vit import build_vit
-
-    vit = build_vit(variant, img_size, device=META)
-    pixels = vit.pixels_per_token**2 * 3
-    with torch.device(META):
-        decoder = MAEDecoder(vit.embed_dim, vit.grid_size, pixels, dim=decoder_dim, depth=decoder_depth)
-    num_patches = vit.grid_size[0] * vit.grid_size[1]
-    num_keep = num_patches - round(mask_ratio * num_patches)
-    images = torch.empty(1, 3, img_size, img_size, device=META)
-    idx_keep = torch.arange(num_keep, device=META).unsqueeze(0)
-
-    def forward():
-        decoder(vit.encode(vit.embed_patches(images), idx_keep), idx_keep)
-
-    params = sum(p.numel() for m in (vit, decoder) for p in m.parameters())
-    return Cost(params, _count_flops(forward))
 
 
 def add_parser(subparsers) -> None:
@@ -140,7 +82,10 @@ def describe(source: str) -> list[str]:
     else:
         dims = architecture(config)
         shape = ", ".join(f"{key} {dims[key]}" for key in ("width", "depth", "heads", "mlp_dim"))
-        lines.append(f"backbone: {config.variant} ({shape}), {config.img_size} px, {config.pooling} pooling")
+        bands = "" if config.in_chans == 3 else f", {config.in_chans} bands"
+        lines.append(
+            f"backbone: {config.variant} ({shape}), {config.img_size} px{bands}, {config.pooling} pooling"
+        )
     lines.append(f"parameters: {sum(t.numel() for t in weights.backbone.values()) / 1e6:.2f} M (backbone)")
     if weights.verified:
         lines.append(f"verified by {weights.verified}")
@@ -166,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ssl_vit.models.cost import mae_cost, vit_cost
     from ssl_vit.models.vit import EXAMPLE_VARIANTS, parse_variant
 
     args.variants = args.variants or list(EXAMPLE_VARIANTS)

@@ -1,0 +1,57 @@
+"""Plugins: code outside ssl-vit that adds presets, targets, protocol kinds or `data convert` sources.
+
+A plugin is a Python module that registers what it adds when it is imported, through the registries'
+own calls (`ssl_vit.presets.register`, `ssl_vit.tasks.target.register`,
+`ssl_vit.evaluation.protocol.register`, `ssl_vit.data.sources.register`). The CLI imports every plugin
+before it parses a command (`load`), so a plugin's names are valid wherever the built-in ones are:
+options, recipes, suites, SOURCE strings, and in every rank of a torchrun or SLURM job (each rank runs
+the command, with the job's environment). Two ways to name one:
+
+- an installed package declares it as an entry point of the group `ssl_vit.plugins`, e.g. in its
+  pyproject.toml: `[project.entry-points."ssl_vit.plugins"] mine = "my_package.ssl_vit_plugin"`;
+- `SSL_VIT_PLUGINS=module[,module...]` names modules on the Python path (PYTHONPATH), e.g. one file
+  `my_plugin.py` beside a recipe.
+
+A plugin that does not import stops the command with one line naming it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from ssl_vit.errors import UserError
+
+GROUP = "ssl_vit.plugins"  # the entry-point group of installed plugins
+ENV = "SSL_VIT_PLUGINS"  # comma-separated module names
+
+_loaded: list[str] = []  # the plugins imported so far, in order
+
+
+def load() -> list[str]:
+    """Import every plugin not imported yet: the installed ones (entry points of `GROUP`, by name), then
+    the modules `ENV` names, in its order. Returns the names of all plugins imported so far."""
+    for point in sorted(entry_points(group=GROUP), key=lambda point: point.name):
+        where = f"entry point {point.name!r} of {GROUP}" + (f" in {point.dist.name}" if point.dist else "")
+        fix = f"reinstall or uninstall {point.dist.name if point.dist else 'its package'}"
+        _import(point.value, where, fix, point.load)
+    for module in filter(None, (name.strip() for name in os.environ.get(ENV, "").split(","))):
+        fix = f"put it on the Python path (PYTHONPATH) or take it out of {ENV}"
+        _import(module, f"named in {ENV}", fix, lambda module=module: importlib.import_module(module))
+    return list(_loaded)
+
+
+def _import(name: str, where: str, fix: str, do: Callable[[], object]) -> None:
+    if name in _loaded:
+        return
+    try:
+        do()
+    except Exception as err:  # whatever a plugin raises as it registers, it is the plugin's: one line
+        first = (str(err).strip().splitlines() or [""])[0]
+        first = first if len(first) <= 200 else f"{first[:197]}..."
+        raise UserError(
+            f"plugin {name} ({where}) does not import: {type(err).__name__}: {first}: {fix}"
+        ) from err
+    _loaded.append(name)

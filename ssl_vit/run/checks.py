@@ -1,0 +1,268 @@
+"""The checks of a fit's (or validate's, test's) run directory and `--ckpt_path`, made before Lightning
+reads either and before anything is written, each a one-line UserError naming the problem and the fix:
+
+- the run directory (`--trainer.default_root_dir`): not a file, and for a fresh start not one that holds
+  an earlier run's checkpoints, which it would overwrite (its lock, `ssl_vit.lock`, keeps a second fit
+  out);
+- `--ckpt_path`: a choice Lightning would refuse from deep inside (`best`, empty, none for validate/test),
+  `last` resolved to the newest intact checkpoint, and a local file that is a Lightning checkpoint that
+  loads with weights only (its CRC checked first);
+- the model the checkpoint records against the config: an ssl-vit task, options this version takes, the
+  data's bands, and no model value of the config or the command line that it would silently replace.
+
+The fit CLI (`ssl_vit.cli.fit`) calls them; they read a config as jsonargparse's Namespace gives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+import torch
+
+from ssl_vit.checkpoints import integrity
+from ssl_vit.checkpoints.load import torch_load
+from ssl_vit.errors import UserError
+from ssl_vit.run.checkpointing import DAMAGED_FIX, resumable
+
+DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
+# --ckpt_path values Lightning resolves itself (a checkpoint of the run, the model registry).
+CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
+
+
+# --- the run directory ----------------------------------------------------------------------------------
+
+
+def check_run_dir(root: str) -> None:
+    """`--trainer.default_root_dir` refused in one line where it is a file or lies under one, before
+    anything is written: the run directory's lock (fit) or the W&B run (validate, test) would fail to
+    make it, the latter with a traceback."""
+    path = Path(root).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        raise UserError(
+            f"--trainer.default_root_dir {root} {where}: give a directory for the run to write in"
+        )
+
+
+def checkpoint_dir(config) -> Path:
+    """Where the run's ModelCheckpoint writes (as `SslVitCLI.before_instantiate_classes` sets it)."""
+    if config.checkpoint.dirpath:
+        return Path(config.checkpoint.dirpath)
+    return Path(config.trainer.default_root_dir or DEFAULT_ROOT) / "checkpoints"
+
+
+def refuse_used_run_dir(checkpoint_dir: Path) -> None:
+    """A fit that starts afresh would write its checkpoints under the same names as the ones already in
+    `checkpoint_dir` (`step{step:07d}.ckpt`, `last.ckpt`): refused, before anything is written."""
+    found = min(checkpoint_dir.glob("*.ckpt"), default=None) if checkpoint_dir.is_dir() else None
+    if found is not None:
+        raise UserError(
+            f"{checkpoint_dir} already holds checkpoints of an earlier run ({found.name}), which a fresh "
+            "start would overwrite: resume it with --ckpt_path last, or give another "
+            "--trainer.default_root_dir"
+        )
+
+
+# --- --ckpt_path: which checkpoint a job resumes, checked before Lightning reads it -------------------
+
+
+def check_ckpt_choice(subcommand: str, given: str | None) -> str | None:
+    """`--ckpt_path` as given, refused in one line where Lightning would raise from deep inside: `best`
+    (ssl-vit saves by steps and monitors no metric, so there is no best checkpoint), an empty path, and
+    `validate`/`test` without one (which would score a randomly initialised model): `scratch` asks for
+    that on purpose."""
+    fix = "give last, or the path of a .ckpt"
+    if given == "best":
+        raise UserError(
+            f"--ckpt_path best: ssl-vit saves checkpoints by steps and monitors no metric, so none is the "
+            f"best: {fix}"
+        )
+    if given is not None and not str(given).strip():
+        raise UserError(f"--ckpt_path is empty: {fix}")
+    if subcommand in ("validate", "test") and given is None:
+        raise UserError(
+            f"{subcommand} needs --ckpt_path (without one it would score a randomly initialised model): "
+            f"{fix}, or scratch to score the initialisation on purpose"
+        )
+    if given == "scratch" and subcommand == "fit":
+        raise UserError("--ckpt_path scratch: a fit starts from scratch without --ckpt_path; drop it")
+    return given
+
+
+def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | None:
+    """The checkpoint `--ckpt_path` makes this job continue from: for `last`, `resumable(checkpoint_dir)`
+    (as `LastLinkCheckpoint` resolves it for Lightning); a local path as it is; None otherwise."""
+    if not ckpt_path:
+        return None
+    if str(ckpt_path) == "last":
+        return resumable(checkpoint_dir)
+    return Path(ckpt_path) if "://" not in str(ckpt_path) else None
+
+
+def local_ckpt_path(value) -> str | None:
+    """`value` when it names a local checkpoint file for `--ckpt_path`; None for none, a keyword Lightning
+    resolves itself (last, best, ...) or a URL."""
+    value = str(value) if value is not None else ""
+    if not value or value.lower() in CKPT_KEYWORDS or value.lower().startswith("registry:") or "://" in value:
+        return None
+    return value
+
+
+def check_ckpt_path(path: str | Path) -> dict:
+    """The Lightning checkpoint `path`, its tensors memory-mapped; a one-line UserError unless it is one
+    that loads with weights only.
+
+    For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
+    hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
+    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
+    path = Path(path)
+    fix = (
+        "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
+        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
+    )
+    if not path.exists():
+        raise UserError(f"--ckpt_path {path} does not exist: {fix}")
+    if not path.is_file():
+        raise UserError(f"--ckpt_path {path} is not a file: {fix}")
+    # Before torch reads it: a damaged checkpoint would load silently (torch checks no CRC). A file
+    # without checksums (another tool's, torch's legacy format) goes on to torch.load unchecked.
+    integrity.check(path, DAMAGED_FIX, name=f"--ckpt_path {path}")
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
+            checkpoint = torch_load(path, map_location="cpu")
+    except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
+        raise UserError(
+            f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
+        ) from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
+    if not checkpoint["state_dict"]:
+        raise UserError(f"--ckpt_path {path} holds no weights (its state_dict is empty): {fix}")
+    if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
+        raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
+    return checkpoint
+
+
+# --- the checkpoint's model against the config ------------------------------------------------------------
+
+
+def refuse_foreign_model(hparams: dict, path) -> None:
+    """A checkpoint whose hyperparameters name a model class outside ssl-vit's tasks: a checkpoint is
+    data, it never chooses code to run."""
+    class_path = hparams.get("_class_path")
+    if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
+        raise UserError(
+            f"--ckpt_path {path} names the model class {class_path!r}: ssl-vit only rebuilds its own "
+            "tasks (ssl_vit.tasks.*) from a checkpoint; give a checkpoint written by ssl-vit"
+        )
+
+
+def unparsable_model(path, what: str) -> UserError:
+    """The line for a `--ckpt_path` whose recorded model (its hyperparameters) this version cannot build."""
+    return UserError(
+        f"--ckpt_path {path}: the model its hyperparameters describe does not parse here ({what}); give a "
+        "checkpoint this version of ssl-vit wrote"
+    )
+
+
+def refuse_unknown_hparams(config, path) -> None:
+    """Hyperparameters of the checkpoint that its model class does not take (jsonargparse keeps them as
+    `dict_kwargs`): the class's constructor would raise a TypeError."""
+    unknown = config.model.get("dict_kwargs") if config.get("model") else None
+    if unknown:
+        raise unparsable_model(
+            path, f"{', '.join(sorted(unknown))}: no such option of {config.model.class_path}"
+        )
+
+
+def refuse_other_bands(hparams: dict, config, path) -> None:
+    """A checkpoint's backbone of other input bands than the data's `channels` (3 unless given): the
+    link would build the model for the data's bands, and the checkpoint's weights would not load."""
+    backbone = hparams.get("backbone")
+    if not isinstance(backbone, dict):  # not an ssl-vit task's checkpoint: Lightning says what is wrong
+        return
+    saved = backbone.get("in_chans", 3)  # checkpoints from before other band counts: RGB
+    data = getattr(config.get("data"), "init_args", None)
+    channels = (data.get("channels") if data is not None else None) or 3
+    if saved != channels:
+        raise UserError(
+            f"--ckpt_path {path} holds a model of {saved} input bands and the data has {channels}: give it "
+            f"the data it was trained on (--data.init_args.channels {saved})"
+        )
+
+
+def refuse_overridden_options(argv: list[str], before: dict, config, path) -> None:
+    """A `--model...` option given on the command line whose value the checkpoint replaced: resuming
+    would silently train the checkpoint's model instead of the one asked for."""
+    after = config.as_dict()
+    for arg in argv:
+        if not arg.startswith("--model."):
+            continue
+        keys = arg[2:].split("=", 1)[0].split(".")
+        old, new = lookup(before, keys), lookup(after, keys)
+        if old is not MISSING and old != new:
+            raise UserError(
+                f"--{'.'.join(keys)} {old} contradicts --ckpt_path {path}, whose model has {new}: drop the "
+                "option to resume that model, or start a new run from its weights with "
+                f"--model.init_args.init_from {path}"
+            )
+
+
+def refuse_contradicting_config(before: dict, config, path, linked: Collection[str]) -> None:
+    """A model value of the config file that the checkpoint being resumed replaced (another task's
+    recipe, another size): the fit would silently train the checkpoint's model instead. A value the
+    config leaves unset (None: the task's preset or default decides) is the checkpoint's, and so is one
+    the data module sets (the `linked` keys)."""
+    after = config.as_dict()
+    differing = [
+        f"{key} {old} (checkpoint: {new})"
+        for key, old in _leaves(before.get("model"), "model")
+        if old is not None
+        and key not in linked
+        and (new := lookup(after, key.split("."))) != old
+        and not _same_class(key, old, new)
+    ]
+    if differing:
+        raise UserError(
+            f"the config's model contradicts --ckpt_path {path}, whose model differs in "
+            f"{'; '.join(differing)}: "
+            "resume it with the config and --model options it was trained with, or start a new run from its "
+            f"weights with --model.init_args.init_from {path}"
+        )
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+MISSING = _Missing()  # what `lookup` finds where a tree has no such key
+
+
+def lookup(tree, keys: list[str]):
+    """The value at the path `keys` of the nested mappings `tree`, or MISSING."""
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return MISSING
+        tree = tree[key]
+    return tree
+
+
+def _same_class(key: str, old, new) -> bool:
+    """Two `class_path`s that name one class the way configs spell it (`ssl_vit.tasks.X` and
+    `ssl_vit.tasks.module.X`, `AdamW` and `torch.optim.AdamW`): the same class name. Compared as text,
+    never imported: the checkpoint's side is data and does not choose code to run."""
+    return key.endswith("class_path") and str(old).rsplit(".", 1)[-1] == str(new).rsplit(".", 1)[-1]
+
+
+def _leaves(tree, prefix: str):
+    """(dotted key, value) of every non-mapping value under `tree`."""
+    if not isinstance(tree, dict):
+        yield prefix, tree
+        return
+    for key, value in tree.items():
+        yield from _leaves(value, f"{prefix}.{key}")

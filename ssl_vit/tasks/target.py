@@ -1,0 +1,64 @@
+"""What a masked-prediction target is: what `MaskedPatchPretraining` predicts at each masked patch, its
+shape, how it is made from the batch, which band counts it takes and how the task's pictures draw it,
+in one class.
+
+A target is a subclass of `Target`, decorated with `@register`; its module lives in
+`ssl_vit.tasks.targets` (a plugin's anywhere: `ssl_vit.plugins`). The computations of the built-in ones
+are `ssl_vit.targets`' batched functions; `target: NAME` (or a preset's) selects it, and the task builds
+its head or decoder for `shape` outputs per patch. A target made of class ids (int64) is learnt with
+softmax cross-entropy over the last dimension of its shape, any other with the task's `pixel_loss`.
+
+The methods read what they need from the task: `patch_size` (p), `grid`, `bands` (C),
+`backbone.embed_dim` (D), `target_images(images)` (the pixels targets are computed on: RGB in [0, 1],
+other band counts standardised), and for a target the EMA teacher makes (`TEACHER`), `teacher`,
+`teacher_features`, `teacher_top_k`.
+
+Legend: B batch, C bands, N patches, M masked patches, T the target's shape per patch, n pictured images.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from ssl_vit.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+
+class Target:
+    NAME: ClassVar[str] = ""  # the `target:` value that selects it (`register`)
+    BANDS: ClassVar[int | None] = None  # the one band count it takes (3: it reads RGB colours); None: any
+    REFUSES: ClassVar[str] = ""  # with BANDS: why another band count cannot have it, as a message says
+    # "target 'color3bit' <REFUSES>, and the data has 5" (unset: "takes images of <BANDS> bands only")
+    TEACHER: ClassVar[bool] = False  # made by an EMA teacher of the backbone, which the task then keeps
+
+    def accepts(self, bands: int) -> bool:
+        """Whether a backbone of `bands` input bands can predict it."""
+        return self.BANDS is None or self.BANDS == bands
+
+    def shape(self, task) -> torch.Size:
+        """T: what the task predicts per patch."""
+        raise NotImplementedError
+
+    def make(self, task, images: Tensor) -> Tensor:
+        """images: (B, C, H, W) normalised model inputs -> the target of every patch (B, N, *T), float,
+        or (B, N[, ...]) int64 class ids for a shape (..., classes)."""
+        raise NotImplementedError
+
+    # How `ssl_vit.tasks.pictures.masked_prediction_picture` draws it: a method (task, scene) -> rows, each
+    # (n, 3, H, W) in [0, 1]; None: it has no picture (an EMA teacher's latents), the task draws none.
+    picture = None
+
+
+TARGETS = Registry("target")  # name -> the Target
+
+
+def register(cls: type[Target]) -> type[Target]:
+    """Class decorator: `target: cls.NAME` selects `cls`."""
+    TARGETS.add(cls.NAME, cls())
+    return cls
+
+
+__all__ = ["TARGETS", "Target", "register"]

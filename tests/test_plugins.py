@@ -1,0 +1,268 @@
+"""Plugins: a preset, a target and a protocol kind defined outside the package (a module the test writes
+into its own folder, named by SSL_VIT_PLUGINS, or an installed package's entry point) work through the
+CLI wherever the built-in ones do; a plugin that does not import is one line naming it."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cli_helpers import one_step_fit_args, run_cli, wandb_records
+from test_errors import error_line
+
+from ssl_vit.errors import BadValue
+from ssl_vit.presets import PRESETS
+from ssl_vit.registry import Registry
+from ssl_vit.tasks import MaskedPatchPretraining
+from ssl_vit.tasks.target import TARGETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PLUGIN = '''
+"""A plugin of the test's own: a target, a preset that predicts it and a protocol kind."""
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from pydantic.dataclasses import dataclass
+
+from ssl_vit import targets
+from ssl_vit.evaluation.protocol import STRICT, Outcome, Protocol, register as register_kind
+from ssl_vit.evaluation.scoring import restrict
+from ssl_vit.evaluation.stats import Score
+from ssl_vit.presets import register as register_preset
+from ssl_vit.tasks.target import Target, register as register_target
+
+
+@register_target
+class PatchStd(Target):
+    """Each band's standard deviation over each patch's pixels: C values per patch."""
+
+    NAME = "patch_std"
+
+    def shape(self, task):
+        return torch.Size([task.bands])
+
+    def make(self, task, images):
+        patches = targets.patchify(task.target_images(images), task.patch_size)  # (B, N, p*p*C)
+        return patches.unflatten(-1, (-1, task.bands)).std(dim=-2)  # (B, N, C)
+
+
+register_preset("texture", corruption="mask_token", target="patch_std", mask_ratio=0.5, pixel_loss="l1")
+
+
+@register_kind
+@dataclass(config=STRICT)
+class CentroidProtocol(Protocol):
+    """Each test image's class: the nearest mean of the training images' features (cosine)."""
+
+    KIND: ClassVar[str] = "centroid"
+    TITLE: ClassVar[str] = "nearest centroid"
+
+    def run(self, features, config, seed, where):
+        train = restrict(features.get("train", self.feature), self.classes)
+        test = restrict(features.get("test", self.feature), self.classes)
+        classes = train.y.unique()
+        x = F.normalize(train.x.float(), dim=1)
+        means = F.normalize(torch.stack([x[train.y == c].mean(0) for c in classes]), dim=1)
+        nearest = classes[(F.normalize(test.x.float(), dim=1) @ means.T).argmax(1)]
+        detail = {"classes": len(classes), "test_samples": len(test.y)}
+        return Outcome({self.name: Score.of_correct((nearest == test.y)[None])}, {self.name: detail})
+
+
+# --- HERE a `data convert` source, once sources are a registry (`ssl_vit.data.sources.register`), and
+# --- beside the fit below a test that `ssl-vit data convert` turns it into shards with this plugin loaded
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path) -> dict[str, str]:
+    """The environment of a command that loads the test's plugin, `my_plugin.py` in a folder of its own."""
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "my_plugin.py").write_text(PLUGIN)
+    return {"PYTHONPATH": str(folder), "SSL_VIT_PLUGINS": "my_plugin"}
+
+
+@pytest.mark.slow
+def test_a_plugin_preset_and_target_fit_and_its_kind_evaluates(plugin, digits_shards, tmp_path):
+    """`fit` with the plugin's preset trains on the plugin's target (C = 3 outputs per patch, L1), 2 steps;
+    `evaluate` of its checkpoint runs a suite of the plugin's kind."""
+    run = tmp_path / "run"
+    args = one_step_fit_args(
+        digits_shards, run, "--model.init_args.preset", "texture", "--data.init_args.train_batches", "2",
+        "--trainer.log_every_n_steps", "1", config="mae",
+    )  # fmt: skip
+    run_cli(*args, cwd=ROOT, env=plugin)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert saved["hyper_parameters"]["preset"] == "texture"
+    assert saved["hyper_parameters"]["target"] == "patch_std"
+    assert saved["hyper_parameters"]["pixel_loss"] == "l1"
+    assert saved["state_dict"]["head.proj.weight"].shape[0] == 3  # the plugin's shape: one value per band
+    [(_, records)] = wandb_records(run)
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    losses = [h["train/loss"] for h in history if "train/loss" in h]
+    assert len(losses) == 2 and all(map(math.isfinite, losses)), losses
+
+    # The quickstart's suite (its backbone is the quickstart recipe's), on 2 + 2 shards, of the plugin's kind
+    suite = yaml.safe_load((ROOT / "recipes/eval/quickstart.yaml").read_text())
+    suite["data"].update(
+        train_urls=str(digits_shards / "train-{000000..000001}.tar"),
+        test_urls=str(digits_shards / "val-{000000..000001}.tar"),
+        num_workers=0,
+    )
+    suite["protocols"] = [{"name": "nearest", "kind": "centroid", "feature": "mean"}]
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    run_cli("evaluate", str(ckpt), "--suite", "suite.yaml", "--out", str(out), cwd=tmp_path, env=plugin)
+    record = json.loads((out / "results.json").read_text())
+    assert list(record["results"]) == ["nearest"]
+    assert 0.1 < record["results"]["nearest"] <= 1  # above chance on the ten digits
+    assert record["details"]["nearest"] == {"classes": 10, "test_samples": 200}
+
+    # Without the plugin, the checkpoint's preset is not a valid name: one line, nothing run.
+    proc = run_cli(
+        "validate", "--config", str(ROOT / "recipes/quickstart/mae.yaml"), "--ckpt_path", str(ckpt),
+        "--trainer.default_root_dir", str(tmp_path / "validate"), cwd=ROOT, check=False,
+    )  # fmt: skip
+    error_line(
+        proc,
+        f"--ckpt_path {ckpt}: the model its hyperparameters describe does not parse",
+        "preset: 'texture' is not one of",
+    )
+    assert not (tmp_path / "validate").exists()
+
+
+def test_a_plugin_name_is_a_valid_choice_and_listed_where_the_built_in_ones_are(plugin, tmp_path):
+    recipe = str(ROOT / "recipes/quickstart/mae.yaml")
+    printed = run_cli(
+        "fit", "--config", recipe, "--model.init_args.preset", "texture", "--print_config", env=plugin
+    )
+    assert "preset: texture" in printed.stdout
+    proc = run_cli(
+        "fit", "--config", recipe, "--model.init_args.preset", "textur", cwd=tmp_path, env=plugin, check=False
+    )
+    error_line(
+        proc,
+        "--model.init_args.preset: 'textur' is not one of vit_mpp, mae, simmim, maskfeat, ijepa, data2vec2, "
+        "texture; did you mean texture?"
+    )  # fmt: skip
+    helped = run_cli("fit", "--model.help", "MaskedPatchPretraining", env=plugin).stdout
+    for option, words in (("preset", "a registered preset's name"), ("target", "a registered target's name")):
+        assert f"--model.{option} {option.upper()}" in helped and words in " ".join(helped.split())
+    helped = run_cli("bench", "step", "--help", env=plugin)
+    assert "data2vec2,texture}" in "".join(helped.stdout.split())  # the bench's tasks: every preset
+    assert run_cli("bench", "step", "--help").stdout.count("texture") == 0
+
+
+def test_an_installed_plugin_is_found_by_its_entry_point(tmp_path):
+    """What `pip install` leaves for a package that declares `[project.entry-points."ssl_vit.plugins"]`:
+    its module, and an entry_points.txt in its .dist-info, here on PYTHONPATH."""
+    (tmp_path / "their_plugin.py").write_text(
+        "from ssl_vit.presets import register\nregister('their_mae', corruption='drop', target='pixels', "
+        "mask_ratio=0.5)\n"
+    )
+    info = tmp_path / "their_package-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: their-package\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[ssl_vit.plugins]\ntheirs = their_plugin\n")
+    helped = run_cli("bench", "parts", "--help", env={"PYTHONPATH": str(tmp_path)})
+    assert "their_mae" in helped.stdout
+
+
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("", ["plugin missing_plugin (named in SSL_VIT_PLUGINS) does not import: ModuleNotFoundError: No "
+              "module named 'missing_plugin'", "put it on the Python path (PYTHONPATH)"]),
+        ("raise RuntimeError('no licence key')\n",
+         ["plugin missing_plugin (named in SSL_VIT_PLUGINS) does not import: RuntimeError: no licence key"]),
+        ("from ssl_vit.presets import register\nregister('mae', target='pixels')\n",
+         ["plugin missing_plugin", "BadValue: preset 'mae' is registered twice: give one of them another"]),
+    ],
+    ids=["missing", "raises", "name-taken"],
+)  # fmt: skip
+def test_a_plugin_that_does_not_import_is_one_line_naming_it(tmp_path, source, words):
+    if source:
+        (tmp_path / "missing_plugin.py").write_text(source)
+    env = {"PYTHONPATH": str(tmp_path), "SSL_VIT_PLUGINS": " missing_plugin,"}
+    error_line(run_cli("info", cwd=tmp_path, env=env, check=False), *words)
+
+
+def test_a_plugin_kind_named_like_a_built_in_one_is_one_line_naming_both(tmp_path):
+    """The plugin registers first (the built-in kinds are imported when a suite is read): the second
+    registration, the built-in one, is refused, naming both modules; nothing is written."""
+    (tmp_path / "my_kinds.py").write_text(
+        "from typing import ClassVar\n"
+        "from pydantic.dataclasses import dataclass\n"
+        "from ssl_vit.evaluation.protocol import STRICT, Protocol, register\n"
+        "@register\n@dataclass(config=STRICT)\nclass Mine(Protocol):\n    KIND: ClassVar[str] = 'knn'\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path), "SSL_VIT_PLUGINS": "my_kinds"}
+    suite, out = ROOT / "recipes/eval/quickstart.yaml", tmp_path / "out"
+    proc = run_cli("evaluate", "scratch", "--suite", str(suite), "--out", str(out), env=env, check=False)
+    error_line(
+        proc,
+        "protocol kind 'knn' is registered twice (by my_kinds and ssl_vit.evaluation.kinds.knn_protocol)",
+    )
+    assert not out.exists()
+
+
+def test_a_registry_names_the_valid_ones_and_refuses_a_name_twice():
+    colours = Registry("colour")
+    colours.add("red", 1)
+    colours.add("green", 2)
+    assert colours.pick("green") == 2
+    with pytest.raises(BadValue, match=r"^unknown colour 'blue'; valid: red, green$"):
+        colours.pick("blue")
+    with pytest.raises(BadValue, match="colour 'red' is registered twice: give"):
+        colours.add("red", 3)
+    option = colours.option_type("ColourName")
+    with pytest.raises(ValueError, match=r"^Expected a typing.Literal\['red', 'green'\]$"):
+        colours._parsed("blue")
+    colours.add("blue", 3)  # the names as they are when a value is parsed
+    assert colours._parsed("blue") == "blue" and issubclass(option, str)
+
+
+def test_a_preset_that_sets_what_the_task_does_not_take_is_one_line():
+    PRESETS.add("old_style", dict(corruption="drop", target="pixels", mask_ratio=0.5, decoder="big"))
+    try:
+        with pytest.raises(
+            BadValue, match=r"preset 'old_style' sets decoder, which MaskedPatchPretraining does"
+        ):
+            MaskedPatchPretraining(_tiny(), preset="old_style")
+    finally:
+        del PRESETS["old_style"]
+
+
+def test_every_target_predicts_its_shape_for_every_band_count_it_takes(digits_batch):
+    """Each registered target's `make` gives (B, N, *shape) on RGB and on five bands where it takes them;
+    the ones it refuses are refused in one line naming it."""
+    images = digits_batch["image"][:2]
+    for name, target in TARGETS.items():
+        for bands in (3, 5):
+            x = images if bands == 3 else torch.cat([images, images[:, :2]], dim=1)
+            kwargs = dict(
+                target=name, corruption="mask_token", mask_ratio=0.5, mean=(0.5,) * bands, std=(0.2,) * bands
+            )
+            if not target.accepts(bands):
+                with pytest.raises(
+                    BadValue, match=f"target '{name}' {target.REFUSES}, and the data has {bands}"
+                ):
+                    MaskedPatchPretraining(_tiny(bands), **kwargs)
+                continue
+            task = MaskedPatchPretraining(_tiny(bands), **kwargs)
+            made = task.target.make(task, x)
+            shape = task.target_shape()
+            expected = (2, 16, *shape) if made.dtype != torch.long else (2, 16, *shape[:-1])
+            assert tuple(made.shape) == expected, name
+
+
+def _tiny(bands: int = 3):
+    from ssl_vit.models.vit import ViTConfig
+
+    return ViTConfig("S/8", 32, width=32, depth=2, heads=2, in_chans=bands)
