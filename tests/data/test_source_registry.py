@@ -14,13 +14,16 @@ import webdataset as wds
 from ssl_vit.cli import main
 from ssl_vit.data import sources
 from ssl_vit.data.sources import SOURCES, Flag, register, sources_help, split_help
+from ssl_vit.registry import Registry
 
 
 @pytest.fixture
 def registry(monkeypatch):
     """The registry as the package left it, restored after the test (a registration is global)."""
-    monkeypatch.setattr(sources, "SOURCES", dict(SOURCES))
-    return sources.SOURCES
+    copy = Registry("source")
+    copy.update(SOURCES)
+    monkeypatch.setattr(sources, "SOURCES", copy)
+    return copy
 
 
 def register_solid(name: str = "solid") -> None:
@@ -105,7 +108,7 @@ def test_a_required_flag_is_refused_missing_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("name", "flag", "why"),
     [
-        ("digits", None, "registered twice"),
+        ("digits", None, "source 'digits' is registered twice (by ssl_vit.data.sources.digits and "),
         ("Bad-Name", None, "not a lower-case name"),
         ("fresh", "grid", "taken (mosaic:URLS)"),
         ("fresh", "shard_size", "taken (data convert itself)"),

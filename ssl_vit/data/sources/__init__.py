@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import BadValue, UserError
 from ssl_vit.outdir import Input
+from ssl_vit.registry import Registry
 
 # `data convert`'s own options (argparse destinations): no source's flag may take one of these names.
 CONVERT_OPTIONS = (
@@ -85,6 +86,10 @@ class SourceKind:
     flags: tuple[Flag, ...] = ()
     inputs: Callable[[str], list[Input]] | None = None
 
+    def __post_init__(self) -> None:
+        # named by the module that registered it, as `Registry.add` names the two of a name taken twice
+        object.__setattr__(self, "__module__", getattr(self.load, "__module__", None))
+
     @property
     def form(self) -> str:
         """`NAME:ARGUMENT`, or `NAME` for a source without argument."""
@@ -97,7 +102,7 @@ class SourceKind:
         return f"{self.form}{flags}" + (f" ({notes})" if notes else "")
 
 
-SOURCES: dict[str, SourceKind] = {}
+SOURCES: Registry = Registry("source")  # name -> SourceKind
 
 
 def register(
@@ -120,14 +125,14 @@ def register(
     paths of `arg` split at commas). Importing the module that calls it is all a source needs."""
 
     def add(load: Callable) -> Callable:
-        if not _NAME.fullmatch(name) or name in SOURCES:
-            raise ValueError(f"source {name!r}: not a lower-case name (a-z, 0-9, _), or registered twice")
+        if not _NAME.fullmatch(name):
+            raise BadValue(f"source {name!r}: not a lower-case name (a-z, 0-9, _): give it one")
         owners = {flag.name: kind.form for kind in SOURCES.values() for flag in kind.flags}
-        for flag in flags:
+        for flag in flags if name not in SOURCES else ():  # a name taken twice: `Registry.add` says so
             if flag.name in CONVERT_OPTIONS or flag.name in owners:
                 owner = owners.get(flag.name, "data convert itself")
-                raise ValueError(f"source {name!r}: flag {flag.option} is taken ({owner})")
-        SOURCES[name] = SourceKind(name, load, argument, help, splits, masks, arrays, tuple(flags), inputs)
+                raise BadValue(f"source {name!r}: flag {flag.option} is taken ({owner}): name it otherwise")
+        SOURCES.add(name, SourceKind(name, load, argument, help, splits, masks, arrays, tuple(flags), inputs))
         return load
 
     return add
