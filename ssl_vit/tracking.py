@@ -9,13 +9,12 @@ import sys
 import uuid
 from pathlib import Path
 
-import pytorch_lightning as pl
-from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torchvision.utils import save_image
 
 from ssl_vit.errors import UserError
+from ssl_vit.internals import WandbLoggerHooks, logging_step
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -28,7 +27,7 @@ def wandb_opted_in() -> bool:
     )
 
 
-class WandbLogger(LightningWandbLogger):
+class WandbLogger(WandbLoggerHooks):
     """Lightning's WandbLogger with the defaults a cluster job needs.
 
     - Offline unless `WANDB_MODE`, `WANDB_API_KEY` or a wandb login says otherwise (`wandb sync`
@@ -91,11 +90,11 @@ class WandbLogger(LightningWandbLogger):
         )
         self._floor = -1  # steps at or before it are not logged (`rewind`)
         if os.environ.get("WANDB_DIR"):
-            self._wandb_init["dir"] = os.environ["WANDB_DIR"]
+            self.init_options["dir"] = os.environ["WANDB_DIR"]
         # Lightning passes `anonymous` to wandb.init even when unset, and W&B warns on every run that
         # the setting is deprecated
-        if self._wandb_init.get("anonymous") is None:
-            self._wandb_init.pop("anonymous", None)
+        if self.init_options.get("anonymous") is None:
+            self.init_options.pop("anonymous", None)
 
     @property
     def experiment(self):
@@ -108,7 +107,7 @@ class WandbLogger(LightningWandbLogger):
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's: the CLI's line for a full disk
                 raise
-            folder = Path(self._wandb_init.get("dir") or ".") / "wandb"
+            folder = Path(self.init_options.get("dir") or ".") / "wandb"
             raise UserError(
                 f"W&B cannot write its run in {folder} ({type(err).__name__}: {err.strerror or err}): "
                 "make it a directory this user can write, give W&B another one (WANDB_DIR=DIR), or run "
@@ -127,8 +126,9 @@ class WandbLogger(LightningWandbLogger):
         # The run ends with its trainer. Lightning leaves it open to the interpreter's exit, where W&B's
         # service prints the run's footer (the sync hint, the log folder) even when W&B is set to be
         # quiet; finished here, the footer follows the setting.
-        if self._experiment is not None and getattr(self._experiment, "finish", None) is not None:
-            self._experiment.finish(exit_code=0 if status == "success" else 1)
+        run = self.started_run
+        if run is not None and getattr(run, "finish", None) is not None:
+            run.finish(exit_code=0 if status == "success" else 1)
 
     @rank_zero_only
     def rewind(self, step: int) -> None:
@@ -138,11 +138,11 @@ class WandbLogger(LightningWandbLogger):
         what was logged after it is dropped and the steps are logged again. Values logged at those kept
         steps until training reaches `step` again (the rolled-back step's own) are not logged."""
         rewind = max(step - 1, 0)
-        if self._experiment is not None:
-            self._experiment.finish()
-            self._experiment = None  # started again by `experiment` at the next log
-        self._wandb_init.pop("fork_from", None)
-        self._wandb_init.update(resume=None, resume_from=f"{self._wandb_init['id']}?_step={rewind}")
+        if self.started_run is not None:
+            self.started_run.finish()
+            self.forget_run()  # started again by `experiment` at the next log
+        self.init_options.pop("fork_from", None)
+        self.init_options.update(resume=None, resume_from=f"{self.init_options['id']}?_step={rewind}")
         self._floor = step - 1
 
     @rank_zero_only
@@ -151,8 +151,8 @@ class WandbLogger(LightningWandbLogger):
             return
         if step is None:
             return super().log_metrics(metrics, step)
-        if self._prefix:
-            metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
+        if self.metric_prefix:
+            metrics = {f"{self.metric_prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
         self.experiment.log({**metrics, "trainer/global_step": step}, step=step)
 
 
@@ -167,18 +167,6 @@ def where(run) -> str:
             folder = os.path.relpath(folder)
         return f"offline run in {folder} (upload: wandb sync {folder})"
     return str(run.url)
-
-
-def logging_step(trainer: pl.Trainer) -> int:
-    """The step to log at now, in training: the one Lightning gives the current batch's metrics.
-
-    Lightning moves on to the next step only after it has logged a batch's metrics, after
-    `on_train_batch_end`: there the batch's optimizer update is done (`trainer.global_step` is k) but
-    its metrics still go to step k - 1. A value logged at k first would make W&B, whose steps only go
-    forward, drop that batch's loss, throughput and learning rate. Lightning's own LearningRateMonitor
-    and DeviceStatsMonitor read this counter too; it has no public name.
-    """
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
 def log_picture(module, key: str, image: Tensor) -> None:

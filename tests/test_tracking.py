@@ -38,9 +38,9 @@ def test_a_restarted_job_continues_its_run(tmp_path, monkeypatch):
     assert first.experiment == "run"
     again = WandbLogger(save_dir=str(tmp_path / "job"))
     other = WandbLogger(save_dir=str(tmp_path / "other"))
-    assert first._wandb_init["id"] == again._wandb_init["id"] != other._wandb_init["id"]
-    assert (tmp_path / "job" / RUN_ID_FILE).read_text().strip() == first._wandb_init["id"]
-    assert again._wandb_init["resume"] == "allow"
+    assert first.init_options["id"] == again.init_options["id"] != other.init_options["id"]
+    assert (tmp_path / "job" / RUN_ID_FILE).read_text().strip() == first.init_options["id"]
+    assert again.init_options["resume"] == "allow"
 
 
 def _picture(preset, digits_batch, bands=3, **kwargs):

@@ -38,6 +38,7 @@ from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.urls import shard_directories
 from ssl_vit.errors import UserError
+from ssl_vit.internals import CLASS_PATH_KEY
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.tasks import MaskedPatchPretraining
@@ -184,10 +185,10 @@ def _masked_predictions(
     """(json entry, picture (3, H, W) or None): the masked task rebuilt from the checkpoint's
     hyperparameters and weights, predicting under masks drawn from `MASK_SEED`, drawn in
     `display_bands` (images of other than 3 bands)."""
-    if hparams.get("_class_path") != MASKED_TASK:
-        kind = hparams.get("_class_path") or "not a Lightning checkpoint of an ssl-vit task"
+    if hparams.get(CLASS_PATH_KEY) != MASKED_TASK:
+        kind = hparams.get(CLASS_PATH_KEY) or "not a Lightning checkpoint of an ssl-vit task"
         return {"skipped": f"only for masked-pretraining checkpoints ({MASKED_TASK}); this one: {kind}"}, None
-    arguments = {key: value for key, value in hparams.items() if key != "_class_path"}
+    arguments = {key: value for key, value in hparams.items() if key != CLASS_PATH_KEY}
     # Weights come from the checkpoint's state dict below, not from where the run started.
     arguments.update(backbone=ViTConfig(**hparams["backbone"]), init_from="scratch", picture_every_n_steps=0)
     arguments["display_bands"] = display_bands

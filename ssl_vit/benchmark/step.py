@@ -33,6 +33,7 @@ from lightning_fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 
 from ssl_vit.benchmark import PRECISIONS, TASKS, model_name
+from ssl_vit.internals import inductor_cudagraph_skips
 from ssl_vit.models.vit import ViTConfig, build_vit, parse_variant
 from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
@@ -255,9 +256,7 @@ class StepBench:
         in a `skipping cudagraphs due to ...` warning): 0 on a GPU when the whole step is replayed."""
         if not (self.compile and self.compile_mode in CUDA_GRAPH_MODES):
             return None
-        from torch._dynamo.utils import counters
-
-        return counters["inductor"]["cudagraph_skips"]
+        return inductor_cudagraph_skips()
 
     def report(self, results: dict[str, Result]) -> dict:
         peak_table = get_available_flops(self.device, DTYPES[self.precision])

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import yaml
 from jsonargparse import ArgumentParser
 
+from ssl_vit.internals import option_names
 from ssl_vit.run.checks import MISSING, lookup
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)":?\s*(.*)')
@@ -140,7 +141,7 @@ def _unknown_key(argv: list[str], keys: tuple[str, ...], name: str, cls: str | N
     moved = moved_options(cls).get(name) if cls else None
     if moved is not None:
         return f"{where}: moved to {where.split(' (in ')[0].removesuffix(name)}{moved}"
-    options = _class_options(cls) if cls else [action.dest for action in parser._actions]
+    options = _class_options(cls) if cls else option_names(parser)
     close = difflib.get_close_matches(name, [o for o in options if not o.endswith("help")], n=1)
     dash = "--" if where.startswith("--") else ""
     hint = f"; did you mean {dash}{'.'.join([*keys, close[0]])}?" if close else ""
@@ -154,7 +155,7 @@ def _class_options(class_path: str) -> list[str]:
     as jsonargparse builds them."""
     options = ArgumentParser(exit_on_error=False)
     options.add_class_arguments(import_class(class_path), fail_untyped=False)
-    return [action.dest for action in options._actions]
+    return option_names(options)
 
 
 def moved_options(class_path: str) -> dict[str, str]:

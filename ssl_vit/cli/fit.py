@@ -36,6 +36,7 @@ from ssl_vit.cli.moved_options import with_moved_options
 from ssl_vit.data.checks import check_shard_urls
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
+from ssl_vit.internals import LightningCLIHooks
 from ssl_vit.lock import LOCK_NAME, RunLock, job_leader
 from ssl_vit.run.checkpointing import LastLinkCheckpoint, checkpoint_step, with_safe_io
 from ssl_vit.run.checks import (
@@ -82,7 +83,7 @@ class SaveAndLogConfig(SaveConfigCallback):
             trainer.logger.log_hyperparams({"cli": self.config.as_dict()})
 
 
-class SslVitCLI(LightningCLI):
+class SslVitCLI(LightningCLIHooks):
     """One run directory per job (`trainer.default_root_dir`): config.yaml, checkpoints/,
     wandb/ and pictures/ all land there, and a restarted job finds them again."""
 
@@ -126,7 +127,8 @@ class SslVitCLI(LightningCLI):
         except ArgumentError as err:
             if user_error_message(err) is not None:  # a value a constructor refused, its own line
                 raise
-            raise UserError(config_error(str(err), self.argv, self._parser(self.argv[0]), err)) from None
+            parser = self.subcommand_parser(self.argv[0])
+            raise UserError(config_error(str(err), self.argv, parser, err)) from None
 
     def subcommands(self) -> dict[str, set[str]]:
         # Only the command being run gets a parser: each is built from the signatures of the
@@ -160,15 +162,13 @@ class SslVitCLI(LightningCLI):
         for source, target in FROM_DATA.items():
             parser.link_arguments(source, target, apply_on="instantiate")
 
-    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+    def subcommand_parser_ready(self, parser, subcommand: str, method_arguments: list[str]) -> None:
         # `--weights_only` comes from the Trainer method's signature (default None, which Lightning's
         # _load turns into weights_only=False for http(s) checkpoints); it exists only from here on.
-        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if "weights_only" in self._subcommand_method_arguments[subcommand]:
+        if "weights_only" in method_arguments:
             parser.set_defaults(weights_only=True)
-        return parser
 
-    def _parse_ckpt_path(self) -> None:
+    def parse_ckpt_path(self) -> None:
         """LightningCLI rebuilds the model from a local checkpoint's hyperparameters, over the config.
         Here first: the run directory is checked (and a fit's locked), the file is checked (one line if
         it is not a checkpoint that loads safely), `last` is resolved as Lightning will resolve it so its
@@ -220,9 +220,10 @@ class SslVitCLI(LightningCLI):
         config = self.config[self.config.subcommand]
         config.ckpt_path = str(path)
         try:
-            super()._parse_ckpt_path()
+            super().parse_ckpt_path()
         except ArgumentError as err:  # the model the checkpoint records, refused by this version's parser
-            what = config_error(str(err), [self.config.subcommand], self._parser(self.config.subcommand), err)
+            command = self.config.subcommand
+            what = config_error(str(err), [command], self.subcommand_parser(command), err)
             raise unparsable_model(path, what) from None
         finally:
             config = self.config[self.config.subcommand]
@@ -288,7 +289,7 @@ class SslVitCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         # A recipe's `trainer.plugins` replaces the default list (LightningCLI merges only callbacks
         # with trainer_defaults), so the checkpoint IO is (re)added here.
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins")
+        plugins = self.config_init[self.subcommand].get("trainer", {}).get("plugins")
         trainer = super().instantiate_trainer(plugins=with_safe_io(plugins), **kwargs)
         if not trainer.loggers:  # --trainer.logger false: the LR monitor has nowhere to log, and raises
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]

@@ -56,6 +56,7 @@ from ssl_vit.data.stream import ShardStream
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import expand
 from ssl_vit.errors import BadValue, UserError
+from ssl_vit.internals import restart_fetcher
 
 STAGE_OF = {"val": "validate", "test": "test"}  # the stage whose setup expands a split's URLs
 
@@ -397,7 +398,7 @@ class ShardDataModule(pl.LightningDataModule):
         if "data" in state_dict and "train" in self._urls:  # checkpoints from before it was recorded: none
             self._check_same_data(state_dict["data"], self._urls["train"])
         if self.position.started and self.trainer is not None and not self.position.loader.consumed:
-            self._restart_training_iterator(fetched=0)  # Lightning counts the restored batches itself
+            restart_fetcher(self.trainer, fetched=0)  # Lightning counts the restored batches itself
 
     def skip_batches(self, count: int) -> int:
         """Moves the training stream `count` batches past the last one training consumed, without
@@ -411,16 +412,8 @@ class ShardDataModule(pl.LightningDataModule):
             count, self.batch_size, self.num_workers, self.batches_per_epoch
         )
         if restart is not None and self.trainer is not None:  # else the loader's next `iter` starts there
-            self._restart_training_iterator(fetched=restart)
+            restart_fetcher(self.trainer, fetched=restart)
         return skipped
-
-    def _restart_training_iterator(self, fetched: int) -> None:
-        """A new training iterator for Lightning's fetcher, which has no public way to restart it; its
-        count of the epoch's batches fetched (which tells the epoch's last batch) is set to `fetched`,
-        as Lightning sets it when a pass starts."""
-        fetcher = self.trainer.fit_loop._data_fetcher
-        iter(fetcher)
-        fetcher.fetched = fetched
 
     def refuse_changed_data(self, state_dict: dict[str, Any]) -> None:
         """With `stream.on_data_change: refuse`, the error for training data that differ from those of

@@ -12,6 +12,8 @@ import sys
 import threading
 import weakref
 
+from ssl_vit.internals import is_dataloader_sigchld_handler
+
 
 class DeadWorkers:
     """When torch reports a dead DataLoader worker: from inside `next`, between two steps.
@@ -31,7 +33,7 @@ class DeadWorkers:
         if threading.current_thread() is not threading.main_thread():
             return
         torch_handler = signal.getsignal(signal.SIGCHLD)
-        if getattr(torch_handler, "__module__", "") != "torch.utils.data._utils.signal_handling":
+        if not is_dataloader_sigchld_handler(torch_handler):
             return  # not set (no workers), or wrapped already
 
         def handler(signum, frame):

@@ -24,9 +24,9 @@ from torch.distributed.fsdp import FSDPModule
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.evaluation.features import extract_features
 from ssl_vit.evaluation.fewshot import fewshot_accuracy
+from ssl_vit.internals import logging_step
 from ssl_vit.models.vit import FeatureKind, ViTConfig
 from ssl_vit.tasks.base import off_the_clock
-from ssl_vit.tracking import logging_step
 
 log = logging.getLogger("ssl_vit")
 
@@ -122,7 +122,7 @@ class FewShotMonitor(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # Here, not at the end of step k's batch: that batch's loss is logged at step k - 1 after its end
-        # (`ssl_vit.tracking.logging_step`), while the weights after k updates belong at step k, with the
+        # (`ssl_vit.internals.logging_step`), while the weights after k updates belong at step k, with the
         # loss and learning rate of the next batch, which starts from them.
         if trainer.global_step and trainer.global_step % self.every_n_steps == 0:
             with off_the_clock(trainer):  # the logged images/s stays training's own

@@ -19,9 +19,10 @@ from functools import partial
 from typing import Literal, NamedTuple
 
 import torch
-from timm.models import checkpoint_seq
+from timm.layers import StdConv2dSame
+from timm.models import ResNetV2, checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
-from timm.models.vision_transformer_hybrid import HybridEmbed, _resnetv2
+from timm.models.vision_transformer_hybrid import HybridEmbed
 from torch import Tensor
 
 from ssl_vit.errors import BadValue
@@ -285,9 +286,20 @@ def build_vit(
         # and its truncated normals still run through Python there, about 0.4 s for a ViT-L.
         kwargs["weight_init"] = "skip"
     if parsed.hybrid:
-        backbone = _resnetv2(HYBRID_STAGES[parsed.patch_size], in_chans=in_chans, device=device)
+        backbone = hybrid_resnet(HYBRID_STAGES[parsed.patch_size], in_chans, device)
         kwargs.update(patch_size=1, embed_layer=partial(HybridEmbed, backbone=backbone))
     return ViT(variant=variant, **{**kwargs, **timm_kwargs})
+
+
+def hybrid_resnet(stages: tuple[int, ...], in_chans: int, device=None) -> ResNetV2:
+    """The ResNet of a hybrid ViT (R50+B/16): stages of bottleneck blocks, no head, weight-standardised
+    convolutions with TF "same" padding, as timm builds it for `vit_base_r50_s16_224` (its private
+    `_resnetv2`), so the weights and parameter names are timm's."""
+    conv = partial(StdConv2dSame, eps=1e-8)
+    return ResNetV2(
+        layers=stages, num_classes=0, global_pool="", in_chans=in_chans, preact=False, stem_type="same",
+        conv_layer=conv, device=device,
+    )  # fmt: skip
 
 
 @dataclass

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from fsspec.utils import get_protocol
 from lightning_fabric.plugins import TorchCheckpointIO
-from lightning_fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
+from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fabric.utilities.rank_zero import rank_zero_only
-from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from ssl_vit.atomic import TEMP_NAME, Staged
@@ -43,6 +43,7 @@ from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError
+from ssl_vit.internals import ModelCheckpointHooks, wraps_checkpoint_io
 
 # Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
 # links (EPERM on FAT/some FUSE, ENOTSUP), a file at the link limit (EMLINK).
@@ -63,8 +64,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
         super().__init__()
         self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+    def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: Any = None) -> None:
+        if storage_options is not None or not _is_local(path):
             # Remote targets (s3://, gs://, ...) keep Lightning's fs.transaction / multipart upload: an
             # object store has no rename-over or fsync, and an upload is all-or-nothing already.
             # storage_options: Lightning's TypeError, unchanged.
@@ -79,13 +80,13 @@ class SafeCheckpointIO(TorchCheckpointIO):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             _write_atomically(target, lambda f: torch.save(checkpoint, f))
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: Path | str) -> None:
         with _writable(os.path.dirname(_local(path))):
             super().remove_checkpoint(path)
 
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: Path | str,
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
@@ -94,7 +95,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         return load_checkpoint(path, map_location, self.read_policy)
 
 
-def load_checkpoint(path: _PATH, map_location: Any = "cpu", policy: ReadPolicy = DEFAULT) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: Any = "cpu", policy: ReadPolicy = DEFAULT) -> dict:
     """A Lightning checkpoint (local path, fsspec or http(s) URL) read with `torch.load(weights_only=True)`;
     a file that is missing, damaged (`integrity.damage`), unreadable or needs code to unpickle is a
     UserError. A remote one is downloaded first (torch.load needs a file it can seek in) with `policy`'s
@@ -123,7 +124,7 @@ def load_checkpoint(path: _PATH, map_location: Any = "cpu", policy: ReadPolicy =
         fs = get_filesystem(text)
         if not fs.exists(text):
             raise UserError(f"checkpoint {text} does not exist; give the path of a .ckpt file")
-        if _is_local_file_protocol(text):
+        if _is_local(text):
             # Remote (fsspec) files are not checked: that would download them twice.
             integrity.check(_local(text), DAMAGED_FIX)
         with fs.open(text, "rb") as f:
@@ -159,16 +160,15 @@ def with_safe_io(plugins: Any) -> list:
     """`trainer.plugins` with a SafeCheckpointIO: added when none is there, set as the base of a wrapping
     IO (AsyncCheckpointIO) that has none; any other CheckpointIO is a UserError."""
     from lightning_fabric.plugins import CheckpointIO
-    from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
 
     plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
     ios = [p for p in plugins if isinstance(p, CheckpointIO)]
     if not ios:
         return [*plugins, SafeCheckpointIO()]
     for io in ios:
-        while isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is not None:
+        while wraps_checkpoint_io(io) and io.checkpoint_io is not None:
             io = io.checkpoint_io
-        if isinstance(io, _WrappingCheckpointIO):
+        if wraps_checkpoint_io(io):
             io.checkpoint_io = SafeCheckpointIO()  # else the strategy would give it a TorchCheckpointIO
         elif not isinstance(io, SafeCheckpointIO):
             raise UserError(
@@ -179,7 +179,7 @@ def with_safe_io(plugins: Any) -> list:
     return plugins
 
 
-class LastLinkCheckpoint(ModelCheckpoint):
+class LastLinkCheckpoint(ModelCheckpointHooks):
     """Lightning's ModelCheckpoint whose `last.ckpt` is a hard link to the newest checkpoint.
 
     `save_last="link"` (the default here) in Lightning removes `last.ckpt` and then makes a symlink: a
@@ -210,9 +210,9 @@ class LastLinkCheckpoint(ModelCheckpoint):
             # resolving it in setup; there, a full copy (save_last=True) is the fallback.
             self.save_last = True
         super().setup(trainer, pl_module, stage)
-        if link and _is_local_file_protocol(self.dirpath):
+        if link and _is_local(self.dirpath):
             self.save_last = "link"
-        if stage == "fit" and trainer.is_global_zero and _is_local_file_protocol(self.dirpath):
+        if stage == "fit" and trainer.is_global_zero and _is_local(self.dirpath):
             # Only a fit owns its checkpoint directory (a validate may run beside a fit that is saving).
             remove_stale_temp_files(_local(self.dirpath))
         if stage == "fit" and not any(getattr(c, "checkpoint", None) is self for c in trainer.callbacks):
@@ -231,31 +231,25 @@ class LastLinkCheckpoint(ModelCheckpoint):
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # as Lightning restores its paths
             self._previous_path = state_dict.get("previous_model_path", "")
 
-    def _save_none_monitor_checkpoint(self, trainer, monitor_candidates) -> None:
+    def save_unmonitored(self, trainer, candidates) -> None:
         """Lightning's, except that `save_top_k: 1` keeps the previous checkpoint until the next one is
         written: Lightning's deletes it at once, and the newest step file and `last.ckpt` are one file,
         so a single damaged file would leave nothing intact to resume (`--ckpt_path last` falls back to
         the newest checkpoint that verifies). `save_top_k: -1` keeps every checkpoint anyway."""
         if self.save_top_k != 1:
-            super()._save_none_monitor_checkpoint(trainer, monitor_candidates)
+            super().save_unmonitored(trainer, candidates)
             return
-        filepath = self._get_metric_interpolated_filepath_name(
-            monitor_candidates, trainer, self.best_model_path
-        )
+        filepath = self.interpolated_name(candidates, trainer, self.best_model_path)
         older, previous = self._previous_path, self.best_model_path
         # Set before saving, as Lightning sets best_model_path: both are part of the saved state.
         self.best_model_path = filepath
         if previous and previous != filepath:
             self._previous_path = previous
-        self._save_checkpoint(trainer, filepath)
-        if (
-            older
-            and older not in (previous, filepath)
-            and self._should_remove_checkpoint(trainer, older, filepath)
-        ):
-            self._remove_checkpoint(trainer, older)
+        self.write_checkpoint(trainer, filepath)
+        if older and older not in (previous, filepath) and self.should_remove(trainer, older, filepath):
+            self.remove_checkpoint(trainer, older)
 
-    def _save_checkpoint(self, trainer, filepath: str) -> None:
+    def write_checkpoint(self, trainer, filepath: str) -> None:
         # Lightning sets last_model_path in _save_last_checkpoint, after the periodic checkpoint was
         # written; with "link" that checkpoint *is* last.ckpt, so its state would name the previous (or
         # no) last path, and a run resumed from it would link last-v1.ckpt next and keep the old one.
@@ -265,7 +259,7 @@ class LastLinkCheckpoint(ModelCheckpoint):
             if os.path.abspath(last) != os.path.abspath(filepath):
                 self._linked_as = last
         try:
-            super()._save_checkpoint(trainer, filepath)
+            super().write_checkpoint(trainer, filepath)
         finally:
             self._linked_as = None
 
@@ -279,11 +273,11 @@ class LastLinkCheckpoint(ModelCheckpoint):
         With step- or time-based saving, Lightning saves nothing at the end of training and writes
         last.ckpt there only if nothing was saved at all: the steps after the last periodic save would
         be missing from last.ckpt."""
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
+        if self.save_last and not self.skips_saving(trainer):
+            candidates = self.monitor_candidates(trainer)
             if self.monitor is None and self.save_top_k != 0:
-                self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+                self.save_topk(trainer, candidates)
+            self.save_last_checkpoint(trainer, candidates)
 
     def save_rolled_back(self, trainer) -> None:
         """Saves the state of a fit that a loss-spike rollback (`ssl_vit.run.nonfinite`) has returned to
@@ -291,37 +285,36 @@ class LastLinkCheckpoint(ModelCheckpoint):
         `last.ckpt` with it. The periodic saves, the rotation and the link Lightning makes again at the
         end of an epoch then go on from it as from the checkpoint it replaces (a file beside it, which
         Lightning knows nothing of, would be replaced by a link to the old one at the epoch's end)."""
-        candidates = self._monitor_candidates(trainer)
+        candidates = self.monitor_candidates(trainer)
         if self.save_top_k != 0:
-            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
-        self._save_last_checkpoint(trainer, candidates)
+            self.write_checkpoint(trainer, self.format_checkpoint_name(candidates))
+        self.save_last_checkpoint(trainer, candidates)
 
     def _last_path(self, trainer) -> str:
-        """The name _save_last_checkpoint will give the link (Lightning's version counter included)."""
-        candidates = self._monitor_candidates(trainer)
+        """The name `save_last_checkpoint` will give the link (Lightning's version counter included)."""
+        candidates = self.monitor_candidates(trainer)
         filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST)
-        if self._enable_version_counter:
+        if self.version_counter:
             version = self.STARTING_VERSION
             while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
                 filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST, ver=version)
                 version += 1
         return filepath
 
-    def _find_last_checkpoints(self, trainer) -> set[str]:
+    def find_last_checkpoints(self, trainer) -> set[str]:
         # What `ckpt_path="last"` resumes: `resumable` (the newest checkpoint that verifies). Lightning's
         # finds only last*.ckpt: without one (deleted, or a kill before the link) it would start afresh
         # and overwrite the step checkpoints, and it takes a damaged one as it is.
-        if self.dirpath is None or not _is_local_file_protocol(self.dirpath):
-            return super()._find_last_checkpoints(trainer)
+        if self.dirpath is None or not _is_local(self.dirpath):
+            return super().find_last_checkpoints(trainer)
         found = resumable(Path(_local(self.dirpath)))
         return {os.path.normpath(found)} if found is not None else set()
 
-    def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
-        # Lightning's is a staticmethod called as self._link_checkpoint(trainer, filepath, linkpath).
+    def link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             if os.path.isdir(filepath):
                 # Sharded (directory) checkpoints cannot be hard-linked: Lightning's symlink.
-                ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+                super().link_checkpoint(trainer, filepath, linkpath)
                 return
             with _writable(os.path.dirname(linkpath)):
                 link_atomically(filepath, linkpath)
@@ -431,7 +424,12 @@ class _Recording:
         self.file.flush()
 
 
-def _local(path: _PATH) -> str:
+def _is_local(path: Path | str) -> bool:
+    """Whether `path` is on the local filesystem (a plain path or `file://`), as Lightning judges it."""
+    return get_protocol(str(path)) == "file"
+
+
+def _local(path: Path | str) -> str:
     text = str(path)
     return text.removeprefix("file://") if text.startswith("file://") else text
 

@@ -23,6 +23,7 @@ import torch
 from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.errors import UserError
+from ssl_vit.internals import CLASS_PATH_KEY
 from ssl_vit.run.checkpointing import DAMAGED_FIX, resumable
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
@@ -153,7 +154,7 @@ def check_ckpt_path(path: str | Path) -> dict:
 def refuse_foreign_model(hparams: dict, path) -> None:
     """A checkpoint whose hyperparameters name a model class outside ssl-vit's tasks: a checkpoint is
     data, it never chooses code to run."""
-    class_path = hparams.get("_class_path")
+    class_path = hparams.get(CLASS_PATH_KEY)
     if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
         raise UserError(
             f"--ckpt_path {path} names the model class {class_path!r}: ssl-vit only rebuilds its own "

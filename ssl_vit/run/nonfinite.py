@@ -35,11 +35,11 @@ import pytorch_lightning as pl
 import torch
 
 from ssl_vit.errors import BadValue, UserError
+from ssl_vit.internals import accumulating, count_skipped, logging_step, loss_scale, total_batch_idx
 from ssl_vit.run.checkpointing import NothingIntact, resumable
 from ssl_vit.run.preemption import last_path
-from ssl_vit.run.rollback import SafeSteps, count_skipped, restore_learner
+from ssl_vit.run.rollback import SafeSteps, restore_learner
 from ssl_vit.run.spikes import NON_FINITE, SPIKE, SpikeDetector
-from ssl_vit.tracking import logging_step
 
 
 class NonFiniteError(UserError):
@@ -167,7 +167,7 @@ class RollbackPolicy(NonFinitePolicy):
             self.spike.update(median=detector.median, reason=reason)
 
     def on_train_batch_end(self, trainer: pl.Trainer, outputs) -> None:
-        if trainer.fit_loop._should_accumulate():
+        if accumulating(trainer):
             return
         guard = self.guard
         spike, self.spike = self.spike, None
@@ -198,7 +198,7 @@ class RollbackPolicy(NonFinitePolicy):
         if loss is None:
             loss = torch.zeros((), device=norm.device)
         elif scaler:  # on_before_backward saw it multiplied by the scale (torch has no public async getter)
-            loss = loss / trainer.precision_plugin.scaler._get_scale_async()
+            loss = loss / loss_scale(trainer.precision_plugin.scaler)
         bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
         stats = torch.stack([torch.where(bad, torch.zeros_like(loss), loss).float(), bad.float()])
         high, worst = trainer.strategy.reduce(stats, reduce_op="max").tolist()
@@ -222,7 +222,7 @@ class RollbackPolicy(NonFinitePolicy):
         seconds, clock = {}, time.perf_counter()
         to_step, first = restore_learner(trainer, anchor)
         seconds["restore"], clock = time.perf_counter() - clock, time.perf_counter()
-        last = trainer.fit_loop.epoch_loop.total_batch_idx  # the spike's batch, counted from the run's first
+        last = total_batch_idx(trainer)  # the spike's batch, counted from the run's first
         wanted = guard.skip_batches if guard.skip_batches is not None else 2 * (last + 1 - first)
         accumulate = trainer.accumulate_grad_batches  # whole optimizer steps, so accumulation stays in phase
         skipped = trainer.datamodule.skip_batches(math.ceil(wanted / accumulate) * accumulate)

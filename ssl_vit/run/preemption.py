@@ -37,6 +37,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssl_vit.data.workers import stop_all_workers
 from ssl_vit.errors import worker_died
+from ssl_vit.internals import stop_as_on_sigterm
 from ssl_vit.lock import release_all
 from ssl_vit.signals import received
 
@@ -73,7 +74,7 @@ class Preemption(pl.Callback):
     def _on_requeue_signal(self, signum, frame) -> None:
         log.info("received the requeue signal: saving at the end of this step")
         self.requeue_requested = True
-        self._raise_stop_flag()
+        stop_as_on_sigterm(self.trainer)
 
     def _note(self, signum, frame) -> None:
         self.sigterm_noted = True
@@ -82,11 +83,7 @@ class Preemption(pl.Callback):
         # Lightning clears its flag when it installs its handlers, after `setup`: a signal that came
         # during start-up is raised again here.
         if self.requeue_requested or self.sigterm_noted:
-            self._raise_stop_flag()
-
-    def _raise_stop_flag(self) -> None:
-        # The flag Lightning's own SIGTERM handler sets; its training loop checks it at every step.
-        self.trainer._signal_connector.received_sigterm = True
+            stop_as_on_sigterm(self.trainer)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException

@@ -8,7 +8,7 @@ Lightning's own DDP launcher, the other ranks with it), shard an FSDP2 model a s
 W&B run. So the pieces are called here as the connector calls them at a resume, through the strategy's
 public methods (`load_checkpoint`, `load_model_state_dict`, `load_optimizer_state_dict`; FSDP2's
 ModelParallelStrategy loads the model and optimizer shards in `load_checkpoint` itself), and only the
-loops' step counters are set by hand.
+loops' step counters are set by hand (`ssl_vit.internals.restore_step_counters`).
 
 Not rolled back, by design: the data position (the stream moves past the batches that led to the spike,
 `ShardDataModule.skip_batches`) and with it Lightning's count of batches and epochs; the task's cost
@@ -28,6 +28,7 @@ import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 
 from ssl_vit.errors import BadValue, UserError
+from ssl_vit.internals import restore_step_counters
 from ssl_vit.run.resume import RandomState
 
 
@@ -52,16 +53,7 @@ def restore_learner(trainer: pl.Trainer, path: str) -> tuple[int, int]:
     for callback in trainer.callbacks:
         if isinstance(callback, RandomState) and callback.state_key in checkpoint.get("callbacks", {}):
             callback.restore(trainer, checkpoint["callbacks"][callback.state_key])
-    loops = checkpoint["loops"]["fit_loop"]
-    epoch_loop = trainer.fit_loop.epoch_loop
-    epoch_loop.automatic_optimization.optim_progress.load_state_dict(
-        loops["epoch_loop.automatic_optimization.optim_progress"]
-    )
-    step = checkpoint["global_step"]
-    # The step the next batch logs at is the optimizer step (`ssl_vit.tracking.logging_step`); Lightning
-    # adds the current batch's one after the hooks that called this.
-    epoch_loop._batches_that_stepped = step - 1
-    return step, loops["epoch_loop.batch_progress"]["total"]["ready"]
+    return checkpoint["global_step"], restore_step_counters(trainer, checkpoint)
 
 
 def another_model(path: str, error: str) -> UserError:
@@ -79,17 +71,6 @@ def another_model(path: str, error: str) -> UserError:
         f"{path}, the checkpoint a rollback returns to, holds another model than this run's ({what}): "
         f"nothing was saved after it; move it out of {os.path.dirname(path)} and resume with --ckpt_path last"
     )
-
-
-def count_skipped(trainer: pl.Trainer, batches: int) -> None:
-    """Lightning's count of the epoch's (and the run's) batches moves with the data stream past
-    `batches` it skipped: it ends the epoch when the stream does, and numbers the batches after."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    for tracker in (progress.total, progress.current):
-        tracker.ready += batches
-        tracker.started += batches
-        tracker.processed += batches
-        tracker.completed += batches
 
 
 class SafeSteps:

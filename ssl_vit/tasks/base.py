@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import BadValue, UserError
+from ssl_vit.internals import CLASS_PATH_KEY, accumulating
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
 
@@ -75,11 +76,11 @@ class BackboneTask(pl.LightningModule):
         # The backbone's weights: a checkpoint of any kind, or `scratch` (random init of `backbone`).
         self.backbone, backbone = load_backbone(init_from, backbone)
         # Plain values only, so checkpoints load with torch.load(weights_only=True); and constructor
-        # arguments only, plus `_class_path` (LightningCLI's key), so `ssl-vit validate/test/fit
+        # arguments only, plus the class (LightningCLI's `CLASS_PATH_KEY`), so `ssl-vit validate/test/fit
         # --ckpt_path` can rebuild the task from them. The variant string ("B/16") carries the patch size.
         self.save_hyperparameters(
             {
-                "_class_path": f"{type(self).__module__}.{type(self).__name__}",
+                CLASS_PATH_KEY: f"{type(self).__module__}.{type(self).__name__}",
                 "backbone": asdict(backbone),
                 "init_from": init_from,
                 "lr_reference_batch": lr_reference_batch,
@@ -238,7 +239,7 @@ class Throughput(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._images += batch["image"].shape[0]
-        if (trainer.global_step % trainer.log_every_n_steps) or trainer.fit_loop._should_accumulate():
+        if (trainer.global_step % trainer.log_every_n_steps) or accumulating(trainer):
             return
         self._sync(pl_module)
         now = self.clock()

@@ -27,10 +27,10 @@ from typing import Literal
 
 import pytorch_lightning as pl
 import torch
+from lightning_utilities import apply_to_collection
 from pytorch_lightning.utilities import rank_zero_info
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map_only
 
 from ssl_vit.errors import UserError
 from ssl_vit.tasks.base import BackboneTask
@@ -87,7 +87,7 @@ def compiled_step(fn: Callable, mode: Mode = "default", backend: Backend = "indu
 
     def step(*args, **kwargs):
         torch.compiler.cudagraph_mark_step_begin()
-        return tree_map_only(Tensor, torch.clone, compiled(*args, **kwargs))
+        return apply_to_collection(compiled(*args, **kwargs), Tensor, torch.clone)
 
     return step
 

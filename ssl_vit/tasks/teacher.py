@@ -10,8 +10,8 @@ already synchronised, student weights), and FSDP2 shards its blocks like the stu
 
 timm's `ModelEmaV3` performs the same update, but it keeps the copy as `module` (its keys would not be
 timm's under `teacher.`), cannot be built on the meta device where FLOPs are counted (its private
-rounding generator), and its decay warmup is not the papers' momentum ramp; the update itself is one
-fused torch call here.
+rounding generator), and its decay warmup is not the papers' momentum ramp; the update itself is torch's
+EMA step (`torch.optim.swa_utils.get_ema_multi_avg_fn`), one fused kernel over every parameter.
 
 Legend: B batch, N patches, D width.
 """
@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ssl_vit.models.vit import ViT, ViTConfig
 
@@ -51,8 +52,9 @@ def momentum_at(step: int, total: int, start: float, end: float, schedule: Momen
 
 @torch.no_grad()
 def ema_update(teacher: ViT, student: ViT, momentum: float) -> None:
-    """teacher = momentum * teacher + (1 - momentum) * student, every parameter in one fused kernel."""
-    torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 1.0 - momentum)
+    """teacher = momentum * teacher + (1 - momentum) * student, every parameter in one fused kernel
+    (torch's `_foreach_lerp_`, through its public EMA step)."""
+    get_ema_multi_avg_fn(momentum)(list(teacher.parameters()), list(student.parameters()), None)
 
 
 @torch.no_grad()

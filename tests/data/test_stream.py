@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Augment, Limits, Stream
 from ssl_vit.data.samples import decode_image
-from ssl_vit.data.stream import ShardStream
+from ssl_vit.data.stream import ShardStream, _stack
 from ssl_vit.data.transforms import Decode, RandomResizedCrop, build_transform, decode
 from ssl_vit.errors import UserError
 
@@ -390,3 +390,22 @@ def test_interop_with_stock_webdataset_and_tar(digits_shards, tmp_path):
     batches = list(dm.val_dataloader())
     got = {k: int(lab) for b in batches for k, lab in zip(b["key"], b["label"])}
     assert got == {f"img{i:03d}": i % 3 for i in range(10)}
+
+
+class _StackedInAWorker(torch.utils.data.Dataset):
+    """A worker stacks two channel-first views of HWC images (as the transforms give them) and says whether
+    the batch it hands over already lies in shared memory."""
+
+    images = [(torch.arange(48, dtype=torch.uint8).reshape(4, 4, 3) + i).permute(2, 0, 1) for i in range(2)]
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int):
+        batch = _stack(self.images)
+        return batch, batch.is_shared()
+
+
+def test_a_workers_batch_is_stacked_straight_into_shared_memory():
+    ((batch, shared),) = DataLoader(_StackedInAWorker(), batch_size=None, num_workers=1)
+    assert shared and torch.equal(batch, torch.stack(_StackedInAWorker.images))

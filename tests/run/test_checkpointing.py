@@ -168,12 +168,12 @@ class RecordRelinks(LastLinkCheckpoint):
         super().__init__(*args, **kwargs)
         self.seen: list[tuple[int, list[str]]] = []
 
-    def _link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
+    def link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
         if os.path.exists(linkpath):  # a dangling symlink does not exist
             inode = os.stat(linkpath).st_ino
             names = [p.name for p in Path(linkpath).parent.glob("step*.ckpt") if p.stat().st_ino == inode]
             self.seen.append((torch.load(linkpath, weights_only=True)["global_step"], names))
-        super()._link_checkpoint(trainer, filepath, linkpath)
+        super().link_checkpoint(trainer, filepath, linkpath)
 
 
 def test_last_is_a_hard_link_and_rotation_keeps_the_previous_checkpoint(tmp_path):

@@ -25,7 +25,8 @@ from ssl_vit.masking import MASK, RANDOM, bert_corruption
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 from ssl_vit.tasks.base import step_loss
-from ssl_vit.tasks.compile import CompileTask, Mode, compile_blocks, compile_step
+from ssl_vit.tasks.compile import CompileTask, Mode, compile_blocks, compile_step, compiled_step
+from ssl_vit.tasks.masked import MaskedOutput
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
@@ -204,6 +205,20 @@ def test_a_cuda_graph_step_marks_each_step_and_hands_back_copies(digits_batch, m
     assert marks == [1, 1]
     assert losses[0].data_ptr() != losses[1].data_ptr()
     torch.testing.assert_close(losses[0].detach(), eager, atol=1e-5, rtol=0)
+
+
+def test_a_cuda_graph_steps_named_outputs_are_copied_tensor_by_tensor(monkeypatch):
+    """A masked task's step returns a `MaskedOutput`: under CUDA graphs each of its tensors is copied (the
+    next replay reuses their memory), its empty fields stay None and its type stays."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # (the wrapper is what is checked)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    tensors = [torch.ones(()), torch.ones(2, 3), torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.long)]
+    held = MaskedOutput(*tensors, accuracy=None, monitor_features={"student": torch.ones(2, 4)})
+    out = compiled_step(lambda: held, "reduce-overhead")()
+    assert type(out) is MaskedOutput and out.accuracy is None and out.teacher is None
+    pairs = [*zip(out[:4], tensors), (out.monitor_features["student"], held.monitor_features["student"])]
+    for mine, theirs in pairs:
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr()
 
 
 def test_a_step_is_compiled_once_and_copies_get_the_plain_method(digits_batch):
