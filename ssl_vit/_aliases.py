@@ -39,6 +39,9 @@ MOVED = {
     "ssl_vit.evaluation.kinds.finetune": "ssl_vit.evaluation.kinds.finetune_protocol",
     "ssl_vit.evaluation.kinds.linear_seg": "ssl_vit.evaluation.kinds.linear_seg_protocol",
     "ssl_vit.evaluation.kinds.probe": "ssl_vit.evaluation.kinds.probe_protocol",
+    "ssl_vit.data.imagenet": "ssl_vit.data.sources.imagenet",
+    "ssl_vit.data.eurosat": "ssl_vit.data.sources.eurosat",
+    "ssl_vit.data.arrays_source": "ssl_vit.data.sources.tiff",
 }
 
 

@@ -1,11 +1,13 @@
-"""One progress display for a whole `evaluate` or `compare`: which checkpoint of how many, which split or
-protocol, images (or steps) per second, and an ETA for the step and for the job.
+"""Progress of the long commands, one display for all: on a terminal rich bars on stderr (a description,
+the bar, done/total, the rate, the time remaining); elsewhere (a log file, a batch job's output, each
+rank under torchrun) one line per finished part, with the rate and an ETA.
 
-On a terminal it is a rich display of two bars on stderr (the job, the current step), as `data convert`
-shows; elsewhere (a log file, a batch job's output, each rank under torchrun) one line per finished
-step on stdout. The
-evaluation code reports through the module functions (`step`), which do nothing outside a `job`, so
-library callers of `evaluate` see nothing.
+- `job`: a whole `evaluate` or `compare`: which checkpoint of how many, which split or protocol, images
+  (or steps) per second, and an ETA for the step and for the job; a line per finished step on stdout.
+  The evaluation code reports through the module functions (`step`), which do nothing outside a `job`,
+  so library callers of `evaluate` see nothing.
+- `count`: one counted pass, such as `data convert` writing a split; a line per finished part (a
+  shard) on stderr.
 """
 
 from __future__ import annotations
@@ -59,18 +61,7 @@ class _Job:
         self.steps_per_run: int | None = None  # known once the first checkpoint is done
         self.bar = None
         if not lines:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]}"),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-                transient=True,
-            )
+            self.bar = _bars(transient=True)
             self.job_task = self.bar.add_task(command, total=self.runs, rate="")
             self.step_task = self.bar.add_task("", total=None, rate="", visible=False)
             self.bar.start()
@@ -107,8 +98,7 @@ class _Job:
             nonlocal done
             done += n
             if self.bar is not None:
-                rate = done / max(time.monotonic() - start, 1e-9)
-                self.bar.update(self.step_task, completed=done, rate=f"{rate:,.0f} {unit}/s")
+                self.bar.update(self.step_task, completed=done, rate=f"{_rate(done, start):,.0f} {unit}/s")
 
         if self.bar is not None:
             self.bar.reset(self.step_task, total=total, description=f"  {what}", rate="", visible=True)
@@ -128,6 +118,76 @@ class _Job:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+@contextlib.contextmanager
+def count(
+    what: str, total: int | None, done: int = 0, unit: str = "images", enabled: bool = True
+) -> Iterator[_Count]:
+    """The display of one counted pass (`what`, of `total` items where known, `done` of them before this
+    run: a resumed conversion); nothing when not `enabled`. Lines go to stderr when it is not a
+    terminal (stdout keeps the command's result)."""
+    current = _Count(what, total, done, unit, enabled and not sys.stderr.isatty(), enabled)
+    try:
+        yield current
+    finally:
+        current.close()
+
+
+class _Count:
+    def __init__(self, what: str, total: int | None, done: int, unit: str, lines: bool, enabled: bool):
+        self.total, self.first, self.done, self.unit, self.lines = total, done, done, unit, lines
+        self.start = time.monotonic()
+        self.bar = _bars(transient=False) if enabled and not lines else None
+        if self.bar is not None:
+            self.task = self.bar.add_task(what, total=total, completed=done, rate="")
+            self.bar.start()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            rate = _rate(self.done - self.first, self.start)
+            self.bar.update(self.task, completed=self.done, rate=f"{rate:,.0f} {self.unit}/s")
+
+    def part_done(self, name: str) -> None:
+        """A part of the pass is finished (a shard written): its line, when the display is lines."""
+        if not self.lines:
+            return
+        rate = _rate(self.done - self.first, self.start)
+        line = f"{name}: {self.done}"
+        if self.total:
+            line += f"/{self.total} {self.unit} ({100 * self.done / self.total:.0f}%)"
+            if rate > 0:
+                line += f", ETA {clock((self.total - self.done) / rate)}"
+        else:
+            line += f" {self.unit}"
+        print(f"{line}, {rate:.0f} {self.unit}/s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _bars(transient: bool):
+    """The rich display every progress bar is drawn in, on stderr: description, bar, done/total, rate
+    (the task's `rate` field), time remaining. `transient`: erased when it stops."""
+    from rich.console import Console  # rich only when a bar is drawn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=transient,
+    )
+
+
+def _rate(done: int, start: float) -> float:
+    """Items per second since `start` (a `time.monotonic()`)."""
+    return done / max(time.monotonic() - start, 1e-9)
 
 
 def clock(seconds: float) -> str:

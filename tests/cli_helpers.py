@@ -6,14 +6,19 @@ import fcntl
 import json
 import multiprocessing
 import os
+import pty
 import random
+import re
 import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,6 +148,43 @@ def cli_socket() -> str:
         client.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "{Path(cli_client.__file__)}" "$@"\n')
         client.chmod(0o755)
     return _socket
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+# What would make rich treat the terminal as another kind, or size it otherwise.
+TERMINAL_OVERRIDES = ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "LINES")
+
+
+def run_on_terminal(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
+    """`ssl-vit ARGS` with a pseudo-terminal (160 columns) as its stdout and stderr: its exit status and
+    what it drew there, escape sequences removed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in TERMINAL_OVERRIDES}
+    client = script_env()  # the fork server's command, on this terminal
+    proc = subprocess.Popen(
+        [client["SSLVIT"], *args], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=cwd,
+        env={**env, **client, "TERM": "xterm-256color"},
+    )  # fmt: skip
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1)[0]:
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every holder of the terminal's other end has closed it
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
+    proc.wait(timeout=60)
+    return proc.returncode, ANSI.sub("\n", b"".join(chunks).decode(errors="replace"))
 
 
 def script_env() -> dict[str, str]:

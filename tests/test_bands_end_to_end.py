@@ -57,7 +57,7 @@ def fit_args(shards: Path, run: Path) -> list[str]:
         "--data.init_args.classes", "null",
         "--data.init_args.channels", "5", "--data.init_args.mean", "auto", "--data.init_args.std", "auto",
         "--data.init_args.image_size", "16", "--data.init_args.batch_size", "16",
-        "--data.init_args.num_workers", "0", "--data.init_args.label_smoothing", "0.0",
+        "--data.init_args.num_workers", "0", "--data.init_args.augment.label_smoothing", "0.0",
         "--model.init_args.backbone", json.dumps(TINY), "--trainer.logger", "false",
         "--trainer.default_root_dir", str(run),
     ]  # fmt: skip

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from cli_helpers import run_cli
 
 from ssl_vit.checkpoints import load_backbone
@@ -37,7 +38,8 @@ def test_an_old_run_resumes_from_its_own_config(kind, digits_shards, tmp_path):
     """The old runs as they were laid out (`runs/before_refactor/KIND/{config.yaml,checkpoints/}`, the
     digits at `data/shards/digits`), resumed by the command a user types: `ssl-vit fit --config
     runs/before_refactor/KIND/config.yaml --ckpt_path last`, one more epoch. Its class paths resolve,
-    the task is rebuilt from the checkpoint, and training goes on from step 2 to step 4."""
+    the task is rebuilt from the checkpoint, and training goes on from step 2 to step 4. Its data options
+    written flat are read in their groups (`ssl_vit.cli.moved_options`), and written so anew."""
     for name in KINDS:
         (tmp_path / "runs/before_refactor" / name / "checkpoints").mkdir(parents=True)
         shutil.copy(FIXTURES / name / "last.ckpt", tmp_path / "runs/before_refactor" / name / "checkpoints")
@@ -48,6 +50,9 @@ def test_an_old_run_resumes_from_its_own_config(kind, digits_shards, tmp_path):
     run_cli("fit", "--config", config, "--trainer.max_epochs", "2", "--ckpt_path", "last", cwd=tmp_path)
     last = tmp_path / "runs/before_refactor" / kind / "checkpoints/last.ckpt"
     assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 4
+    data = yaml.safe_load((tmp_path / config).read_text())["data"]["init_args"]
+    old = yaml.safe_load((FIXTURES / kind / "config.yaml").read_text())["data"]["init_args"]
+    assert data["augment"]["train_preset"] == old["train_preset"] and "train_preset" not in data
 
 
 @pytest.mark.parametrize("old", sorted(__import__("ssl_vit._aliases", fromlist=["MOVED"]).MOVED))

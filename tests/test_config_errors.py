@@ -59,6 +59,16 @@ MISTAKES = {
         ["--config {recipe}: not YAML: line 3, column 10: expected ',' or ']'"],
     ),
     "missing-config": (None, ["--config", "nothere.yaml"], ["--config ", "nothere.yaml: no such file"]),
+    "moved-option": (
+        None,
+        ["--data.init_args.crop_scale", "[0.2, 1.0]"],
+        ["--data.init_args.crop_scale: moved to --data.init_args.augment.crop_scale"],
+    ),
+    "moved-key-in-recipe": (
+        "data:\n  init_args:\n    shuffle_buffer: 10\n",
+        [],
+        ["data.init_args.shuffle_buffer (in {recipe}): moved to data.init_args.stream.shuffle_buffer"],
+    ),
 }  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from cli_helpers import one_step_fit_args, run_cli
 from safetensors.torch import save_file
 
 from ssl_vit.checkpoints import config_metadata, load_backbone
-from ssl_vit.data.urls import check_manifest
+from ssl_vit.data.manifest import check_manifest
 from ssl_vit.errors import BadValue, UserError, user_error_message
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.run.checks import check_ckpt_path, local_ckpt_path
@@ -74,15 +74,17 @@ def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
         (("--data.init_args.batch_size", "0"), ("batch_size is 0", "integer of at least 1")),
         (("--data.init_args.num_workers", "-2"), ("num_workers is -2", "integer of at least 0")),
         (("--data.init_args.train_batches", "0"), ("train_batches is 0", "integer of at least 1")),
-        (("--data.init_args.mixup_alpha", "0.8"), ("mixup/cutmix belong to train_preset 'supervised'",)),
-        (("--data.init_args.randaugment", "rand-m9"), ("randaugment is part of the 'supervised' preset",)),
+        (("--data.init_args.augment.mixup_alpha", "0.8"), ("mixup/cutmix belong to train_preset",)),
+        (("--data.init_args.augment.randaugment", "rand-m9"), ("randaugment is part of the 'supervised'",)),
+        (("--data.init_args.stream.segment_shards", "0"), ("segment_shards is 0", "integer of at least 1")),
+        (("--data.init_args.limits.read_timeout_s", "0"), ("read_timeout_s is 0", "a positive number")),
         (("--model.init_args.mask_ratio", "1.5"), ("mask_ratio must be in (0, 1)", "got 1.5")),
         (
             ("--model.init_args.optimizer.init_args.lr", "-1"),
             ("model.init_args.optimizer (AdamW): Invalid learning rate: -1.0", "give a valid value"),
         ),
         (("--checkpoint.every_n_train_steps", "-3"), ("every_n_train_steps=-3. Must be >= 0",)),
-        (("--data.init_args.crop_scale", "[1.5, 2.0]"), ("crop_scale [1.5, 2.0]", "0 < min <= max <= 1")),
+        (("--data.init_args.augment.crop_scale", "[1.5, 2.0]"), ("crop_scale [1.5, 2.0]", "0 < min <= max")),
         (("--data.init_args.image_size", "31"), ("image size 31 is not divisible by the patch size 4",)),
         (("--ckpt_path", "best"), ("--ckpt_path best", "monitors no metric", "give last")),
         (("--ckpt_path", ""), ("--ckpt_path is empty",)),

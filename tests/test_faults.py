@@ -89,14 +89,14 @@ def test_a_resume_on_changed_shards_says_it_is_not_exact_or_refuses(shards, tmp_
     drop_last_samples(shards / "train-000002.tar", 10)
     new_size = (shards / "train-000002.tar").stat().st_size
 
-    # --data.init_args.on_data_change refuse: one line, nothing trained or written.
+    # --data.init_args.stream.on_data_change refuse: one line, nothing trained or written.
     before = written(run)
     args = fit_args(shards, run, record, "--ckpt_path", "last", epochs=2)
-    proc = run_cli(*args, "--data.init_args.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
+    proc = run_cli(*args, "--data.init_args.stream.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in lines(proc.stderr) if line.startswith("ssl-vit: error:")]
     assert f"1 shard(s) changed (train-000002.tar {size} -> {new_size} bytes)" in line
-    assert "--data.init_args.on_data_change warn" in line
+    assert "--data.init_args.stream.on_data_change warn" in line
     assert written(run) == before  # checkpoints, config.yaml and the W&B run as they were
 
     # The default warns in one line and resumes.
@@ -131,10 +131,10 @@ def test_a_resume_on_shards_reordered_at_the_same_size_says_it_is_not_exact_or_r
     what = "3 shard(s) rewritten with other contents of the same size (train-000001.tar, train-000002.tar, "
     args = fit_args(shards, run, record, "--ckpt_path", "last", epochs=2)
     before = written(run)
-    proc = run_cli(*args, "--data.init_args.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
+    proc = run_cli(*args, "--data.init_args.stream.on_data_change", "refuse", cwd=ROOT, env=ENV, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in lines(proc.stderr) if line.startswith("ssl-vit: error:")]
-    assert what in line and "--data.init_args.on_data_change warn" in line
+    assert what in line and "--data.init_args.stream.on_data_change warn" in line
     assert written(run) == before
     proc = run_cli(*args, cwd=ROOT, env=ENV)
     (warning,) = [line for line in lines(proc.stderr) if "the training data differ" in line]
@@ -158,7 +158,7 @@ def test_shards_deleted_during_a_run_are_named_at_the_end_of_their_epoch(tmp_pat
                   small_monitor=False),
         "--data.init_args.train_urls", str(small / "train-{000000..000071}.tar"),
         "--data.init_args.train_batches", "6", "--data.init_args.batch_size", "16",
-        "--data.init_args.shuffle_buffer", "10",
+        "--data.init_args.stream.shuffle_buffer", "10",
     ]  # fmt: skip
     proc = start_cli(*args, cwd=ROOT, env=ENV)
     wait_for(Path(f"{release}.reached"), proc)

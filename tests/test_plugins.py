@@ -1,13 +1,16 @@
-"""Plugins: a preset, a target and a protocol kind defined outside the package (a module the test writes
-into its own folder, named by SSL_VIT_PLUGINS, or an installed package's entry point) work through the
-CLI wherever the built-in ones do; a plugin that does not import is one line naming it."""
+"""Plugins: a preset, a target, a protocol kind and a `data convert` source defined outside the package
+(a module the test writes into its own folder, named by SSL_VIT_PLUGINS, or an installed package's entry
+point) work through the CLI wherever the built-in ones do; a plugin that does not import is one line
+naming it."""
 
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import webdataset as wds
 import yaml
 from cli_helpers import one_step_fit_args, run_cli, wandb_records
 from test_errors import error_line
@@ -21,15 +24,18 @@ from ssl_vit.tasks.target import TARGETS
 ROOT = Path(__file__).resolve().parents[1]
 
 PLUGIN = '''
-"""A plugin of the test's own: a target, a preset that predicts it and a protocol kind."""
+"""A plugin of the test's own: a target, a preset that predicts it, a protocol kind and a source."""
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic.dataclasses import dataclass
 
 from ssl_vit import targets
+from ssl_vit.data.sources import Flag, no_inputs, register as register_source
+from ssl_vit.errors import UserError
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Protocol, register as register_kind
 from ssl_vit.evaluation.scoring import restrict
 from ssl_vit.evaluation.stats import Score
@@ -73,8 +79,23 @@ class CentroidProtocol(Protocol):
         return Outcome({self.name: Score.of_correct((nearest == test.y)[None])}, {self.name: detail})
 
 
-# --- HERE a `data convert` source, once sources are a registry (`ssl_vit.data.sources.register`), and
-# --- beside the fit below a test that `ssl-vit data convert` turns it into shards with this plugin loaded
+@register_source(
+    "stripes",
+    argument="N",
+    help="N 16x16 images of vertical stripes",
+    splits="train|val",
+    flags=(Flag("period", "stripe width in pixels (default 2)", type=int, metavar="P"),),
+    inputs=no_inputs,
+)
+def stripes(arg, split, period):
+    """N grey (16, 16) images: black and white stripes `period` pixels wide, from white (class 0) or
+    black (class 1) on the left, in turn."""
+    period = 2 if period is None else period
+    if period < 1:
+        raise UserError(f"--period {period}: give a stripe width of at least 1 pixel")
+    band = (np.arange(16) // period) % 2  # (16,)
+    images = [np.repeat(((band + c + 1) % 2 * 255).astype(np.uint8)[None], 16, axis=0) for c in (0, 1)]
+    return ["white_first", "black_first"], [(images[i % 2], i % 2) for i in range(int(arg))]
 '''
 
 
@@ -135,6 +156,34 @@ def test_a_plugin_preset_and_target_fit_and_its_kind_evaluates(plugin, digits_sh
         "preset: 'texture' is not one of",
     )
     assert not (tmp_path / "validate").exists()
+
+
+def test_a_plugin_source_converts_with_its_own_flag(plugin, tmp_path):
+    """`ssl-vit data convert stripes:N OUT --period P` with the plugin loaded: shards and a manifest of
+    the plugin's images; the source and its flag are in the command's help; its flag is refused with
+    another source, and the source is unknown without the plugin, each in one line."""
+    out = tmp_path / "shards"
+    run_cli("data", "convert", "stripes:5", str(out), "--period", "4", "--no-progress", env=plugin)
+    manifest = json.loads((out / "train.json").read_text())
+    assert manifest["source"] == "stripes:5" and manifest["class_names"] == ["white_first", "black_first"]
+    assert manifest["num_samples"] == 5 and manifest["class_counts"] == {"0": 3, "1": 2}
+    samples = list(wds.WebDataset(str(out / "train-000000.tar"), shardshuffle=False).decode("l"))
+    assert [int(s["cls"]) for s in samples] == [0, 1, 0, 1, 0]
+    first = (np.asarray(samples[0]["png"]) * 255).round()  # (16, 16) in [0, 1] as decoded
+    assert first[:, :4].min() == 255 and first[:, 4:8].max() == 0 and first[:, 8:12].min() == 255
+
+    helped = " ".join(run_cli("data", "convert", "--help", env=plugin).stdout.split())
+    assert "stripes:N [--period P] (N 16x16 images of vertical stripes; --split train|val)" in helped
+    assert "--period P" in helped and "stripe width in pixels (default 2)" in helped
+    proc = run_cli("data", "convert", "stripes:2", str(tmp_path / "bad"), "--period", "0", env=plugin,
+                   check=False)  # fmt: skip
+    error_line(proc, "--period 0: give a stripe width of at least 1 pixel")
+    proc = run_cli("data", "convert", "synthetic:2", str(tmp_path / "other"), "--period", "4", env=plugin,
+                   check=False)  # fmt: skip
+    error_line(proc, "--period: only for the stripes:N source, not 'synthetic:2': leave it out")
+    proc = run_cli("data", "convert", "stripes:2", str(tmp_path / "none"), check=False)
+    error_line(proc, "unknown source 'stripes:2': use one of ")
+    assert not any((tmp_path / name).exists() for name in ("bad", "other", "none"))
 
 
 def test_a_plugin_name_is_a_valid_choice_and_listed_where_the_built_in_ones_are(plugin, tmp_path):

@@ -65,7 +65,7 @@ def assert_continues(got: list[dict], want: list[dict]) -> None:
 # one shard, none twice; so a sample of a skipped batch has no reason to come back but a rollback's mistake.
 # (Across segments and workers, shards are drawn with replacement: samples do come back.)
 SPIKED = ["--nonfinite.skip_batches", "2", "--data.init_args.batch_size", "8",
-          "--data.init_args.num_workers", "1", "--data.init_args.segment_shards", "1"]  # fmt: skip
+          "--data.init_args.num_workers", "1", "--data.init_args.stream.segment_shards", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -114,6 +114,7 @@ def _pipeline(
     """Images/s (clock started after the first batch, so worker start-up is excluded); with `memory`,
     the worker's RSS after the first 10% of batches and at the last batch."""
     from ssl_vit.data import ShardDataModule
+    from ssl_vit.data.options import Augment, Stream
 
     batches = max(2, samples // batch_size)
     dm = ShardDataModule(
@@ -121,10 +122,9 @@ def _pipeline(
         batch_size=batch_size,
         num_workers=num_workers,
         image_size=image_size,
-        crop_scale=crop_scale,
+        augment=Augment(crop_scale=crop_scale, draft=draft),
         train_batches=batches,
-        shuffle_buffer=256,
-        draft=draft,
+        stream=Stream(shuffle_buffer=256),
     )
     dm.setup("fit")
     rss = None

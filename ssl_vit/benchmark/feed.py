@@ -34,7 +34,9 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 
 from ssl_vit.benchmark.data import make_jpegs, write_shards
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.urls import channel_choices, expand, read_manifest
+from ssl_vit.data.manifest import channel_choices, read_manifest
+from ssl_vit.data.options import Augment
+from ssl_vit.data.urls import expand
 
 CROP_SCALE = (0.2, 1.0)  # the imagenet1k recipes' (MAE's pretraining crop)
 IMAGES, SHARDS = 256, 8  # distinct JPEGs, and the tars holding them (the stream resamples them)
@@ -61,7 +63,7 @@ def feed_rate(
         batch_size=batch_size,
         num_workers=workers,
         image_size=img_size,
-        crop_scale=CROP_SCALE,
+        augment=Augment(crop_scale=CROP_SCALE),
         train_batches=(WARMUP_BATCHES + batches) * rounds,
         # only when asked for: decoding on the CPU is what a ShardDataModule without `decode` does
         decode=decode,

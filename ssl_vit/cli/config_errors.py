@@ -135,8 +135,12 @@ def _kind(body: str, rest: list[str], stack: list, number: int) -> list[_Finding
 
 
 def _unknown_key(argv: list[str], keys: tuple[str, ...], name: str, cls: str | None, parser) -> str:
-    """`KEY: no such option`, with the closest of the options of the class (or command) it was given to."""
+    """`KEY: no such option`, with the closest of the options of the class (or command) it was given to;
+    `KEY: moved to NEW` for an option the class moved (`moved_options`)."""
     where = _where(argv, ".".join([*keys, name]))
+    moved = moved_options(cls).get(name) if cls else None
+    if moved is not None:
+        return f"{where}: moved to {where.split(' (in ')[0].removesuffix(name)}{moved}"
     options = _class_options(cls) if cls else option_names(parser)
     close = difflib.get_close_matches(name, [o for o in options if not o.endswith("help")], n=1)
     dash = "--" if where.startswith("--") else ""
@@ -152,6 +156,15 @@ def _class_options(class_path: str) -> list[str]:
     options = ArgumentParser(exit_on_error=False)
     options.add_class_arguments(import_class(class_path), fail_untyped=False)
     return option_names(options)
+
+
+def moved_options(class_path: str) -> dict[str, str]:
+    """The options the class `class_path` names moved: its `MOVED_OPTIONS`, old name -> new dotted name
+    (`ShardDataModule`'s `crop_scale` -> `augment.crop_scale`)."""
+    try:
+        return dict(getattr(import_class(class_path), "MOVED_OPTIONS", {}))
+    except (ImportError, AttributeError, ValueError):
+        return {}
 
 
 def import_class(class_path: str) -> type:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ssl_vit.data.sources import SOURCE_OPTIONS, SOURCES_HELP
+from ssl_vit.data.sources import SOURCES, source_flags, sources_help, split_help
 from ssl_vit.errors import UserError, check_at_least
 
 # `bench data` and `bench feed` hold their generated JPEGs in memory; larger sides only exhaust it
@@ -20,24 +20,18 @@ def add_parser(subparsers) -> None:
         help="write OUTDIR/{split}-NNNNNN.tar shards and OUTDIR/{split}.json",
         description="An interrupted conversion (SIGTERM, Ctrl-C, a kill, a crash) keeps its finished shards: "
         "the same command again continues from the next one; with other options it starts over. Sources "
-        "with segmentation masks (ade20k, voc, mosaic) store each sample's mask as its seg.png member "
+        f"with segmentation masks ({_names(masks=True)}) store each sample's mask as its seg.png member "
         '(uint8, one class index per pixel, 255 ignored) and mark the manifest "masks": true.',
     )
-    convert.add_argument("source", metavar="SOURCE", help=SOURCES_HELP)
+    convert.add_argument("source", metavar="SOURCE", help=sources_help().replace("%", "%%"))
     convert.add_argument("outdir", metavar="OUTDIR")
-    convert.add_argument(
-        "--split",
-        default="train",
-        help="split name, a plain file-name prefix (letters, digits, - _ .); selects the split for digits, "
-        "imagenet and ade20k (train|val), cifar (train|test), voc (its list in ImageSets/Segmentation: "
-        "train|val|trainval) and hf (the repository's own: train|validation|test|...)",
-    )
+    convert.add_argument("--split", default="train", help=split_help().replace("%", "%%"))
     convert.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     convert.add_argument(
         "--format",
         dest="image_format",
         choices=["png", "jpg"],
-        help="png (lossless, default) or jpg; array sources (tiff, eurosat) store .npy and refuse it",
+        help=f"png (lossless, default) or jpg; array sources ({_names(arrays=True)}) store .npy, refuse it",
     )
     convert.add_argument("--quality", type=int, help="JPEG quality (default 95)")
     convert.add_argument(
@@ -49,38 +43,14 @@ def add_parser(subparsers) -> None:
         "sources only)",
     )
     convert.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
-    convert.add_argument(
-        "--grid",
-        type=int,
-        metavar="K",
-        help="mosaic:URLS only: K x K tiles per image, consecutive groups of K*K samples in the shards' "
-        "order (a last group of fewer is left out); the mask labels each tile's pixels with its class",
-    )
-    convert.add_argument(
-        "--background-threshold",
-        type=int,
-        metavar="T",
-        help="mosaic:URLS only: pixels whose grey level (the maximum of R, G and B) is below T (0-255) "
-        "get an extra class 'background', numbered after the tiles' classes",
-    )
-    convert.add_argument(
-        "--subset",
-        metavar="NAME",
-        help="hf:DIR only: the configuration (subset) to read, one of the README's configs: or a top "
-        "folder; default: the only one, or the one marked default",
-    )
-    convert.add_argument(
-        "--image-column",
-        metavar="NAME",
-        help="hf:DIR only: the column of images (encoded image files, or the `datasets` Image struct); "
-        "default: the column the `datasets` features mark as Image",
-    )
-    convert.add_argument(
-        "--label-column",
-        metavar="NAME",
-        help="hf:DIR only: the column of integer labels; default: the column the `datasets` features mark "
-        "as ClassLabel (its names become the class names), else none (unlabelled)",
-    )
+    for kind, flag in source_flags():  # each source's own flags, as its module registers them
+        convert.add_argument(
+            flag.option,
+            dest=flag.name,
+            type=flag.type,
+            metavar=flag.metavar,
+            help=f"{kind.form} only: {flag.help}".replace("%", "%%"),  # argparse formats help with %
+        )
     convert.add_argument(
         "--overwrite",
         action="store_true",
@@ -113,6 +83,11 @@ def add_parser(subparsers) -> None:
         help="--stats reads at most N images per manifest, spread evenly over its shards (default 10000)",
     )
     inspect.set_defaults(func=_inspect)
+
+
+def _names(**kind) -> str:
+    """The registered sources with `masks` or `arrays` true, by name."""
+    return ", ".join(k.name for k in SOURCES.values() if all(getattr(k, a) == v for a, v in kind.items()))
 
 
 def add_bench_parser(bench_subparsers) -> None:
@@ -190,7 +165,7 @@ def _convert(args) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=args.progress,
-        **{name: getattr(args, name) for name in SOURCE_OPTIONS},
+        **{flag.name: getattr(args, flag.name) for _, flag in source_flags()},
     )
     print(
         f"wrote {manifest['num_samples']} samples ({manifest['skipped']} unreadable skipped) in "

@@ -32,6 +32,7 @@ from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 from ssl_vit.cli.config_errors import config_error, import_class
+from ssl_vit.cli.moved_options import with_moved_options
 from ssl_vit.data.checks import check_shard_urls
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
@@ -117,8 +118,12 @@ class SslVitCLI(LightningCLIHooks):
             )
 
     def parse_arguments(self, parser, args) -> None:
+        moved = with_moved_options(self.argv)  # a run's own config.yaml written before options moved
         try:
-            super().parse_arguments(parser, args)
+            if moved is None:
+                super().parse_arguments(parser, args)
+            else:
+                self.config = parser.parse_args(moved)
         except ArgumentError as err:
             if user_error_message(err) is not None:  # a value a constructor refused, its own line
                 raise

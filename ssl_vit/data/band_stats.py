@@ -16,9 +16,16 @@ conversion and inspected shards each contribute their part.
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from ssl_vit.errors import BadValue, UserError
+
+log = logging.getLogger("ssl_vit.data")
 
 
 @dataclass
@@ -114,3 +121,52 @@ def merged(stats) -> BandStats | None:
         if part is not None:
             total = part if total is None else total.merge(part)
     return total
+
+
+def normalisation(
+    name: str,
+    given: Sequence[float] | str,
+    channels: int,
+    manifest: dict | None,
+    default: Sequence[float],
+    urls: str,
+) -> tuple[float, ...]:
+    """A data module's `mean` or `std` as one float per band: as given, or with "auto" the `band_stats` of
+    `manifest` (the first of its splits', over the shards `urls`); a grey 8-bit set's one band stands for
+    the three it is read as with channels 3. One line for a wrong count (naming `default`, ImageNet's
+    RGB, when it is that), a std that is not positive, or "auto" without stats."""
+    if given == "auto":
+        values = _auto(name, channels, manifest, urls)
+    elif isinstance(given, str):
+        raise BadValue(f"{name} {given!r}: give {channels} numbers (one per band) or 'auto'")
+    else:
+        values = tuple(float(v) for v in given)
+    if len(values) != channels:
+        named = " (the default: ImageNet's RGB)" if tuple(given) == tuple(default) else ""
+        raise BadValue(
+            f"{name} has {len(values)} values{named} for channels {channels}: give one per band in model "
+            "units (8-bit data / 255, other dtypes as stored), or 'auto' for the manifest's band_stats"
+        )
+    if not all(math.isfinite(v) for v in values) or (name == "std" and min(values) <= 0):
+        raise BadValue(f"{name} {list(values)}: give finite numbers{', all above 0' * (name == 'std')}")
+    return values
+
+
+def _auto(name: str, channels: int, manifest: dict | None, urls: str) -> tuple[float, ...]:
+    stats = (manifest or {}).get("band_stats")
+    if not isinstance(stats, dict) or not isinstance(stats.get(name), list):
+        where = "the shards have no manifest" if manifest is None else "their manifest has no band_stats"
+        raise UserError(
+            f"{name} 'auto' reads the manifest's band_stats, and {where}: add them with `ssl-vit data "
+            f"inspect --stats {urls}`, or give data.init_args.{name} as {channels} numbers"
+        )
+    values = [float(v) for v in stats[name]]
+    if len(values) == 1 and channels == 3 and manifest.get("dtype", "uint8") == "uint8":
+        values *= 3  # a grey 8-bit set, read as RGB: three equal bands
+    if name == "std" and 0 in values:
+        log.warning(
+            "band(s) %s are constant over the manifest's band_stats (std 0): normalised with std 1",
+            ", ".join(str(i) for i, v in enumerate(values) if v == 0),
+        )
+        values = [v or 1.0 for v in values]
+    return tuple(values)

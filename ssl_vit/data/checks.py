@@ -31,10 +31,11 @@ def check_shard_urls(
     stage: str | None, urls: dict[str, Any], policy: ReadPolicy | None = None
 ) -> dict[str, list[str]]:
     """The brace-expanded URLs of the splits `stage` reads, each shard checked (`check_urls`, remote ones
-    with `policy`; by default the one `urls` sets, see `read_policy`): one line for a split without URLs
-    or a shard that is missing. `urls` as for `check_required_urls`."""
+    with `policy`; by default the one of `urls`' `limits`, a data module's arguments as a dict, see
+    `read_policy`): one line for a split without URLs or a shard that is missing. `urls` as for
+    `check_required_urls`."""
     check_required_urls(stage, urls)
-    policy = policy or read_policy(urls)
+    policy = policy or read_policy(urls.get("limits") or {})
     expanded = {}
     for split in STAGE_SPLITS.get(stage, []):
         if urls.get(f"{split}_urls") is not None:

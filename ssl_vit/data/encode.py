@@ -20,7 +20,7 @@ file decoded in full, a JPEG written here decoded from the bytes written), which
 into the manifest's `band_stats`: exact over every image written, at the cost of one decode of each
 image that was not decoded in full anyway.
 
-A record of an array source (`tiff:`, `eurosat:`; its payload an `arrays_source.ArrayFile`) is read
+A record of an array source (`tiff:`, `eurosat:`; its payload a `sources.tiff.ArrayFile`) is read
 with tifffile, its header judged against the size limit, the split's band count and dtype before
 its pixels are decoded, and stored losslessly as a `.npy` member, band-last `(H, W, C)`.
 """
@@ -34,12 +34,18 @@ import numpy as np
 from PIL import Image
 
 from ssl_vit.data.arrays import npy_bytes, open_tiff
-from ssl_vit.data.arrays_source import ArrayFile
 from ssl_vit.data.band_stats import BandStats
-from ssl_vit.data.masks import array_size, beyond_message, classes_beyond, pixel_counts, size_mismatch
+from ssl_vit.data.masks import (
+    MaskFile,
+    array_size,
+    beyond_message,
+    classes_beyond,
+    pixel_counts,
+    size_mismatch,
+)
 from ssl_vit.data.mosaic import Tiles
 from ssl_vit.data.samples import MAX_IMAGE_PIXELS
-from ssl_vit.data.segmentation_sources import MaskFile
+from ssl_vit.data.sources.tiff import ArrayFile
 from ssl_vit.data.wds_source import Broken, ShardImage
 
 PIL_FORMATS = {"png": "PNG", "jpg": "JPEG"}

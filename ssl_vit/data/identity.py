@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from ssl_vit.data.urls import local_path
+from ssl_vit.errors import UserError
+
+log = logging.getLogger("ssl_vit.data")
 
 EDGE = 64 << 10  # bytes hashed at each end of a shard
 # (path, device, inode, size, mtime_ns, ctime_ns) -> fingerprint, of the shards this process has read: a
@@ -75,21 +79,55 @@ def fingerprint(path: str | os.PathLike, size: int) -> str:
 def changes(saved: dict, now: dict) -> list[str]:
     """How the data `now` differ from the checkpoint's `saved` identity, in a few words each (empty
     when they read the same). A checkpoint from before a field was recorded is not compared by it."""
-    found = []
+    return [*_list_changes(saved, now), *_shard_changes(saved, now), *_manifest_changes(saved, now)]
+
+
+def check_same_data(saved: dict, now: dict, on_data_change: str, say: bool = True) -> None:
+    """One line when the training data `now` differ from the checkpoint's `saved` identity: a warning
+    (when `say`: rank 0 says it for all), or with `on_data_change` "refuse" the error that stops the
+    resume."""
+    found = changes(saved, now)
+    if not found:
+        return
+    text = (
+        f"the training data differ from the checkpoint's ({'; '.join(found)}), so this resume is not "
+        "exact: the epoch's remaining samples are drawn from the data as they are now"
+    )
+    if on_data_change == "refuse":
+        raise UserError(
+            f"{text}: give the shards the run was trained on, or resume anyway with "
+            "--data.init_args.stream.on_data_change warn"
+        )
+    if say:
+        log.warning("%s (--data.init_args.stream.on_data_change refuse stops instead)", text)
+
+
+def _list_changes(saved: dict, now: dict) -> list[str]:
+    """Shards no longer given, added, or given in another order."""
     before, after = saved.get("shards", []), now["shards"]
     gone = [url for url in before if url not in set(after)]
     added = [url for url in after if url not in set(before)]
+    found = []
     if gone:
         found.append(f"{len(gone)} shard(s) no longer given ({_names(gone)})")
     if added:
         found.append(f"{len(added)} shard(s) added ({_names(added)})")
     if not gone and not added and before != after:
         found.append("the shards are given in another order")
-    then = {field: dict(zip(before, saved.get(field) or [])) for field in ("sizes", "mtimes", "fingerprints")}
+    return found
+
+
+def _shard_changes(saved: dict, now: dict) -> list[str]:
+    """Local shards given then and now whose size, contents (`fingerprint`) or modification time
+    differ; a shard remote or missing then or now is left to the manifest."""
+    then = {
+        field: dict(zip(saved.get("shards", []), saved.get(field) or []))
+        for field in ("sizes", "mtimes", "fingerprints")
+    }
     resized, rewritten, modified = [], [], []
-    for url, size, mtime, content in zip(after, now["sizes"], now["mtimes"], now["fingerprints"]):
+    for url, size, mtime, content in zip(now["shards"], now["sizes"], now["mtimes"], now["fingerprints"]):
         old = then["sizes"].get(url)
-        if old is None or size is None:  # remote or missing then or now: the manifest stands for it
+        if old is None or size is None:
             continue
         if size != old:
             resized.append(f"{Path(url).name} {old} -> {size} bytes")
@@ -97,6 +135,7 @@ def changes(saved: dict, now: dict) -> list[str]:
             rewritten.append(url)
         elif then["mtimes"].get(url) not in (None, mtime):
             modified.append(url)
+    found = []
     if resized:
         found.append(f"{len(resized)} shard(s) changed ({_names(resized, paths=False)})")
     if rewritten:
@@ -108,13 +147,16 @@ def changes(saved: dict, now: dict) -> list[str]:
             f"{len(modified)} shard(s) modified since, with the same size and first and last 64 KiB "
             f"({_names(modified)}; a copy that keeps modification times, cp -p or rsync -a, is no change)"
         )
-    if saved.get("num_samples") != now["num_samples"]:
-        found.append(
-            f"the manifest counts {now['num_samples']} samples, the checkpoint's {saved.get('num_samples')}"
-        )
-    elif saved.get("manifest_sha256") != now["manifest_sha256"]:
-        found.append("the manifest changed")
     return found
+
+
+def _manifest_changes(saved: dict, now: dict) -> list[str]:
+    counted, then = now["num_samples"], saved.get("num_samples")
+    if then != counted:
+        return [f"the manifest counts {counted} samples, the checkpoint's {then}"]
+    if saved.get("manifest_sha256") != now["manifest_sha256"]:
+        return ["the manifest changed"]
+    return []
 
 
 def _names(items: list[str], paths: bool = True, most: int = 3) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from ssl_vit.data.band_stats import BandStats, merged
+from ssl_vit.data.manifest import channel_choices, manifest_url, read_manifest
 from ssl_vit.data.masks import IGNORE_INDEX, pixel_counts
 from ssl_vit.data.samples import (
     MAX_IMAGE_PIXELS,
@@ -38,7 +39,7 @@ from ssl_vit.data.samples import (
     read_mask,
 )
 from ssl_vit.data.stream import iter_samples
-from ssl_vit.data.urls import channel_choices, check_urls, expand, local_path, manifest_url, read_manifest
+from ssl_vit.data.urls import check_urls, expand, local_path
 
 
 @dataclass

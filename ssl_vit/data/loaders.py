@@ -55,7 +55,7 @@ class ShardLoader(DataLoader):
         return UserError(
             f"no batch from the {self.num_workers} DataLoader worker(s) in {self.wait_s:g} s while reading "
             f"{self.split}_urls ({shown}): their server stalls or cannot be reached, or a worker is stuck; "
-            "check the shards (`ssl-vit data inspect`) or raise data.init_args.loader_timeout_s"
+            "check the shards (`ssl-vit data inspect`) or raise data.init_args.limits.loader_timeout_s"
         )
 
 

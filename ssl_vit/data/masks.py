@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -78,3 +80,20 @@ def pixel_counts(mask: np.ndarray) -> dict[int, int]:
     """Class (or IGNORE_INDEX) -> pixels of that value in `mask`, the values present only."""
     counts = np.bincount(mask.ravel(), minlength=256)
     return {int(c): int(counts[c]) for c in np.flatnonzero(counts)}
+
+
+@dataclass(frozen=True)
+class MaskFile:
+    """A segmentation source's annotation PNG (`ade20k:`, `voc:`), and the lookup table from its values to
+    class indices (None: they are); its records' third element, decoded in the writer's workers."""
+
+    path: Path
+    to_classes: np.ndarray | None = None
+
+    def load(self) -> np.ndarray:
+        """uint8 [H, W] class indices (255 ignored); ValueError naming the file when it does not decode."""
+        try:
+            mask = decode_mask(self.path.read_bytes())
+        except Exception as err:
+            raise ValueError(f"mask {self.path} does not decode: {err}") from None
+        return mask if self.to_classes is None else self.to_classes[mask]

@@ -32,8 +32,9 @@ import numpy as np
 from PIL import Image
 
 from ssl_vit.data import wds_source
+from ssl_vit.data.manifest import manifest_url
 from ssl_vit.data.masks import IGNORE_INDEX
-from ssl_vit.data.urls import expand, manifest_url
+from ssl_vit.data.urls import expand
 from ssl_vit.data.wds_source import Broken, ShardImage
 from ssl_vit.errors import UserError
 
@@ -123,11 +124,9 @@ class MosaicRecords:
             )
 
 
-def load(arg: str, split: str, grid: int | None, threshold: int | None) -> tuple[list[str], MosaicRecords]:
+def load(arg: str, split: str, grid: int, threshold: int | None) -> tuple[list[str], MosaicRecords]:
     """`(class names, records)` of K x K mosaics of the labelled shards URLS in `arg`: the tiles' class
     names, plus `background` with a threshold."""
-    if grid is None:
-        raise UserError(f"mosaic:{arg} needs --grid K: the mosaics' side in tiles (e.g. --grid 2 for 2x2)")
     if grid < 1:
         raise UserError(f"--grid must be at least 1, got {grid}")
     if threshold is not None and not 0 <= threshold <= 255:

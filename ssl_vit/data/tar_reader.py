@@ -196,99 +196,150 @@ def tar_files(
 def _members(
     stream, header: bytes, on_dropped: Callable | None, max_member_bytes: int | None
 ) -> Iterator[tuple[str, bytes]]:
-    """`tar_files` on an uncompressed stream whose first header block has been read already."""
+    """`tar_files` on an uncompressed stream whose first header block has been read already. One pass
+    per member: its header checked (`_checked`), its data read (`_data`), then what its kind asks for;
+    the metadata headers (pax, GNU long names) are read by `_Meta`. Regular members stay on the
+    shortest path: `ssl-vit bench data` counts every call made per member."""
     read = stream.read
     if not header:
         raise tarfile.ReadError("empty tar stream")  # not even end blocks: a failed write or download
     offset = 0  # of `header` in the stream, for error messages
-    path = pax_size = link = None  # from pax and long-name headers, for the next member
-    pending = False  # a pax or long-name header waits for its member
-    global_path = None  # from global pax headers, for every member after them
-    while True:
-        if len(header) != _BLOCK:
-            header = _fill(read, header, _BLOCK)  # a short read (from a pipe), or the end of the data
-            if not header.strip(b"\0"):
-                break  # a stream without end blocks, or cut inside them
-            if len(header) != _BLOCK:
-                raise _error("the data ends inside a tar header", offset)
-        if header == _ZERO_BLOCK:
-            break  # the end of the archive: like tarfile, one zero block is enough
-        # The checksum is the sum of the header's bytes, its own field counted as eight spaces. Adler-32's
-        # low 16 bits are 1 + that sum modulo 65521, exact for 256 bytes (at most 65280): two halves
-        # give the sum 5x faster than sum() over 512 bytes.
-        chksum = header[148:156]
-        unsigned = (zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2
-        expected = _number(chksum, "checksum", offset)
-        if expected != unsigned - sum(chksum) + 256 and not _signed_checksum(header, expected):
-            raise _error("bad tar header checksum", offset)
+    meta = _Meta()
+    while (header := _checked(read, header, offset)) is not None:
         kind = header[156:157]
         if kind == b"\0" and _name(header[:100]).endswith(b"/"):
             kind = b"5"  # a directory, as old (V7) tars mark it: by a trailing slash only
-        if kind in _NO_DATA:
-            size = 0
-        elif pax_size is not None and kind not in _META:
-            size = pax_size
-        else:
-            size = _number(header[124:136], "size", offset)
-            if size < 0:
-                raise _error(f"negative member size {size}", offset)
+        size = _size(header, kind, meta.size, offset)
         oversize = max_member_bytes is not None and size > max_member_bytes and kind in _REGULAR
-        if oversize:
-            data, got = b"", _pass(read, size)
-        else:
-            data = read(size) if size <= _CHUNK else b""
-            if len(data) != size:
-                data = _fill(read, data, size)
-            got = len(data)
-        if got != size:
-            raise _error(f"the data ends inside a tar member ({got} of {size} bytes)", offset)
-        pad = -size % _BLOCK
-        cut = False  # the data ends inside the padding: raised after the member, which is whole
-        if pad:
-            padding = read(pad)
-            cut = len(padding) != pad and len(_fill(read, padding, pad)) != pad
+        data, pad, cut = _data(read, size, oversize, offset)
         if kind in _REGULAR:
-            name = _member_name(header, path, global_path)
+            name = _member_name(header, meta.path, meta.global_path)
             if name.startswith("__") and _is_meta(name):
                 pass
             elif not oversize:
                 yield name, data
             elif on_dropped is not None:
                 on_dropped(OversizeMember(name, size, max_member_bytes))
-        elif kind in _LINKS and on_dropped is not None:
-            target = (link if link is not None else _name(header[157:257])).decode("utf-8", "surrogateescape")
-            on_dropped(LinkMember(_member_name(header, path, global_path), target, symbolic=kind == b"2"))
-        elif kind in _PAX:
-            records = _pax_records(data, offset)
-            if kind == b"g":  # a later global header overrides an earlier one
-                if b"path" in records:
-                    global_path = records[b"path"].rstrip(b"/")
-                if b"size" in records:  # tarfile gives it as every member's size, but skips their own
-                    raise _error("size in a global pax header (not supported)", offset)
-            else:  # the first header of a chain wins, as in tarfile
-                if path is None and b"path" in records:
-                    path = records[b"path"].rstrip(b"/")
-                if pax_size is None and b"size" in records:
-                    pax_size = _pax_size(records[b"size"], offset)
-                if link is None and b"linkpath" in records:
-                    link = records[b"linkpath"]
-        elif kind == b"L":  # GNU long name
-            if path is None:
-                path = _name(data)
-        elif kind == b"K":  # GNU long link target
-            if link is None:
-                link = _name(data)
-        elif kind == b"S":
-            raise _error("GNU sparse member (not supported)", offset)
-        pending = kind in _META
-        if not pending:  # pax and long-name headers describe one member
-            path = pax_size = link = None
+        elif kind in _LINKS:
+            if on_dropped is not None:
+                on_dropped(meta.link_member(header, kind))
+        else:
+            meta.read(kind, data, offset)
+        if kind in _META:
+            meta.waiting = True
+        elif meta.waiting:  # pax and long-name headers describe one member
+            meta.clear()
         if cut:
             raise _error("the data ends inside the padding of a tar member", offset)
         offset += _BLOCK + size + pad
         header = read(_BLOCK)
-    if pending:
+    if meta.waiting:
         raise _error("no member after a pax or long-name header", offset)
+
+
+def _checked(read: Callable[[int], bytes], header: bytes, offset: int) -> bytes | None:
+    """The 512-byte header block that starts with `header` (completed from `read` after a short read),
+    its checksum verified; None at the end of the archive (a zero block, like tarfile, or the end of
+    the data where the end blocks should be)."""
+    if len(header) != _BLOCK:
+        header = _fill(read, header, _BLOCK)  # a short read (from a pipe), or the end of the data
+        if not header.strip(b"\0"):
+            return None  # a stream without end blocks, or cut inside them
+        if len(header) != _BLOCK:
+            raise _error("the data ends inside a tar header", offset)
+    if header == _ZERO_BLOCK:
+        return None
+    # The checksum is the sum of the header's bytes, its own field counted as eight spaces. Adler-32's
+    # low 16 bits are 1 + that sum modulo 65521, exact for 256 bytes (at most 65280): two halves
+    # give the sum 5x faster than sum() over 512 bytes.
+    chksum = header[148:156]
+    unsigned = (zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2
+    expected = _number(chksum, "checksum", offset)
+    if expected != unsigned - sum(chksum) + 256 and not _signed_checksum(header, expected):
+        raise _error("bad tar header checksum", offset)
+    return header
+
+
+def _size(header: bytes, kind: bytes, pax_size: int | None, offset: int) -> int:
+    """The bytes of data after a member's header, as tarfile judges them: none for the kinds without
+    data, a pax header's `size` for the member it describes, else the header's own field."""
+    if kind in _NO_DATA:
+        return 0
+    if pax_size is not None and kind not in _META:
+        return pax_size
+    size = _number(header[124:136], "size", offset)
+    if size < 0:
+        raise _error(f"negative member size {size}", offset)
+    return size
+
+
+def _data(read: Callable[[int], bytes], size: int, oversize: bool, offset: int) -> tuple[bytes, int, bool]:
+    """A member's `size` bytes of data (b"" when `oversize`: read past, never held), the padding to the
+    next block read past; `(data, padding, cut)`, `cut` when the data ends inside the padding (raised
+    after the member, which is whole)."""
+    if oversize:
+        data, got = b"", _pass(read, size)
+    else:
+        data = read(size) if size <= _CHUNK else b""
+        if len(data) != size:
+            data = _fill(read, data, size)
+        got = len(data)
+    if got != size:
+        raise _error(f"the data ends inside a tar member ({got} of {size} bytes)", offset)
+    pad = -size % _BLOCK
+    if not pad:
+        return data, 0, False
+    padding = read(pad)
+    return data, pad, len(padding) != pad and len(_fill(read, padding, pad)) != pad
+
+
+class _Meta:
+    """What pax and GNU long-name headers say of the member after them (`path`, `size`, `link`: cleared
+    once that member is read), and global pax headers of every member after them (`global_path`)."""
+
+    __slots__ = ("path", "size", "link", "global_path", "waiting")
+
+    def __init__(self) -> None:
+        self.global_path = None
+        self.clear()
+
+    def clear(self) -> None:
+        self.path = self.size = self.link = None
+        self.waiting = False  # a pax or long-name header waits for its member
+
+    def link_member(self, header: bytes, kind: bytes) -> LinkMember:
+        target = self.link if self.link is not None else _name(header[157:257])
+        name = _member_name(header, self.path, self.global_path)
+        return LinkMember(name, target.decode("utf-8", "surrogateescape"), symbolic=kind == b"2")
+
+    def read(self, kind: bytes, data: bytes, offset: int) -> None:
+        """A header of `kind` other than a regular file or a link: its metadata kept; members without
+        a file (directories, devices, fifos) are passed over."""
+        if kind in _PAX:
+            self._pax(kind, _pax_records(data, offset), offset)
+        elif kind == b"L":  # GNU long name
+            if self.path is None:
+                self.path = _name(data)
+        elif kind == b"K":  # GNU long link target
+            if self.link is None:
+                self.link = _name(data)
+        elif kind == b"S":
+            raise _error("GNU sparse member (not supported)", offset)
+
+    def _pax(self, kind: bytes, records: dict[bytes, bytes], offset: int) -> None:
+        if kind == b"g":  # a later global header overrides an earlier one
+            if b"path" in records:
+                self.global_path = records[b"path"].rstrip(b"/")
+            if b"size" in records:  # tarfile gives it as every member's size, but skips their own
+                raise _error("size in a global pax header (not supported)", offset)
+            return
+        # the first header of a chain wins, as in tarfile
+        if self.path is None and b"path" in records:
+            self.path = records[b"path"].rstrip(b"/")
+        if self.size is None and b"size" in records:
+            self.size = _pax_size(records[b"size"], offset)
+        if self.link is None and b"linkpath" in records:
+            self.link = records[b"linkpath"]
 
 
 def _fill(read: Callable[[int], bytes], data: bytes, size: int) -> bytes:

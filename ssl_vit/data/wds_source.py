@@ -26,9 +26,10 @@ from pathlib import PurePosixPath
 
 import webdataset as wds
 
+from ssl_vit.data.manifest import read_manifest
 from ssl_vit.data.samples import MAX_IMAGE_PIXELS, BadSample, max_member_bytes, parse_label
 from ssl_vit.data.tar_reader import tar_samples
-from ssl_vit.data.urls import check_urls, expand, read_manifest
+from ssl_vit.data.urls import check_urls, expand
 
 log = logging.getLogger("ssl_vit.data")
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")

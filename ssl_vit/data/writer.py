@@ -31,20 +31,18 @@ import os
 import re
 import shutil
 import signal
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import webdataset as wds
 
+from ssl_vit import progress
 from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.encode import encode_star
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
-from ssl_vit.data.sources import ARRAY_SOURCES, Source, open_source, source_inputs
+from ssl_vit.data.sources import SOURCES, Source, open_source, source_inputs
 from ssl_vit.errors import UserError
 from ssl_vit.outdir import refuse_inputs, split_lock
-from ssl_vit.progress import clock
 
 log = logging.getLogger(__name__)
 MANIFEST_VERSION = 1
@@ -71,49 +69,19 @@ def convert(
 ) -> dict:
     """Write the shards and manifest for SOURCE `spec`, images shrunk to `max_side` pixels on their
     longer side where larger; returns the manifest. `source_options` are the sources' own
-    (`ssl_vit.data.sources.SOURCE_OPTIONS`: `grid=` of `mosaic:`, `subset=` of `hf:`, ...).
+    (`ssl_vit.data.sources.source_flags`: `grid=` of `mosaic:`, `subset=` of `hf:`, ...).
     `image_format` (default png) and `quality` (default 95) are those of 8-bit sources; an array
     source (`tiff:`, `eurosat:`) stores `.npy` members at their size, and refuses them and `max_side`."""
     check_split_name(split)
     if shard_size <= 0:
         raise UserError(f"--shard-size must be positive, got {shard_size}")
-    if spec.partition(":")[0] in ARRAY_SOURCES:
-        given = {"--format": image_format, "--quality": quality, "--max-side": max_side}
-        if named := [flag for flag, value in given.items() if value is not None]:
-            raise UserError(
-                f"{', '.join(named)}: for 8-bit PNG/JPEG sources; {spec.partition(':')[0]}: stores its "
-                "arrays losslessly as .npy members at their own size: leave it out"
-            )
-        image_format = "npy"
-    image_format, quality = image_format or "png", 95 if quality is None else quality
-    if image_format not in ("png", "jpg", "npy"):
-        raise UserError(f"--format must be png or jpg, got {image_format!r}")
-    if not 1 <= quality <= 100:
-        raise UserError(f"--quality must be in 1..100, got {quality}")
-    if max_side is not None and max_side <= 0:
-        raise UserError(f"--max-side must be a positive number of pixels, got {max_side}")
+    image_format, quality = _image_options(spec, image_format, quality, max_side)
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise UserError(f"OUTDIR {outdir} exists and is not a directory: choose another OUTDIR")
     refuse_inputs(outdir, source_inputs(spec), "OUTDIR")
     with split_lock(outdir, split):  # the rest under it: one conversion of a split at a time
-        if outdir.is_dir():
-            if _finish_interrupted_swap(outdir, split):
-                log.warning("%s: finished the interrupted conversion of split %r found there", outdir, split)
-            ours = [outdir / f".{split}.partial", outdir / f".{split}.old"]
-            in_the_way = [p for p in _split_entries(outdir, split) if not p.is_file()]
-            in_the_way += [p for p in ours if (p.exists() or p.is_symlink()) and not p.is_dir()]
-            if in_the_way:
-                raise UserError(
-                    f"{in_the_way[0]} is in the way of split {split!r} (not a regular file): move it out of "
-                    f"{outdir} or choose another OUTDIR or --split"
-                )
-        old = _split_files(outdir, split)
-        if old and not overwrite:
-            raise UserError(
-                f"{outdir} already holds split {split!r} ({len(old)} files): pass --overwrite to replace it, "
-                "or choose another OUTDIR or --split"
-            )
+        _check_outdir(outdir, split, overwrite)
         source = open_source(spec, split, **source_options)
         options = {
             "source": spec,
@@ -125,35 +93,87 @@ def convert(
             "source_records": source.total,
             **source.options,
         }
-
         outdir.mkdir(parents=True, exist_ok=True)
         partial = outdir / f".{split}.partial"
-        finished = _finished_shards(partial, options)
-        try:
-            manifest = _write_shards(source, partial, options, finished, workers, progress)
-        except UserError:
-            shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
-            raise
-        except BaseException:  # SIGTERM, Ctrl-C, out of disk: keep what is finished for the next run
-            recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}
-            # Whatever the record does not name goes: the progress record's temporary file, and a shard the
-            # signal caught between its file's creation and the record (even before `_write_shards` knew it)
-            for path in partial.iterdir() if partial.is_dir() else ():
-                if path.name not in recorded and path.name != PROGRESS:
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-            kept = len(recorded)
-            if kept:
-                log.warning(
-                    "kept the %d finished shards in %s: run the same command again to continue", kept, partial
-                )
-            else:
-                shutil.rmtree(partial, ignore_errors=True)
-            raise
+        manifest = _write_partial(source, partial, options, workers, progress)
         # The manifest is written into .partial first: while it is there, the swap is not done.
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         _swap_in(outdir, split, partial, manifest)
         shutil.rmtree(partial, ignore_errors=True)  # what is left: the progress record
         return manifest
+
+
+def _image_options(
+    spec: str, image_format: str | None, quality: int | None, max_side: int | None
+) -> tuple[str, int]:
+    """The members' format and JPEG quality: as given (png and 95 by default) for 8-bit sources; `npy`
+    for an array source, which refuses `--format`, `--quality` and `--max-side`."""
+    kind = spec.partition(":")[0]
+    if kind in SOURCES and SOURCES[kind].arrays:
+        given = {"--format": image_format, "--quality": quality, "--max-side": max_side}
+        if named := [flag for flag, value in given.items() if value is not None]:
+            raise UserError(
+                f"{', '.join(named)}: for 8-bit PNG/JPEG sources; {kind}: stores its arrays losslessly as "
+                ".npy members at their own size: leave it out"
+            )
+        image_format = "npy"
+    image_format, quality = image_format or "png", 95 if quality is None else quality
+    if image_format not in ("png", "jpg", "npy"):
+        raise UserError(f"--format must be png or jpg, got {image_format!r}")
+    if not 1 <= quality <= 100:
+        raise UserError(f"--quality must be in 1..100, got {quality}")
+    if max_side is not None and max_side <= 0:
+        raise UserError(f"--max-side must be a positive number of pixels, got {max_side}")
+    return image_format, quality
+
+
+def _check_outdir(outdir: Path, split: str, overwrite: bool) -> None:
+    """Under the split's lock: an interrupted swap finished, and one line for what is in the way of the
+    split's files, or for an existing split without `overwrite`."""
+    if outdir.is_dir():
+        if _finish_interrupted_swap(outdir, split):
+            log.warning("%s: finished the interrupted conversion of split %r found there", outdir, split)
+        ours = [outdir / f".{split}.partial", outdir / f".{split}.old"]
+        in_the_way = [p for p in _split_entries(outdir, split) if not p.is_file()]
+        in_the_way += [p for p in ours if (p.exists() or p.is_symlink()) and not p.is_dir()]
+        if in_the_way:
+            raise UserError(
+                f"{in_the_way[0]} is in the way of split {split!r} (not a regular file): move it out of "
+                f"{outdir} or choose another OUTDIR or --split"
+            )
+    old = _split_files(outdir, split)
+    if old and not overwrite:
+        raise UserError(
+            f"{outdir} already holds split {split!r} ({len(old)} files): pass --overwrite to replace it, "
+            "or choose another OUTDIR or --split"
+        )
+
+
+def _write_partial(source: Source, partial: Path, options: dict, workers: int, progress: bool) -> dict:
+    """The shards of `source` written into `partial`, after those an interrupted run of the same
+    conversion finished there; their manifest. A refused conversion removes `partial`; an interrupted
+    one (SIGTERM, Ctrl-C, out of disk) keeps exactly the shards its progress record names."""
+    finished = _finished_shards(partial, options)
+    try:
+        return _write_shards(source, partial, options, finished, workers, progress)
+    except UserError:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing worth continuing from
+        raise
+    except BaseException:
+        recorded = {entry.get("url") for entry in _read_progress(partial).get("shards", [])}
+        # Whatever the record does not name goes: the progress record's temporary file, and a shard the
+        # signal caught between its file's creation and the record (even before `_write_shards` knew it)
+        for path in partial.iterdir() if partial.is_dir() else ():
+            if path.name not in recorded and path.name != PROGRESS:
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        if recorded:
+            kept = len(recorded)
+            log.warning(
+                "kept the %d finished shards in %s: run the same command again to continue", kept, partial
+            )
+        else:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 SPLIT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
@@ -390,10 +410,10 @@ def _write_shards(
     encoded = pool.imap(encode_star, jobs, chunksize=16) if pool else map(encode_star, jobs)
     shard, skipped = None, 0  # skipped: unreadable records since the last shard closed
     try:
-        with _Progress(show, split, source.total, consumed) as progress:
+        with progress.count(f"writing {split}", source.total, consumed, enabled=show) as shown:
             for data, size, label, key, mask, stats in encoded:
                 consumed += 1
-                progress.advance()
+                shown.advance()
                 if data is None:
                     skipped += 1
                     log.warning("skipping unreadable image %s", size)
@@ -407,12 +427,12 @@ def _write_shards(
                 if shard.samples == shard_size:
                     shards.append(shard.close(consumed, skipped))
                     _save_progress(partial, options, shards)
-                    progress.shard_done(shards[-1]["url"])
+                    shown.part_done(shards[-1]["url"])
                     shard, skipped = None, 0
             if shard is not None:
                 shards.append(shard.close(consumed, skipped))
                 _save_progress(partial, options, shards)
-                progress.shard_done(shards[-1]["url"])
+                shown.part_done(shards[-1]["url"])
                 skipped = 0
     except BaseException:
         if shard is not None:  # `convert` deletes it unless the progress record names it
@@ -481,54 +501,3 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
         )
     manifest.update(source.manifest)  # mosaic's options, hf's columns, an array source's dtype and band names
     return manifest
-
-
-class _Progress:
-    """Progress on stderr, nothing when not `enabled`: on a terminal a rich bar with the rate and an
-    ETA; elsewhere (a log file, a batch job's output) one line per finished shard with the same."""
-
-    def __init__(self, enabled: bool, split: str, total: int | None, done: int):
-        self.split, self.total, self.start_done, self.done = split, total, done, done
-        self.start = time.monotonic()
-        self.bar = None
-        self.lines = enabled and not sys.stderr.isatty()
-        if enabled and not self.lines:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-            self.bar = Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self.task = self.bar.add_task(f"writing {split}", total=total, completed=done)
-
-    def __enter__(self):
-        if self.bar:
-            self.bar.start()
-        return self
-
-    def advance(self) -> None:
-        self.done += 1
-        if self.bar:
-            self.bar.advance(self.task, 1)
-
-    def shard_done(self, name: str) -> None:
-        if not self.lines:
-            return
-        elapsed = time.monotonic() - self.start
-        rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
-        line = f"{name}: {self.done}"
-        if self.total:
-            line += f"/{self.total} images ({100 * self.done / self.total:.0f}%)"
-            if rate > 0:
-                line += f", ETA {clock((self.total - self.done) / rate)}"
-        else:
-            line += " images"
-        print(f"{line}, {rate:.0f} images/s", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        if self.bar:
-            self.bar.stop()

@@ -20,6 +20,7 @@ import torch
 
 from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import grouped
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.features import Features, extract_feature_set
 from ssl_vit.models.feature import FEATURES
@@ -37,7 +38,8 @@ class Index(NamedTuple):
 
 def datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
     """The ShardDataModule arguments of a suite's data block (`suite_file.DataBlock`): its keys but its
-    splits' URLs."""
+    splits' URLs, flat as the suite writes them (a data module is built from them with
+    `ssl_vit.data.options.grouped`)."""
     return {key: value for key, value in data.items() if not key.endswith("_urls")}
 
 
@@ -69,11 +71,15 @@ class FeatureCache:
     def datamodule_of(data: dict[str, Any]) -> ShardDataModule:
         """A data module of a suite's data block, for exact passes (no training epoch to size)."""
         return ShardDataModule(
-            train_urls=data["train_urls"],
-            val_urls=data.get("val_urls"),
-            test_urls=data["test_urls"],
-            train_batches=1,  # exact passes only: no training epoch to size from a manifest
-            **datamodule_args(data),
+            **grouped(
+                dict(
+                    train_urls=data["train_urls"],
+                    val_urls=data.get("val_urls"),
+                    test_urls=data["test_urls"],
+                    train_batches=1,  # exact passes only: no training epoch to size from a manifest
+                    **datamodule_args(data),
+                )
+            )
         )
 
     def normalisation(self) -> dict[str, tuple[float, ...]]:

@@ -85,6 +85,7 @@ class FewShotMonitor(pl.Callback):
         # Built here, not in __init__: the process group exists by now, so the exact passes below are
         # split by rank (ShardDataModule reads it from torch.distributed when no trainer is attached).
         from ssl_vit.data import ShardDataModule
+        from ssl_vit.data.options import Augment
 
         if stage != "fit":  # `ssl-vit validate/test` with a pretraining recipe: nothing to monitor
             return
@@ -103,19 +104,13 @@ class FewShotMonitor(pl.Callback):
             batch_size=self.batch_size,
             # decoding a small set in the training process: no worker processes to start every time
             num_workers=0,
-            train_preset="eval",
+            augment=Augment(train_preset="eval"),
             # an exact pass does not use the training epoch length; setting it spares the manifest lookup
             train_batches=1,
-            # remote shards read as the training data reads them, and its bands normalised as it does
+            # shards read as the training data reads them (retries, timeouts, the largest image), and its
+            # bands normalised as it does
             **(
-                {
-                    "read_retries": data.read_policy.retries,
-                    "read_timeout_s": data.read_policy.timeout_s,
-                    "loader_timeout_s": data.loader_timeout_s,
-                    "channels": data.channels,
-                    "mean": data.mean,
-                    "std": data.std,
-                }
+                {"limits": data.limits, "channels": data.channels, "mean": data.mean, "std": data.std}
                 if isinstance(data, ShardDataModule)
                 else {}
             ),

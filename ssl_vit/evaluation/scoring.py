@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import grouped
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import datamodule_args
 from ssl_vit.evaluation.features import Features, local_device
@@ -58,12 +59,16 @@ def statistics(
 def _streamed(models, protocol, features: FeatureCache, split, keys, head) -> Tensor:
     data = features.data
     datamodule = ShardDataModule(
-        **{f"{split}_urls": data[f"{split}_urls"]},
-        classes=protocol.classes,
-        train_keys=keys if split == "train" else None,
-        train_batches=1,  # an exact pass: no training epoch to size from the manifest
-        require_labels=protocol.TARGET == "label",  # unlabelled images have no right answer: left out
-        **datamodule_args(data),
+        **grouped(
+            {
+                f"{split}_urls": data[f"{split}_urls"],
+                "classes": protocol.classes,
+                "train_keys": keys if split == "train" else None,
+                "train_batches": 1,  # an exact pass: no training epoch to size from the manifest
+                "require_labels": protocol.TARGET == "label",  # unlabelled images have no right answer
+                **datamodule_args(data),
+            }
+        )
     )
     datamodule.manifests = features.datamodule.manifests
     parts, order_keys = [], []

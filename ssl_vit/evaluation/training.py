@@ -28,6 +28,7 @@ from torch.optim import SGD, AdamW, Optimizer
 
 from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import grouped
 from ssl_vit.data.transforms import Preset
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import datamodule_args
@@ -421,12 +422,16 @@ def train_streamed(model, protocol: TrainedProtocol, features: FeatureCache, pla
     if keys is not None or steps:  # an epoch of its own size: the manifest's count is not needed
         subset["train_batches"] = batches
     datamodule = ShardDataModule(
-        train_urls=data["train_urls"],
-        classes=protocol.classes,
-        **protocol.augment(),
-        **subset,
-        **{k: v for k, v in datamodule_args(data).items() if k != "batch_size"},
-        batch_size=protocol.batch_size,
+        **grouped(
+            dict(
+                train_urls=data["train_urls"],
+                classes=protocol.classes,
+                **protocol.augment(),
+                **subset,
+                **{k: v for k, v in datamodule_args(data).items() if k != "batch_size"},
+                batch_size=protocol.batch_size,
+            )
+        )
     )
     # the manifests as the frozen protocols' data module read them: the same epoch size and eval view
     datamodule.manifests = features.datamodule.manifests

@@ -20,6 +20,7 @@ import torchmetrics
 from pytorch_lightning.strategies import DDPStrategy
 
 from ssl_vit.data import LogSkippedSamples, ShardDataModule
+from ssl_vit.data.options import Augment, Limits, Stream
 
 TRAIN_BATCHES = 4
 
@@ -70,11 +71,11 @@ def fit(urls: str, val_urls: str, out: str, decode: str) -> None:
         batch_size=3,
         num_workers=2,
         image_size=16,
-        eval_crop_pct=1.0,
+        augment=Augment(eval_crop_pct=1.0),
         train_batches=TRAIN_BATCHES,
-        shuffle_buffer=8,
+        stream=Stream(shuffle_buffer=8),
         decode=decode,
-        loader_timeout_s=60,  # a worker that delivers nothing fails the run with its reason
+        limits=Limits(loader_timeout_s=60),  # a worker that delivers nothing fails the run with its reason
     )
     model = PooledLinear(num_classes=10)
     trainer = pl.Trainer(

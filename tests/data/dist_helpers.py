@@ -15,6 +15,7 @@ def exact_and_training_pass(rank: int, world_size: int, port: int, urls: str, ou
     import multiprocessing
 
     from ssl_vit.data import ShardDataModule
+    from ssl_vit.data.options import Augment, Stream
 
     # A rank started by `cli_helpers.start_ranks` inherits the "forkserver" start method; torchrun- and
     # Lightning-launched ranks fork their DataLoader workers, as here.
@@ -26,9 +27,9 @@ def exact_and_training_pass(rank: int, world_size: int, port: int, urls: str, ou
         batch_size=2,
         num_workers=2,
         image_size=16,
-        eval_crop_pct=1.0,
+        augment=Augment(eval_crop_pct=1.0),
         train_batches=5,
-        shuffle_buffer=8,
+        stream=Stream(shuffle_buffer=8),
         seed=3,
     )
     dm.setup("fit")

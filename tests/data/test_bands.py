@@ -17,6 +17,7 @@ from PIL import Image
 from timm.data import Mixup
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import grouped
 from ssl_vit.errors import BadValue, UserError
 
 SIGNAL_BAND = 3  # the 4th of 5 bands carries the class in `signal_set`, and nothing else does
@@ -36,7 +37,9 @@ def one_pass(dm: ShardDataModule, split: str = "val") -> dict:
 
 def module(urls: str, channels: int, **args) -> ShardDataModule:
     defaults = {"batch_size": 64, "num_workers": 0, "image_size": 16}
-    return ShardDataModule(train_urls=urls, val_urls=urls, channels=channels, **{**defaults, **args})
+    return ShardDataModule(
+        **grouped({"train_urls": urls, "val_urls": urls, "channels": channels, **defaults, **args})
+    )
 
 
 @pytest.fixture(scope="module")

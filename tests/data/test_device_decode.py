@@ -16,6 +16,7 @@ from resume_helpers import ROOT, fit_args, read_steps
 
 from ssl_vit.benchmark.data import make_jpegs
 from ssl_vit.data.datamodule import ShardDataModule
+from ssl_vit.data.options import Augment, Stream, grouped
 from ssl_vit.errors import BadValue
 
 SIZE = 32
@@ -56,8 +57,8 @@ def photos(tmp_path_factory):
 
 def _batches(urls, decode, n=4, **kwargs):
     dm = ShardDataModule(
-        train_urls=urls, batch_size=8, num_workers=0, image_size=SIZE, train_batches=n, draft=False,
-        decode=decode, shuffle_buffer=16, crop_scale=(0.2, 1.0), **kwargs,
+        train_urls=urls, batch_size=8, num_workers=0, image_size=SIZE, train_batches=n, decode=decode,
+        augment=Augment(crop_scale=(0.2, 1.0), draft=False), stream=Stream(shuffle_buffer=16), **kwargs,
     )  # fmt: skip
     dm.setup("fit")
     loader = dm.train_dataloader()
@@ -128,7 +129,7 @@ def test_device_decoding_ships_compressed_bytes_not_pixels(photos):
 )
 def test_device_decoding_refuses_what_it_cannot_do(kwargs, says):
     with pytest.raises(BadValue, match=says):
-        ShardDataModule(train_urls="x.tar", **{"decode": "device", **kwargs})
+        ShardDataModule(**grouped({"train_urls": "x.tar", "decode": "device", **kwargs}))
 
 
 # --- through the CLI ------------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def test_device_decoding_with_randaugment_is_one_line(jpeg_digits, tmp_path, cli
         "fit", "--config", str(ROOT / "recipes/quickstart/supervised.yaml"),
         "--data.init_args.train_urls", f"{jpeg_digits}/train-{{000000..000004}}.tar",
         "--data.init_args.val_urls", f"{jpeg_digits}/val-{{000000..000003}}.tar",
-        "--data.init_args.randaugment", "rand-m9-mstd0.5", "--data.init_args.decode", "device",
+        "--data.init_args.augment.randaugment", "rand-m9-mstd0.5", "--data.init_args.decode", "device",
         "--trainer.default_root_dir", str(run), check=False,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]

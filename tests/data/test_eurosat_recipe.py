@@ -37,7 +37,7 @@ def test_the_13_band_recipe_pretrains_evaluates_and_exports(tmp_path):
         "fit", "--config", str(ROOT / "recipes/mae/eurosat_ms.yaml"),
         "--data.init_args.train_urls", train, "--data.init_args.val_urls", val,
         "--data.init_args.image_size", "32", "--data.init_args.batch_size", "8",
-        "--data.init_args.num_workers", "0", "--data.init_args.shuffle_buffer", "16",
+        "--data.init_args.num_workers", "0", "--data.init_args.stream.shuffle_buffer", "16",
         "--trainer.callbacks.init_args.train_urls", train, "--trainer.callbacks.init_args.test_urls", val,
         "--trainer.callbacks.init_args.shots", "[1]", "--trainer.callbacks.init_args.batch_size", "16",
         "--model.init_args.backbone", json.dumps(TINY),

@@ -37,7 +37,7 @@ def read_all(datamodule: ShardDataModule) -> torch.Tensor:
 def test_images_at_the_model_resolution_pass_whole(stored):
     shards, images = stored[32]
     dm = ShardDataModule(val_urls=str(shards / "val-00000{0..1}.tar"), image_size=32, num_workers=0)
-    assert dm.eval_crop_pct == 0.875 and dm.eval_view("val") == "whole"
+    assert dm.augment.eval_crop_pct == 0.875 and dm.eval_view("val") == "whole"
     seen = read_all(dm)
     assert torch.equal(seen, torch.from_numpy(images).permute(0, 3, 1, 2))  # not one pixel changed
     # normalisation is the only step left, on the device

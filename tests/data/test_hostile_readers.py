@@ -28,9 +28,9 @@ from webdataset.tariterators import group_by_keys
 from ssl_vit.data import ShardDataModule, wds_source
 from ssl_vit.data.identity import identity
 from ssl_vit.data.inspect import inspect_urls
+from ssl_vit.data.manifest import read_manifest
 from ssl_vit.data.samples import MAX_CLASSES, BadSample, parse_label
 from ssl_vit.data.tar_reader import LinkMember, tar_file_members, tar_files
-from ssl_vit.data.urls import read_manifest
 from ssl_vit.errors import UserError
 
 
@@ -197,6 +197,12 @@ def read_shard(data: bytes) -> tuple[list[dict], list[Exception]]:
     return list(group_by_keys(members, handler=handler)), errors
 
 
+# `tar_files` raises on these where tarfile reads on: a pax record that does not parse (tarfile takes
+# "03 comment=0\n" as an empty comment and drops the records after it), a negative size, a size in a
+# global pax header.
+REFUSED = ("bad pax record", "negative member size", "size in a global pax header")
+
+
 def check_tar(data: bytes, intact: bool) -> int:
     """The reader's invariant on `data`: its errors are counted (a shard's ReadError at most once, a
     link's sample each, a sample's name given twice), it never raises; a member it yields is a whole
@@ -206,13 +212,15 @@ def check_tar(data: bytes, intact: bool) -> int:
     # counted with their reasons: a broken shard, a link, a member name given twice in a sample
     assert all(isinstance(e, tarfile.ReadError | LinkMember | ValueError) and str(e) for e in errors), errors
     assert sum(isinstance(e, tarfile.ReadError) for e in errors) <= 1 - intact, errors
-    got = []
+    got, refused = [], False
     try:
         got = list(tar_files(io.BytesIO(data)))
-    except tarfile.ReadError:
+    except tarfile.ReadError as err:
         assert not intact
+        # what `tar_files` refuses where tarfile makes do without a word (its docstring lists them)
+        refused = any(why in str(err) for why in REFUSED)
     expected = stock(data)
-    if expected is not None or intact:
+    if (expected is not None and not refused) or intact:
         assert got == expected, (got, expected)
     assert all(isinstance(s["__key__"], str) for s in samples)
     return len(errors)

@@ -123,11 +123,11 @@ def test_an_image_beyond_max_image_pixels_is_skipped_without_decoding(tmp_path, 
                 "--data.init_args.val_urls", f"[{urls}]", "--data.init_args.num_workers", "0",
                 "--trainer.logger", "false", "--model.init_args.backbone.width", "32",
                 "--model.init_args.backbone.depth", "1"]  # fmt: skip
-    proc = cli(*validate, "--data.init_args.max_image_pixels", "1100", cwd=tmp_path)
+    proc = cli(*validate, "--data.init_args.limits.max_image_pixels", "1100", cwd=tmp_path)
     (line,) = [line for line in proc.stderr.splitlines() if "skipping bad sample" in line]
     assert "png is 48x48 (2,304 pixels), more than max_image_pixels 1,100: skipped without decoding" in line
     (row,) = [line for line in proc.stdout.splitlines() if "data/skipped_val" in line]
     assert row.split()[-2] == "1.0"
-    refused = cli(*validate, "--data.init_args.max_image_pixels", "0", cwd=tmp_path, check=False)
+    refused = cli(*validate, "--data.init_args.limits.max_image_pixels", "0", cwd=tmp_path, check=False)
     assert refused.returncode != 0 and refused.stderr.count("\n") == 1, refused.stderr
     assert "max_image_pixels is 0: it should be an integer of at least 1" in refused.stderr

@@ -14,6 +14,7 @@ from PIL import Image
 from test_errors import ROOT
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import Augment, grouped
 from ssl_vit.errors import UserError
 
 THRESHOLD, TILE_CLASS, CLASSES = 128, 7, 10  # masks: 7 where the image is bright, 10 (background) elsewhere
@@ -73,10 +74,10 @@ def assert_aligned(images: torch.Tensor, masks: torch.Tensor) -> None:
 
 
 def train_batches(urls, **kwargs):
-    dm = ShardDataModule(
+    dm = ShardDataModule(**grouped(dict(
         train_urls=urls, batch_size=4, num_workers=0, image_size=16, train_batches=4, shuffle_buffer=8,
         crop_scale=(0.08, 1.0), **kwargs,
-    )  # fmt: skip
+    )))  # fmt: skip
     dm.setup("fit")
     return dm, list(dm.train_dataloader())
 
@@ -142,7 +143,9 @@ def test_eval_frames_masks_like_images(jpeg_set, tmp_path):
 
     # a crop larger than the resized image (crop_pct 2: 96x72 to 10x8, centre 16x16) pads the image with
     # black and the mask with 255, ignored
-    padded = ShardDataModule(val_urls=jpeg_set, batch_size=8, num_workers=0, image_size=16, eval_crop_pct=2.0)
+    padded = ShardDataModule(
+        val_urls=jpeg_set, batch_size=8, num_workers=0, image_size=16, augment=Augment(eval_crop_pct=2.0)
+    )
     for batch in padded.exact_dataloader("val"):
         assert (batch["mask"][:, :4] == 255).all() and (batch["image"][:, :, :4] == 0).all()
         assert set(batch["mask"][:, 4:12, 3:13].unique().tolist()) <= {TILE_CLASS, CLASSES}
@@ -158,7 +161,11 @@ def test_shards_without_a_manifest_may_mix_samples_with_and_without_masks(tmp_pa
             image = encoded(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8), "PNG")
             sink.write({"__key__": f"k{i}", "png": image, **({} if i == 2 else {"seg.png": png(masks[i])})})
     dm = ShardDataModule(
-        val_urls=str(tmp_path / "theirs.tar"), batch_size=2, num_workers=0, image_size=16, eval_crop_pct=1.0
+        val_urls=str(tmp_path / "theirs.tar"),
+        batch_size=2,
+        num_workers=0,
+        image_size=16,
+        augment=Augment(eval_crop_pct=1.0),
     )  # stored at 16 px, no manifest to say so: crop_pct 1 keeps them whole
     assert not dm.has_masks("val")
     with caplog.at_level("WARNING", logger="ssl_vit.data"):
@@ -174,14 +181,14 @@ def test_randaugment_mixup_and_too_few_classes_are_refused_with_masks(jpeg_set):
     with pytest.raises(UserError, match="counts mask classes up to 10, beyond num_classes 8: set data.init"):
         ShardDataModule(train_urls=jpeg_set, num_classes=8)  # every mask holds class 10 (background)
     dm = ShardDataModule(
-        train_urls=jpeg_set, image_size=16, num_workers=0, train_batches=1, train_preset="supervised",
-        randaugment="rand-m9-mstd0.5",
+        train_urls=jpeg_set, image_size=16, num_workers=0, train_batches=1,
+        augment=Augment(train_preset="supervised", randaugment="rand-m9-mstd0.5"),
     )  # fmt: skip
     with pytest.raises(UserError, match="RandAugment moves pixels"):
         dm.train_dataloader()
     dm = ShardDataModule(
         train_urls=jpeg_set, image_size=16, num_workers=0, train_batches=1, batch_size=4,
-        train_preset="supervised", cutmix_alpha=1.0,
+        augment=Augment(train_preset="supervised", cutmix_alpha=1.0),
     )  # fmt: skip
     batch = next(iter(dm.train_dataloader()))
     dm.trainer = type("Trainer", (), {"training": True})()
@@ -323,10 +330,10 @@ def test_streams_without_masks_give_the_batches_they_gave_before(tmp_path):
     common = {"batch_size": 4, "num_workers": 0, "image_size": 16, "shuffle_buffer": 8, "seed": 3}
 
     def train(**kwargs):
-        dm = ShardDataModule(
+        dm = ShardDataModule(**grouped(dict(
             train_urls=str(tmp_path / "train-000000.tar"), train_batches=3, crop_scale=(0.3, 1.0), **common,
             **kwargs,
-        )  # fmt: skip
+        )))  # fmt: skip
         dm.setup("fit")
         return dm, list(dm.train_dataloader())
 
@@ -337,9 +344,9 @@ def test_streams_without_masks_give_the_batches_they_gave_before(tmp_path):
     got["randaugment"] = digest([b["image"] for b in batches])
     dm, batches = train(decode="device")
     got["device"] = digest([dm.prepare_batch(b)["image"] for b in batches])
-    dm = ShardDataModule(val_urls=str(tmp_path / "train-000000.tar"), **common)
+    dm = ShardDataModule(**grouped(dict(val_urls=str(tmp_path / "train-000000.tar"), **common)))
     got["eval_crop"] = digest([b["image"] for b in dm.exact_dataloader("val")])
-    dm = ShardDataModule(val_urls=str(tmp_path / "val-000000.tar"), **common)
+    dm = ShardDataModule(**grouped(dict(val_urls=str(tmp_path / "val-000000.tar"), **common)))
     assert dm.eval_view("val") == "whole"
     got["eval_whole"] = digest([b["image"] for b in dm.exact_dataloader("val")])
     assert got == BEFORE_MASKS

@@ -16,6 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from webdataset.gopen import gopen_pipe
 
 from ssl_vit.data import ShardDataModule, remote
+from ssl_vit.data.options import Limits
 from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.samples import SkipCounter
 from ssl_vit.data.tar_reader import tar_file_members
@@ -164,7 +165,7 @@ def test_manifests_are_read_once_and_never_taken_for_absent(faulty_http, digits_
     for name in ("val.json", "val-000000.tar", "val-000001.tar"):
         (faulty_http.root / name).write_bytes((digits_shards / name).read_bytes())
     urls = f"{faulty_http.url}/val-{{000000..000001}}.tar"
-    tiny = dict(image_size=32, num_workers=0, read_retries=1, read_timeout_s=1)
+    tiny = dict(image_size=32, num_workers=0, limits=Limits(read_retries=1, read_timeout_s=1))
 
     faulty_http.fail("val.json", "503", 1)
     dm = ShardDataModule(val_urls=urls, **tiny)
@@ -204,7 +205,7 @@ def test_no_manifest_to_size_an_epoch_names_the_manifest(digits_shards, tmp_path
 )
 def test_read_options_are_checked(digits_shards, tmp_path, key, value, words):
     with pytest.raises(UserError, match=words):
-        ShardDataModule(val_urls=str(digits_shards / "val-000000.tar"), **{key: value})
+        ShardDataModule(val_urls=str(digits_shards / "val-000000.tar"), limits=Limits(**{key: value}))
     suite = {
         "backbone": {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2},
         "data": {"train_urls": "a-000000.tar", "test_urls": "b-000000.tar", "image_size": 32, key: value},
@@ -219,7 +220,7 @@ def test_the_default_loader_timeout_outlasts_a_shards_tries():
     dm = ShardDataModule()
     assert dm.read_policy == ReadPolicy(retries=5, timeout_s=60.0)
     assert dm.loader_timeout_s == 2 * (6 * 60 + 1 + 2 + 4 + 8 + 16) == 782
-    assert ShardDataModule(read_retries=0, read_timeout_s=5).loader_timeout_s == 10
+    assert ShardDataModule(limits=Limits(read_retries=0, read_timeout_s=5)).loader_timeout_s == 10
     assert (
         sys.modules["webdataset.gopen"].gopen_schemes["https"] is remote._gopen
     )  # webdataset reads as we do

@@ -184,8 +184,8 @@ def fit_args(base: str, run: Path, record: Path, *extra: str, workers: int = 1) 
         "--data.init_args.train_urls", f"{base}/train-{{000000..000004}}.tar",
         "--data.init_args.val_urls", f"{base}/val-{{000000..000003}}.tar",
         "--data.init_args.num_workers", str(workers), "--data.init_args.batch_size", "32",
-        "--data.init_args.train_batches", "4", "--data.init_args.segment_shards", "2",
-        *(f"--data.init_args.{key}={value}" for key, value in FAST.items()),
+        "--data.init_args.train_batches", "4", "--data.init_args.stream.segment_shards", "2",
+        *(f"--data.init_args.limits.{key}={value}" for key, value in FAST.items()),
         "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "2",
         "--trainer.num_sanity_val_steps", "0", "--trainer.logger", "pytorch_lightning.loggers.CSVLogger",
         "--trainer.logger.init_args.save_dir", str(run),
@@ -247,8 +247,8 @@ def test_fit_stops_with_one_line_when_the_workers_deliver_nothing(faulty_http, d
     base = serve(faulty_http, digits_shards)
     faulty_http.fail("train-", "stall_body")
     run = tmp_path / "run"
-    proc, steps = fit(base, run, "--data.init_args.read_timeout_s=120", "--data.init_args.loader_timeout_s=3",
-                      timeout=60)  # fmt: skip
+    proc, steps = fit(base, run, "--data.init_args.limits.read_timeout_s=120",
+                      "--data.init_args.limits.loader_timeout_s=3", timeout=60)  # fmt: skip
     one_line_failure(
         proc, "no batch from the 1 DataLoader worker(s) in 3 s while reading train_urls",
         f"{base}/train-000000.tar", "and 2 more",
@@ -266,8 +266,9 @@ def test_fit_without_workers_skips_and_counts_shards_that_stall(faulty_http, dig
     faulty_http.fail("train-", "stall")
     run = tmp_path / "run"
     proc, steps = fit(
-        base, run, "--data.init_args.read_timeout_s=1", "--data.init_args.read_retries=0", workers=0
-    )
+        base, run, "--data.init_args.limits.read_timeout_s=1", "--data.init_args.limits.read_retries=0",
+        workers=0,
+    )  # fmt: skip
     one_line_failure(proc, "no usable sample in a whole pass over 5 shard(s)", "unreadable")
     assert "skipping bad sample" in proc.stderr and "no byte for 1 s" in proc.stderr
     assert steps == [] and checkpoints(run) == []

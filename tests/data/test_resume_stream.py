@@ -9,6 +9,7 @@ import webdataset as wds
 from data_helpers import write_shards
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import grouped
 
 
 def datamodule(urls, num_workers, **kwargs):
@@ -22,7 +23,7 @@ def datamodule(urls, num_workers, **kwargs):
         segment_shards=2,
         crop_scale=(0.3, 1.0),  # random crops: the augmentation's random state is part of the position
     )
-    dm = ShardDataModule(**{**args, **kwargs})
+    dm = ShardDataModule(**grouped({**args, **kwargs}))
     dm.setup("fit")
     return dm
 
@@ -86,7 +87,7 @@ def test_skipped_batches_are_passed_over_undecoded_and_the_skip_survives_a_check
     again = datamodule(urls, num_workers)
     again.load_state_dict(dm.state_dict())
     next_epoch = consume(again.train_dataloader())
-    assert again._train_loader.epoch == 1 and len(next_epoch) == 11
+    assert again.position.loader.epoch == 1 and len(next_epoch) == 11
 
 
 def test_in_process_and_worker_streams_agree_and_leave_the_main_rng_alone(shards):

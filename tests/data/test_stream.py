@@ -16,12 +16,13 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import Augment, Limits, Stream
 from ssl_vit.data.samples import decode_image
 from ssl_vit.data.stream import ShardStream, _stack
 from ssl_vit.data.transforms import Decode, RandomResizedCrop, build_transform, decode
 from ssl_vit.errors import UserError
 
-TINY = {"image_size": 16, "eval_crop_pct": 1.0}
+TINY = {"image_size": 16, "augment": Augment(eval_crop_pct=1.0)}
 
 
 def keys_of(loader) -> list[str]:
@@ -88,7 +89,7 @@ def test_training_stream_is_a_function_of_seed_epoch_and_resumable(digits_shards
             num_workers=2,
             image_size=16,
             train_batches=3,
-            shuffle_buffer=64,
+            stream=Stream(shuffle_buffer=64),
             seed=7,
         )
         dm.setup("fit")
@@ -177,7 +178,7 @@ def test_training_stream_counts_bad_samples(tmp_path):
         batch_size=3,
         num_workers=0,
         train_batches=4,
-        shuffle_buffer=4,
+        stream=Stream(shuffle_buffer=4),
         **TINY,
     )
     dm.setup("fit")
@@ -218,7 +219,7 @@ def test_missing_shard_empty_list_and_unreachable_url_fail_at_setup(unequal_shar
     ]
     for val_urls, message in cases:
         # read_retries 0: a refused connection is tried once (the retries are tests/data/test_remote.py's)
-        dm = ShardDataModule(val_urls=val_urls, num_workers=0, read_retries=0, **TINY)
+        dm = ShardDataModule(val_urls=val_urls, num_workers=0, limits=Limits(read_retries=0), **TINY)
         with pytest.raises(UserError, match=message) as err:
             dm.setup("validate")
         assert "\n" not in str(err.value)
@@ -305,11 +306,13 @@ def test_supervised_preset_randaugment_and_mixup(digits_shards):
         num_workers=0,
         image_size=16,
         train_batches=2,
-        train_preset="supervised",
-        randaugment="rand-m9-mstd0.5",
-        mixup_alpha=0.8,
-        cutmix_alpha=1.0,
-        label_smoothing=0.1,
+        augment=Augment(
+            train_preset="supervised",
+            randaugment="rand-m9-mstd0.5",
+            mixup_alpha=0.8,
+            cutmix_alpha=1.0,
+            label_smoothing=0.1,
+        ),
     )
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
@@ -324,15 +327,15 @@ def test_supervised_preset_randaugment_and_mixup(digits_shards):
     assert mixed["image"].dtype == torch.float32 and not torch.equal(mixed["image"], plain["image"])
     assert batch["image"].dtype == torch.uint8  # the loader's batch is left as it was
     smooth = ShardDataModule(
-        train_urls="x.tar", train_preset="supervised", label_smoothing=0.1, num_classes=10
+        train_urls="x.tar", augment=Augment(train_preset="supervised", label_smoothing=0.1), num_classes=10
     )
     smooth.trainer = SimpleNamespace(training=True)
     target = smooth.on_after_batch_transfer(dict(batch), 0)["target"]  # no mixup: timm's Mixup refuses
     assert torch.allclose(target.max(1).values, torch.full((8,), 0.91))
     with pytest.raises(ValueError, match="supervised"):
-        ShardDataModule(train_urls="x.tar", randaugment="rand-m9")
+        ShardDataModule(train_urls="x.tar", augment=Augment(randaugment="rand-m9"))
     with pytest.raises(ValueError, match="'pretrain', 'supervised', 'eval'"):
-        ShardDataModule(train_urls="x.tar", train_preset="fancy")
+        ShardDataModule(train_urls="x.tar", augment=Augment(train_preset="fancy"))
 
 
 def test_constructible_from_yaml_like_lightning_cli(digits_shards):
@@ -346,14 +349,19 @@ data:
   val_urls: [{digits_shards}/val-000000.tar, {digits_shards}/val-000001.tar]
   batch_size: 4
   image_size: 16
-  train_preset: supervised
   classes: [0, 1, 2, 3, 4]
-  crop_scale: [0.2, 1.0]
+  augment:
+    train_preset: supervised
+    crop_scale: [0.2, 1.0]
+  stream:
+    shuffle_buffer: 16
 """)
     dm = parser.instantiate_classes(cfg).data
     assert isinstance(dm, ShardDataModule) and dm.classes == [0, 1, 2, 3, 4] and dm.num_classes == 10
+    assert dm.augment == Augment(train_preset="supervised", crop_scale=(0.2, 1.0))
+    assert dm.stream == Stream(shuffle_buffer=16) and dm.limits == Limits()  # the groups' defaults
     with pytest.raises(Exception, match="fancy"):
-        parser.parse_string("data:\n  train_preset: fancy\n")
+        parser.parse_string("data:\n  augment:\n    train_preset: fancy\n")
 
 
 def test_interop_with_stock_webdataset_and_tar(digits_shards, tmp_path):

@@ -22,6 +22,7 @@ from data_helpers import image_bytes, write_shards
 from webdataset.tariterators import base_plus_ext, group_by_keys
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import Augment
 from ssl_vit.data.tar_reader import GzipTarError, tar_file_members, tar_files
 
 END = bytes(1024)  # end-of-archive blocks
@@ -592,7 +593,7 @@ def test_a_bad_header_in_a_shard_is_one_skip_in_an_exact_pass(tmp_path):
         num_workers=0,
         batch_size=4,
         image_size=16,
-        eval_crop_pct=1.0,
+        augment=Augment(eval_crop_pct=1.0),
     )
     dm.setup("validate")
     batches = list(dm.val_dataloader())

@@ -7,12 +7,13 @@ import pytest
 
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data import urls as urls_module
+from ssl_vit.data.options import Augment
 from ssl_vit.data.urls import check_urls
 from ssl_vit.errors import UserError
 
 pytest_plugins = ["server_helpers"]  # the `nginx` fixture
 
-TINY = {"image_size": 16, "eval_crop_pct": 1.0, "batch_size": 4}
+TINY = {"image_size": 16, "augment": Augment(eval_crop_pct=1.0), "batch_size": 4}
 
 
 def exact_keys(urls, num_workers=0) -> list[str]:

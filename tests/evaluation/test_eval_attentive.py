@@ -10,7 +10,7 @@ import torch
 import yaml
 from cli_helpers import run_cli
 
-from ssl_vit.data.sources import _digits
+from ssl_vit.data.sources.digits import load as digits
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.attentive_probe import AttentiveProbe
 
@@ -55,7 +55,7 @@ def test_the_probe_attends_over_every_token_and_only_its_heads_train(digits_batc
 def permuted_test(tmp_path_factory):
     """The digits' val images with their labels permuted: the same images, other test labels."""
     root = tmp_path_factory.mktemp("permuted")
-    _, records = _digits("", "val")
+    _, records = digits("", "val")
     images = np.stack([image for image, _ in records])
     labels = np.random.default_rng(0).permutation([label for _, label in records])
     np.savez(root / "permuted.npz", images=images, labels=labels)

@@ -10,7 +10,7 @@ import torch
 import yaml
 from cli_helpers import run_cli
 
-from ssl_vit.data.sources import _digits
+from ssl_vit.data.sources.digits import load as digits
 from ssl_vit.data.stream import ShardStream
 from ssl_vit.evaluation import scoring, selection, tables, training
 from ssl_vit.evaluation.cache import FeatureCache
@@ -137,7 +137,7 @@ def shifted_test(tmp_path_factory):
     """The digits' val images with every label moved to the next digit: a test split on which a head
     that predicts digit + 1 beats a head that reads digits right."""
     root = tmp_path_factory.mktemp("shifted")
-    _, records = _digits("", "val")
+    _, records = digits("", "val")
     images = np.stack([image for image, _ in records])
     labels = np.array([(label + 1) % 10 for _, label in records])
     np.savez(root / "shifted.npz", images=images, labels=labels)

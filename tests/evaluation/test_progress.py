@@ -1,27 +1,16 @@
 """The progress display of `evaluate` (and `compare`, which shares it): one line per finished step on a
 non-terminal stdout, a rich display with rates and an ETA on a terminal. Through the CLI, as users run it."""
 
-import fcntl
 import json
-import os
-import pty
 import re
-import select
-import struct
-import subprocess
-import termios
-import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli, script_env
+from cli_helpers import run_cli, run_on_terminal
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 LINEAR_STEPS, FT_STEPS = 3, 6
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
-# What would make rich treat the terminal as another kind, or size it otherwise.
-TERMINAL_OVERRIDES = ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS", "LINES")
 
 
 def write_suite(path: Path, shards: Path) -> Path:
@@ -80,38 +69,6 @@ def test_evaluate_prints_one_line_per_finished_step_when_stdout_is_not_a_termina
     assert "\x1b" not in proc.stdout + proc.stderr  # no bar drawn into a log
     assert not [line for line in proc.stderr.splitlines() if "ETA" in line or "images/s" in line], proc.stderr
     assert (tmp_path / "out" / "results.json").is_file()
-
-
-def run_on_terminal(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
-    """`ssl-vit ARGS` with a pseudo-terminal (160 columns) as its stdout and stderr: its exit status and
-    what it drew there, escape sequences removed."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in TERMINAL_OVERRIDES}
-    client = script_env()  # the fork server's command, on this terminal
-    proc = subprocess.Popen(
-        [client["SSLVIT"], *args], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=cwd,
-        env={**env, **client, "TERM": "xterm-256color"},
-    )  # fmt: skip
-    os.close(slave)
-    chunks, deadline = [], time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if not select.select([master], [], [], 1)[0]:
-                continue
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: every holder of the terminal's other end has closed it
-                break
-            if not data:
-                break
-            chunks.append(data)
-    finally:
-        os.close(master)
-        if proc.poll() is None and time.monotonic() >= deadline:
-            proc.kill()
-    proc.wait(timeout=60)
-    return proc.returncode, ANSI.sub("\n", b"".join(chunks).decode(errors="replace"))
 
 
 @pytest.mark.slow

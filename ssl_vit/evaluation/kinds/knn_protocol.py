@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 from pydantic.dataclasses import dataclass
 
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.options import grouped
 from ssl_vit.data.urls import local
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import datamodule_args
@@ -45,7 +46,7 @@ def _check_k(protocol: KNNProtocol, data: dict, where: str) -> None:
     if not local(data["train_urls"]):
         return  # remote: its manifest is read once, by the evaluation (a second fetch here is not free)
     datamodule = ShardDataModule(
-        train_urls=data["train_urls"], test_urls=data["test_urls"], **datamodule_args(data)
+        **grouped(dict(train_urls=data["train_urls"], test_urls=data["test_urls"], **datamodule_args(data)))
     )
     try:
         images = datamodule.samples_in("train")

@@ -22,6 +22,7 @@ import csv
 import re
 from pathlib import Path
 
+from ssl_vit.data.sources import register
 from ssl_vit.errors import UserError
 
 WNID = re.compile(r"n\d{8}")
@@ -31,6 +32,13 @@ GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
+@register(
+    "imagenet",
+    argument="DIR",
+    help="ILSVRC-2012: DIR/train/nXXXXXXXX/*.JPEG; DIR/val in class folders or flat with "
+    "LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt plus the devkit's meta.mat in DIR",
+    splits="train|val",
+)
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """`(class_names, [(path, label)])` of split `train` or `val` of the ILSVRC-2012 tree at `arg`."""
     if split not in ("train", "val"):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssl_vit.data.arrays import BadArray, open_tiff
+from ssl_vit.data.sources import register
 from ssl_vit.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,13 @@ class ArrayRecords(list):
         self.manifest = manifest
 
 
+@register(
+    "tiff",
+    argument="DIR",
+    help="DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, uint16, "
+    "int16 or float32",
+    arrays=True,
+)
 def load(arg: str, split: str) -> tuple[list[str], ArrayRecords]:
     root = Path(arg)
     if not root.is_dir():

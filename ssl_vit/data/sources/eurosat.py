@@ -12,7 +12,7 @@ the first 60% `train`, the next 20% `val`, the rest `test` (the lists' proportio
 5,400).
 
 The model for other remote-sensing sets: find the files, choose a split, and hand `(path, label)` pairs
-to `arrays_source.array_records` with the band names.
+to `tiff.array_records` with the band names.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.arrays_source import TIFF_SUFFIXES, ArrayRecords, array_records
+from ssl_vit.data.sources import register
+from ssl_vit.data.sources.tiff import TIFF_SUFFIXES, ArrayRecords, array_records
 from ssl_vit.errors import UserError
 
 # The order of the bands in the files: B8A is the 13th (phelber/EuroSAT#7; torchgeo corrected its own
@@ -36,6 +37,9 @@ SPLITS = {"train": (0.0, 0.6), "val": (0.6, 0.8), "test": (0.8, 1.0)}  # fractio
 SPLIT_SEED = 0
 
 
+@register(
+    "eurosat", argument="DIR", help="EuroSAT's 13-band Sentinel-2 tifs", splits="train|val|test", arrays=True
+)
 def load(arg: str, split: str) -> tuple[list[str], ArrayRecords]:
     if split not in SPLITS:
         raise UserError(

@@ -1,0 +1,111 @@
+"""Where a data module's training stream stands, as a checkpoint saves it, and where its next training
+pass starts: afresh, where a resumed checkpoint stopped (`load`), or past batches a rollback skips
+(`skip`). Every worker's stream is a function of (seed, epoch, rank, worker, segment), so a position is
+the epoch and, per rank and worker, the batches consumed and where in its segment they ended
+(`ssl_vit.data.stream.WorkerPosition`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ssl_vit.data.loaders import EpochLoader
+from ssl_vit.data.stream import ResumePlan, WorkerPosition
+
+log = logging.getLogger("ssl_vit.data")
+
+
+class TrainingPosition:
+    """The seed, the next epoch, the training loader (`EpochLoader`, which tracks the batches training
+    consumed), and a position to start the next pass from: restored (`load`) or moved (`skip`)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.epoch = seed, 0
+        self.loader: EpochLoader | None = None
+        self._resume: dict | None = None  # a restored position, used by the next training pass
+        self._moved: tuple[int, ResumePlan] | None = None  # where `skip` restarts the pass
+
+    @property
+    def started(self) -> bool:
+        """Whether a training pass has started (its loader has an epoch)."""
+        return self.loader is not None and self.loader.epoch is not None
+
+    def start(self, epoch: int | None, rank: int, world_size: int, workers: int, batches: int) -> tuple:
+        """`(epoch, ResumePlan or None)` of the training pass about to start: `epoch` (the trainer's;
+        None: a count of passes) and, once after a resume or a skip, where each worker stands in it.
+        `workers`: the DataLoader's (0: the main process), `batches`: per rank per epoch.
+
+        Lightning starts the first training iterator before it restores its loops (to count the steps
+        for the schedule), so after a resume the epoch comes from the restored position, not from the
+        trainer."""
+        saved, self._resume = self._resume, None
+        moved, self._moved = self._moved, None
+        if moved is not None:
+            epoch, plan = moved
+        elif saved is not None:
+            epoch, plan = resume_plan(saved, rank, world_size, max(1, workers), batches)
+        else:
+            epoch, plan = (self.epoch if epoch is None else epoch), None
+        self.epoch = epoch + 1
+        return epoch, plan
+
+    def state(self) -> dict[str, Any]:
+        """The seed, the next epoch, and where every rank's workers stand in the current one (gathered:
+        only rank 0 writes the checkpoint, every rank resumes from it; Lightning builds the checkpoint on
+        every rank, so the collective is matched)."""
+        state: dict[str, Any] = {"seed": self.seed, "epoch": self.epoch}
+        if self.started:
+            local = self.loader.position()
+            ranks = [local]
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                ranks = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(ranks, local)
+            state["position"] = {"ranks": ranks}
+        return state
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.seed, self.epoch = state["seed"], state["epoch"]
+        self._resume = state.get("position")
+
+    def skip(self, count: int, batch_size: int, workers: int, batches: int) -> tuple[int, int | None]:
+        """Moves the stream `count` batches past the last one training consumed, up to the end of the
+        epoch (`ShardDataModule.skip_batches`); `(batches skipped, where the epoch's next pass restarts
+        (its batches fetched so far) or None when the epoch is over)`."""
+        workers = max(1, workers)
+        positions = dict(self.loader.consumed)
+        consumed = sum(p.batches for p in positions.values())
+        count = max(0, min(count, batches - consumed))
+        for index in range(consumed, consumed + count):  # the DataLoader's round robin: batch i, worker i % W
+            p = positions.get(index % workers, WorkerPosition())
+            positions[index % workers] = replace(p, batches=p.batches + 1, skip=p.skip + batch_size)
+        self.loader.consumed = positions  # what a checkpoint saved before the next batch records
+        if consumed + count >= batches:
+            return count, None
+        self._moved = (self.loader.epoch, ResumePlan(positions, first=(consumed + count) % workers))
+        return count, consumed + count
+
+
+def resume_plan(saved: dict, rank: int, world_size: int, workers: int, batches: int) -> tuple:
+    """`(epoch, ResumePlan or None)` from a checkpoint's position `saved` for this rank: exact with the
+    run's ranks and workers; with others, the rest of the epoch reads new segments (said in a warning);
+    None at the end of an epoch (the next one starts afresh)."""
+    ranks = saved["ranks"]
+    mine = ranks[rank] if len(ranks) == world_size else ranks[0]
+    epoch = mine["epoch"]
+    positions = {int(w): WorkerPosition(*p) for w, p in mine["workers"].items()}
+    consumed = sum(p.batches for p in positions.values())
+    if consumed >= batches:
+        return epoch + 1, None  # saved at the end of the epoch: the next one starts afresh
+    if len(ranks) != world_size or mine["num_workers"] != workers:
+        log.warning(
+            "exact resume needs the run's number of ranks and DataLoader workers (saved %d x %d, now "
+            "%d x %d): the rest of epoch %d reads new segments of the shards, so some samples of this "
+            "epoch may repeat",
+            len(ranks), mine["num_workers"], world_size, workers, epoch,
+        )  # fmt: skip
+        after = 1 + max((p.segment for p in positions.values()), default=0)
+        return epoch, ResumePlan({w: WorkerPosition(0, after, 0) for w in range(workers)})
+    return epoch, ResumePlan(positions, first=consumed % workers)

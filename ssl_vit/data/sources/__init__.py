@@ -1,0 +1,273 @@
+"""Image sources that `ssl-vit data convert` turns into shards: a registry, one module per source.
+
+A source module registers its loader with `register`: the source's name, the form of its argument
+(`DIR`, `URLS`, ...), its help, what `--split` selects for it, whether its records carry segmentation
+masks or are stored as arrays, and its own `data convert` flags (`Flag`). The command's help, its
+`--split` help, its flags and the checks of a SOURCE string are all derived from the registry
+(`SOURCES`), so adding a source is one module and one registration. A plugin adds one the same way:
+
+    from ssl_vit.data.sources import Flag, register
+
+    @register("tiles", argument="DIR", help="...", flags=(Flag("tile", "...", type=int, metavar="N"),))
+    def load(arg: str, split: str, tile: int | None) -> tuple[list[str], list]:
+        ...
+
+A SOURCE string (`ssl-vit data convert SOURCE`) is parsed into a `Source`: a name, class names and its
+records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or `(H, W, 3)`, a
+path to an image file (read in the writer's worker processes, so the parent never holds a whole image
+folder in memory), or an image file's bytes read from a shard (`wds:`, see `ssl_vit.data.wds_source`)
+or a parquet row (`hf:`, `ssl_vit.data.hf_source`). `label` is -1 for unlabelled images. Records are a
+list, or for `wds:` and `hf:` an iterable read lazily (a large set of shards or parquet files is never
+held in memory); such an iterable says its length, where known, as `total`, and what it adds to the
+manifest as `manifest`.
+
+Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`) give each record a third element, its
+mask (`ssl_vit.data.masks.MaskFile`), or a payload that composes image and mask
+(`ssl_vit.data.mosaic.Tiles`); their class names are the mask's classes.
+
+Each loader validates what it reads and raises `UserError` with a one-line message naming the file
+and what is wrong with it, before anything is written. Importing this package registers the built-in
+sources and nothing heavier: `ssl-vit --help` lists them (a loader that needs torch or pyarrow imports
+its reader when it runs).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ssl_vit.errors import BadValue, UserError
+from ssl_vit.outdir import Input
+from ssl_vit.registry import Registry
+
+# `data convert`'s own options (argparse destinations): no source's flag may take one of these names.
+CONVERT_OPTIONS = (
+    "source", "outdir", "split", "shard_size", "image_format", "format", "quality", "max_side", "workers",
+    "overwrite", "progress", "help",
+)  # fmt: skip
+_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a source's name starts its samples' keys: `{name}-{split}-N`
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A `data convert` flag that belongs to one source: `--NAME` (underscores as dashes), handed to its
+    loader as the keyword argument NAME, None when not given; refused with any other source. A
+    `required` one is refused missing, in one line with its `help`."""
+
+    name: str
+    help: str
+    type: Callable[[str], Any] = str
+    metavar: str = "VALUE"
+    required: bool = False
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def usage(self) -> str:
+        text = f"{self.option} {self.metavar}"
+        return text if self.required else f"[{text}]"
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """A registered source: what `register` was given, and its loader."""
+
+    name: str
+    load: Callable[..., tuple[list[str] | None, Iterable]]  # (arg, split, **flags) -> (classes, records)
+    argument: str | None  # the argument's form in help (`DIR`); None: the source takes none
+    help: str = ""
+    splits: str | None = None  # the splits `--split` selects (`train|val`); None: any name, a prefix only
+    masks: bool = False
+    arrays: bool = False
+    flags: tuple[Flag, ...] = ()
+    inputs: Callable[[str], list[Input]] | None = None
+
+    def __post_init__(self) -> None:
+        # named by the module that registered it, as `Registry.add` names the two of a name taken twice
+        object.__setattr__(self, "__module__", getattr(self.load, "__module__", None))
+
+    @property
+    def form(self) -> str:
+        """`NAME:ARGUMENT`, or `NAME` for a source without argument."""
+        return self.name if self.argument is None else f"{self.name}:{self.argument}"
+
+    def described(self) -> str:
+        """The source in `data convert`'s help: its form, flags, help and splits."""
+        notes = "; ".join(part for part in (self.help, self.splits and f"--split {self.splits}") if part)
+        flags = "".join(f" {flag.usage()}" for flag in self.flags)
+        return f"{self.form}{flags}" + (f" ({notes})" if notes else "")
+
+
+SOURCES: Registry = Registry("source")  # name -> SourceKind
+
+
+def register(
+    name: str,
+    *,
+    argument: str | None,
+    help: str = "",
+    splits: str | None = None,
+    masks: bool = False,
+    arrays: bool = False,
+    flags: tuple[Flag, ...] = (),
+    inputs: Callable[[str], list[Input]] | None = None,
+) -> Callable:
+    """Decorator: `load(arg, split, **flags) -> (class names or None, records)` becomes the source `name`
+    (`name:ARG` on the command line; `argument` None: `name` alone, and `arg` is ""). `splits`: the
+    split names `--split` selects among, for the help (the loader refuses others). `masks`: every record
+    carries a segmentation mask, and the class names are the mask's classes. `arrays`: records are
+    `tiff.ArrayFile`s, stored as `.npy`. `flags`: the source's own `data convert` flags. `inputs`: the
+    local files and folders the SOURCE string names, which OUTDIR must keep out of (by default the
+    paths of `arg` split at commas). Importing the module that calls it is all a source needs."""
+
+    def add(load: Callable) -> Callable:
+        if not _NAME.fullmatch(name):
+            raise BadValue(f"source {name!r}: not a lower-case name (a-z, 0-9, _): give it one")
+        owners = {flag.name: kind.form for kind in SOURCES.values() for flag in kind.flags}
+        for flag in flags if name not in SOURCES else ():  # a name taken twice: `Registry.add` says so
+            if flag.name in CONVERT_OPTIONS or flag.name in owners:
+                owner = owners.get(flag.name, "data convert itself")
+                raise BadValue(f"source {name!r}: flag {flag.option} is taken ({owner}): name it otherwise")
+        SOURCES.add(name, SourceKind(name, load, argument, help, splits, masks, arrays, tuple(flags), inputs))
+        return load
+
+    return add
+
+
+def source_flags() -> list[tuple[SourceKind, Flag]]:
+    """Every source's own flags, with their source, in the order the sources were registered."""
+    return [(kind, flag) for kind in SOURCES.values() for flag in kind.flags]
+
+
+def sources_help() -> str:
+    """SOURCE's help: every registered source, those with masks and those stored as arrays apart."""
+    groups = (
+        ("", [k for k in SOURCES.values() if not (k.masks or k.arrays)]),
+        (
+            "with segmentation masks (stored as each sample's seg.png): ",
+            [k for k in SOURCES.values() if k.masks],
+        ),
+        (
+            "of any band count and bit depth (stored as npy): ",
+            [k for k in SOURCES.values() if k.arrays and not k.masks],
+        ),
+    )
+    return "; ".join(title + ", ".join(k.described() for k in kinds) for title, kinds in groups if kinds)
+
+
+def split_help() -> str:
+    """`--split`'s help: what it selects for each source that has splits of its own."""
+    by_splits: dict[str, list[str]] = {}
+    for kind in SOURCES.values():
+        if kind.splits:
+            by_splits.setdefault(kind.splits, []).append(kind.name)
+    chosen = ", ".join(f"{_listed(names)} ({splits})" for splits, names in by_splits.items())
+    return "split name, a plain file-name prefix (letters, digits, - _ .)" + (
+        f"; selects the split for {chosen}" if chosen else ""
+    )
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def kind_of(spec: str) -> SourceKind:
+    """The registered source a SOURCE string names; one line naming every source otherwise."""
+    name, _, arg = spec.partition(":")
+    kind = SOURCES.get(name)
+    if kind is None:
+        raise UserError(f"unknown source {spec!r}: use one of {sources_help()}")
+    if kind.argument is None and arg:
+        raise UserError(f"source {name!r} takes no argument (got {spec!r})")
+    if kind.argument is not None and not arg:
+        raise UserError(f"source {name!r} needs an argument ({kind.form}): use one of {sources_help()}")
+    return kind
+
+
+@dataclass
+class Source:
+    name: str  # the SOURCE string's kind, used in sample keys and the manifest
+    spec: str  # the SOURCE string as given
+    class_names: list[str] | None  # None: "0" ... "K-1" from the labels written (wds: without a manifest)
+    records: Iterable  # of (payload, label); payload: uint8 array (H, W[, 3]), image file path, or
+    # `wds_source.ShardImage` / `wds_source.Broken`
+    total: int | None  # the number of records, where known before reading them (progress, resume)
+    masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
+    arrays: bool = False  # records are `tiff.ArrayFile`s, stored as .npy
+    manifest: dict = field(default_factory=dict)  # more to record in the manifest, complete once the
+    # records have been read to their end
+    options: dict = field(default_factory=dict)  # the source's own options (a rerun with others starts over)
+
+
+def open_source(spec: str, split: str, **options: Any) -> Source:
+    """Parse a SOURCE string and load its records for `split`. `options` are the sources' own flags
+    (`source_flags`), None where not given; each refused with any other source."""
+    kind = kind_of(spec)
+    own = {flag.name: options.get(flag.name) for flag in kind.flags}
+    wrong = [name for name, value in options.items() if value is not None and name not in own]
+    if wrong:
+        owner = _owner(wrong[0])
+        flags = ", ".join(flag.option for flag in owner.flags if flag.name in wrong)
+        raise UserError(f"{flags}: only for the {owner.form} source, not {spec!r}: leave it out")
+    for flag in kind.flags:
+        if flag.required and own[flag.name] is None:
+            raise UserError(f"{spec} needs {flag.option} {flag.metavar}: {flag.help}")
+    class_names, records = kind.load(spec.partition(":")[2], split, **own)
+    total = len(records) if isinstance(records, list) else records.total
+    if total == 0:
+        raise UserError(f"source {spec!r} has no images for split {split!r}")
+    return Source(
+        kind.name,
+        spec,
+        class_names,
+        records,
+        total,
+        masks=kind.masks,
+        arrays=kind.arrays,
+        manifest=getattr(records, "manifest", {}),  # what mosaic: and hf: record of themselves
+        options=own,
+    )
+
+
+def _owner(option: str) -> SourceKind:
+    """The source whose flag `option` is."""
+    for kind in SOURCES.values():
+        if any(flag.name == option for flag in kind.flags):
+            return kind
+    raise TypeError(f"open_source() got an unexpected keyword argument {option!r}")
+
+
+def source_inputs(spec: str) -> list[Input]:
+    """The local files and folders a SOURCE string reads, which OUTDIR must keep out of
+    (`ssl_vit.outdir`): as its source says, by default the paths of its argument split at commas."""
+    kind = SOURCES.get(spec.partition(":")[0])
+    arg = spec.partition(":")[2]
+    if kind is None or kind.argument is None or not arg:
+        return []
+    if kind.inputs is not None:
+        return kind.inputs(spec)
+    return [Input(Path(part), f"the source {part}") for part in arg.split(",") if part]
+
+
+def no_inputs(spec: str) -> list[Input]:
+    """`inputs` of a source whose argument names no file (`synthetic:N`)."""
+    return []
+
+
+# The built-in sources, in the order the help lists them. Imported after `register` is defined: each
+# module registers itself with it.
+# isort: off
+from ssl_vit.data.sources import digits, synthetic, imagefolder, cifar, idx, npz, wds, imagenet, hf  # noqa: E402
+from ssl_vit.data.sources import ade20k, voc, mosaic, tiff, eurosat  # noqa: E402
+
+# isort: on
+
+__all__ = [
+    "Flag", "Source", "SourceKind", "SOURCES", "open_source", "register", "source_flags", "source_inputs",
+    "sources_help", "split_help", "ade20k", "cifar", "digits", "eurosat", "hf", "idx", "imagefolder",
+    "imagenet", "mosaic", "npz", "synthetic", "tiff", "voc", "wds",
+]  # fmt: skip

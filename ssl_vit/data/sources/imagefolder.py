@@ -1,0 +1,28 @@
+"""`imagefolder:DIR`: image files in class folders, as torchvision's `ImageFolder` reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ssl_vit.data.sources import register
+from ssl_vit.errors import UserError
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
+
+
+@register("imagefolder", argument="DIR")
+def load(arg: str, split: str) -> tuple[list[str], list]:
+    """DIR/CLASS/*.jpg (classes are the sorted sub-directory names); images directly in DIR are
+    unlabelled. Files are checked when the writer's workers read them; unreadable ones are skipped
+    and counted."""
+    root = Path(arg)
+    if not root.is_dir():
+        raise UserError(f"imagefolder:{arg}: no such directory")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    records = [(p, -1) for p in sorted(root.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES]
+    for label, name in enumerate(classes):
+        files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        records += [(p, label) for p in files]
+    if not records:
+        raise UserError(f"imagefolder:{arg}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
+    return classes, records

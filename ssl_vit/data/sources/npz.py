@@ -1,0 +1,46 @@
+"""`npz:FILE`: images (and labels) as numpy arrays in one `.npz` file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ssl_vit.data.sources import register
+from ssl_vit.errors import UserError
+
+
+@register("npz", argument="FILE", help="arrays images (N, H, W[, 1|3]) uint8 and labels")
+def load(arg: str, split: str) -> tuple[list[str], list]:
+    """The arrays `images` and, when present, `labels` and `class_names` of a `.npz` file (no pickles)."""
+    path = Path(arg)
+    if not path.is_file():
+        raise UserError(f"npz:{arg}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as err:
+        raise UserError(f"npz:{arg}: does not parse as .npz ({err})") from None
+    images = arrays.get("images")
+    if (
+        images is None
+        or images.dtype != np.uint8
+        or images.ndim not in (3, 4)
+        or (images.ndim == 4 and images.shape[-1] not in (1, 3))
+    ):
+        raise UserError(f"npz:{arg}: needs an array 'images' of uint8, shape (N, H, W) or (N, H, W, 1|3)")
+    if images.ndim == 4 and images.shape[-1] == 1:
+        images = images[..., 0]
+    labels = arrays.get("labels")
+    if labels is None:
+        labels, class_names = np.full(len(images), -1), []
+    else:
+        if labels.shape != (len(images),) or labels.dtype.kind not in "iu":
+            raise UserError(
+                f"npz:{arg}: 'labels' must be integers of shape ({len(images)},), got {labels.shape}"
+            )
+        names = arrays.get("class_names")
+        class_names = (
+            [str(n) for n in names] if names is not None else [str(c) for c in range(int(labels.max()) + 1)]
+        )
+    return class_names, [(img, int(lab)) for img, lab in zip(images, labels)]
