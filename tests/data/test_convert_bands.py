@@ -61,7 +61,7 @@ def test_tiff_with_a_labels_csv_of_names_or_indices(cli, tmp_path):
     assert named["class_names"] == ["sand", "water"] and named["class_counts"] == {"0": 1, "1": 2}
     (tmp_path / "flat" / "labels.csv").write_text("filename,label\ngone.tif,water\n")
     proc = cli("data", "convert", f"tiff:{tmp_path / 'flat'}", str(tmp_path / "c"), check=False)
-    error_line(proc, "labels.csv:2:", "gone.tif is not a TIFF file")
+    error_line(proc, "labels.csv:2:", "'gone.tif' is not a TIFF file")
     assert not (tmp_path / "c").exists()
 
 

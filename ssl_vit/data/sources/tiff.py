@@ -4,9 +4,10 @@ stored losslessly as `.npy` members, band-last `(H, W, C)`.
 - class folders: `DIR/CLASS/**/*.tif` (or `.tiff`), classes the sorted sub-folders, as `imagefolder:`;
   images directly in DIR are unlabelled;
 - or a flat folder with `DIR/labels.csv`: a header row `filename,label`, then one row per image
-  (`filename` relative to DIR; `label` a class name, or a class index when every label is an integer;
-  empty: unlabelled). Class names are the sorted names, or "0".."K-1" for indices. TIFFs in DIR that
-  the file does not name are left out, said in one line.
+  (`filename` relative to DIR, inside it, each named once; `label` a class name, or a class index below
+  1,000,000 when every label is an integer; empty or -1: unlabelled; a byte-order mark is allowed).
+  Class names are the sorted names, or "0".."K-1" for indices. TIFFs in DIR that the file does not
+  name are left out, said in one line.
 
 Every image of a split has the band count and dtype of its first file (in the order above), read
 from that file's header before anything is written; an image that differs is skipped and counted, a
@@ -21,16 +22,21 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ssl_vit.data.arrays import BadArray, open_tiff
+from ssl_vit.data.samples import MAX_CLASSES
 from ssl_vit.data.sources import register
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, shown
 
 log = logging.getLogger(__name__)
 TIFF_SUFFIXES = (".tif", ".tiff")
 LABELS_CSV = "labels.csv"
+CSV_FIX = "give a header row 'filename,label' and one row per image (see data/README.md)"
+INTEGER = re.compile(r"-?[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -102,29 +108,23 @@ def _tiffs(folder: Path, recursive: bool) -> list[Path]:
 
 def _from_csv(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     path = root / LABELS_CSV
-    fix = "give a header row 'filename,label' and one row per image (see data/README.md)"
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
+    try:  # utf-8-sig: the byte-order mark that Excel's "CSV UTF-8" writes is not part of the header
+        with open(path, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.DictReader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise UserError(f"{path}: cannot be read ({err}): {fix}") from None
+        raise UserError(f"{path}: cannot be read ({err}): {CSV_FIX}") from None
     if not rows or not {"filename", "label"} <= set(rows[0]):
-        raise UserError(f"{path}: no rows with the columns filename and label: {fix}")
-    labels = [(row["label"] or "").strip() for row in rows]
-    given = [label for label in labels if label]
-    if all(label.lstrip("-").isdigit() for label in given):
-        indices = [int(label) if label else -1 for label in labels]
-        if min(indices, default=0) < -1:
-            raise UserError(f"{path}: label {min(indices)} is negative: {fix}")
-        class_names = [str(c) for c in range(max(indices, default=-1) + 1)]
-    else:
-        class_names = sorted(set(given))
-        indices = [class_names.index(label) if label else -1 for label in labels]
-    labelled = []
+        raise UserError(f"{path}: no rows with the columns filename and label: {CSV_FIX}")
+    class_names, indices = _csv_labels([(row["label"] or "").strip() for row in rows], path)
+    labelled, rows_of = [], {}
     for number, (row, label) in enumerate(zip(rows, indices, strict=True), start=2):
-        image = root / (row["filename"] or "").strip()
-        if image.suffix.lower() not in TIFF_SUFFIXES or not image.is_file():
-            raise UserError(f"{path}:{number}: {image} is not a TIFF file (*.tif, *.tiff) in {root}: {fix}")
+        image = _csv_image(root, (row["filename"] or "").strip(), f"{path}:{number}")
+        if image in rows_of:
+            raise UserError(
+                f"{path}:{number}: {row['filename'].strip()!r} names {image.name!r} again (first on line "
+                f"{rows_of[image]}): {CSV_FIX}"
+            )
+        rows_of[image] = number
         labelled.append((image, label))
     named = {image.resolve() for image, _ in labelled}
     left_out = [p for p in _tiffs(root, recursive=True) if p.resolve() not in named]
@@ -132,3 +132,34 @@ def _from_csv(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
         log.warning("%d TIFF files in %s are not named in %s and are left out, e.g. %s", len(left_out), root,
                     LABELS_CSV, left_out[0])  # fmt: skip
     return class_names, labelled
+
+
+def _csv_labels(labels: list[str], path: Path) -> tuple[list[str], list[int]]:
+    """(class names, an index per row, -1 for an empty label or -1): indices when every label given is
+    a decimal integer (ASCII digits: `str.isdigit` also takes "²", which `int` refuses), else names."""
+    given = [label for label in labels if label]
+    if not all(INTEGER.fullmatch(label) for label in given):
+        class_names = sorted(set(given))
+        index = {name: i for i, name in enumerate(class_names)}
+        return class_names, [index[label] if label else -1 for label in labels]
+    for label in given:  # judged by their digits first: `int` refuses more than 4,300 of them
+        if label == "-1":  # unlabelled, as an empty label
+            continue
+        if label.startswith("-") or len(label) > len(str(MAX_CLASSES)) or int(label) >= MAX_CLASSES:
+            raise UserError(
+                f"{path}: label {shown(label)} is not a class index in 0..{MAX_CLASSES - 1:,}: {CSV_FIX}"
+            )
+    indices = [int(label) if label else -1 for label in labels]
+    return [str(c) for c in range(max(indices, default=-1) + 1)], indices
+
+
+def _csv_image(root: Path, name: str, where: str) -> Path:
+    """The TIFF a row names, a path inside `root` (judged by its text, so that a TIFF inside that is a
+    link to a file elsewhere is still read, and `../x.tif` or `/x.tif` are not)."""
+    relative = Path(os.path.normpath(name)) if name else Path()
+    image = root / relative
+    if relative.is_absolute() or relative.parts[:1] == ("..",):
+        raise UserError(f"{where}: {name!r} is outside {root}: name files relative to it, inside it")
+    if image.suffix.lower() not in TIFF_SUFFIXES or not image.is_file():
+        raise UserError(f"{where}: {name!r} is not a TIFF file (*.tif, *.tiff) in {root}: {CSV_FIX}")
+    return image
