@@ -386,7 +386,12 @@ def _check_column(file: ParquetFile, column: str, flag: str, fits, should: str) 
     names = file.schema.names
     if column not in names:
         raise UserError(f"{file.path}: no column {column!r} (columns: {', '.join(names)}): pass {flag} NAME")
-    kind = file.schema.field(column).type
+    if len(found := file.schema.get_all_field_indices(column)) > 1:  # pyarrow's `field` refuses the name
+        raise UserError(
+            f"{file.path}: {len(found)} columns are named {column!r}, and which one {flag} means cannot "
+            "be told: write the file again with distinct column names"
+        )
+    kind = file.schema.field(found[0]).type
     if not fits(kind):
         raise UserError(f"{file.path}: column {column!r} holds {kind}, not {should}: pass {flag} NAME of one")
 

@@ -64,7 +64,10 @@ def load(arg: str, split: str) -> tuple[list[str], ArrayRecords]:
             start, end = round(low * len(paths)), round(high * len(paths))
             chosen += [(paths[i], label) for i in sorted(order[start:end])]
     if not chosen:
-        raise UserError(f"eurosat:{arg}: no TIFF files for split {split!r} in {root}")
+        raise UserError(
+            f"eurosat:{arg}: no TIFF files for split {split!r} in {root}: "
+            + (f"name them in {listed}" if listed.is_file() else "give each class folder at least 4 files")
+        )
     records = array_records(chosen, {"band_names": list(BAND_NAMES)})
     first = records[0][0]
     if first.channels != len(BAND_NAMES):
@@ -88,4 +91,10 @@ def _listed(listed: Path, files: list[list[Path]]) -> list[tuple[Path, int]]:
             f"{listed}: names {len(missing)} files not in the class folders, e.g. {missing[0]}: extract the "
             "archive again, or remove the list to split by the seed"
         )
-    return [where[Path(n).stem] for n in names]
+    stems = [Path(n).stem for n in names]
+    if len(set(stems)) < len(stems):  # a file twice would be a duplicate sample, weighted twice
+        again = next(n for i, n in enumerate(names) if stems[i] in stems[:i])
+        raise UserError(
+            f"{listed}: names {again} twice: name each file once, or remove the list to split by the seed"
+        )
+    return [where[stem] for stem in stems]
