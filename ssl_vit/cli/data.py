@@ -183,7 +183,13 @@ def _inspect(args) -> int:
         args.urls, workers=args.workers, stats_images=args.stats_images if args.stats else None
     )
     print(format_report(reports, problems))
-    for line in add_band_stats(reports) if args.stats else []:
+    lines = add_band_stats(reports) if args.stats else []
+    if args.stats and not lines:  # --stats asked for something: say why nothing came of it
+        lines = [
+            "--stats: nothing written: the manifests of these shards hold band_stats already, or there is "
+            "no manifest beside them (the SPLIT.json that `ssl-vit data convert` writes)"
+        ]
+    for line in lines:
         print(line)
     return 1 if problems else 0
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
+from ssl_vit.atomic import Staged
 from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.manifest import channel_choices, manifest_url, read_manifest
 from ssl_vit.data.masks import IGNORE_INDEX, pixel_counts
@@ -40,6 +40,7 @@ from ssl_vit.data.samples import (
 )
 from ssl_vit.data.stream import iter_samples
 from ssl_vit.data.urls import check_urls, expand, local_path
+from ssl_vit.errors import UserError
 
 
 @dataclass
@@ -198,13 +199,28 @@ def add_band_stats(reports: list[ShardReport]) -> list[str]:
                 f"{stats.images} images are {json.dumps(band_stats)}"
             )
             continue
-        tmp = path.with_name(f".{path.name}.stats.tmp")
-        tmp.write_text(json.dumps(updated, indent=1) + "\n")
-        os.replace(tmp, path)
+        _rewrite(path, updated, stats.images)
         lines.append(
             f"{url}: band_stats added, over {stats.images} images ({stats.channels} bands of {dtype})"
         )
     return lines
+
+
+def _rewrite(path: Path, manifest: dict, images: int) -> None:
+    """`manifest` put in place at `path` whole, or one line (giving the statistics, which took a pass over
+    the images) when the folder cannot be written: a read-only mount of a shared dataset, say."""
+    try:
+        with Staged(path) as staged, open(staged.create(), "w", closefd=False) as f:
+            f.write(json.dumps(manifest, indent=1) + "\n")
+            f.flush()
+            staged.sync()
+            staged.replace()
+    except OSError as err:
+        raise UserError(
+            f"{path}: band_stats cannot be added ({err.strerror or err}): copy the shards and their manifest "
+            f"to a folder you can write, or add to it by hand the band_stats over {images} images: "
+            f"{json.dumps(manifest['band_stats'])}"
+        ) from None
 
 
 def format_report(reports: list[ShardReport], problems: list[str]) -> str:
