@@ -163,6 +163,11 @@ def _auto(name: str, channels: int, manifest: dict | None, urls: str) -> tuple[f
     values = [float(v) for v in stats[name]]
     if len(values) == 1 and channels == 3 and manifest.get("dtype", "uint8") == "uint8":
         values *= 3  # a grey 8-bit set, read as RGB: three equal bands
+    if len(values) != channels:  # the count error below would ask for 'auto', which was given
+        raise BadValue(
+            f"{name} 'auto': the manifest's band_stats are of {len(values)} bands and "
+            f"data.init_args.channels is {channels}: set channels to {len(values)}, the shards' band count"
+        )
     if name == "std" and 0 in values:
         log.warning(
             "band(s) %s are constant over the manifest's band_stats (std 0): normalised with std 1",

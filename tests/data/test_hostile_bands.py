@@ -1,12 +1,13 @@
 """Mistaken and hostile input to the multi-band sources and commands, through the CLI: a `labels.csv`
 with a byte-order mark, rows naming files outside its folder or twice, labels that are no class
 index; EuroSAT split lists naming a file twice or nothing; a parquet file with two columns of one
-name; `data inspect --stats` on a folder it cannot write or shards without a manifest. Each is read
-as meant, or refused in one line with nothing written; `labels.csv` content is generated too
-(hypothesis)."""
+name; `data inspect --stats` on a folder it cannot write or shards without a manifest; `mean: auto` on
+shards of another band count than `channels`. Each is read as meant, or refused in one line with
+nothing written; `labels.csv` content is generated too (hypothesis)."""
 
 import json
 import string
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +20,8 @@ from test_errors import error_line
 
 from ssl_vit.data.sources import tiff
 from ssl_vit.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiff_folder(root, names=("a.tif", "b.tif")):
@@ -199,3 +202,20 @@ def test_inspect_stats_says_why_it_added_nothing(cli, tmp_path):
     (tmp_path / "out" / "train.json").unlink()
     proc = cli("data", "inspect", "--stats", str(tmp_path / "out" / "train-000000.tar"))
     assert "--stats: nothing written" in proc.stdout and "no manifest beside them" in proc.stdout
+
+
+def test_auto_mean_of_shards_of_another_band_count_names_the_channels_to_set(cli, tmp_path):
+    """Before: `mean has 4 values for channels 3: give one per band ..., or 'auto'`, to a user who gave
+    'auto' and whose mistake is channels."""
+    root = tiff_folder(tmp_path / "tifs")
+    convert(cli, f"tiff:{root}", tmp_path / "out")
+    proc = cli(
+        "fit", "--config", str(ROOT / "recipes/quickstart/supervised.yaml"),
+        "--data.init_args.train_urls", str(tmp_path / "out" / "train-000000.tar"),
+        "--data.init_args.val_urls", "null", "--data.init_args.mean", "auto", "--data.init_args.std", "auto",
+        "--trainer.default_root_dir", str(tmp_path / "run"), cwd=ROOT, check=False,
+    )  # fmt: skip
+    error_line(
+        proc, "mean 'auto': the manifest's band_stats are of 4 bands", "channels is 3", "set channels to 4"
+    )
+    assert not (tmp_path / "run").exists()
