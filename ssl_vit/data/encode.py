@@ -88,7 +88,7 @@ def _encode_image(payload, image_format: str, quality: int, max_side: int | None
             img.load()  # in full: a truncated file fails here, and the statistics need every pixel
             return data, size, size, np.asarray(img)
         if img.mode not in ("L", "RGB"):
-            img = img.convert("L" if img.mode in ("L", "1", "I;16") else "RGB")
+            img = _eight_bit(img)
     read = (img.height, img.width)
     if max_side is not None and max(img.size) > max_side:
         img.thumbnail((max_side, max_side))
@@ -100,6 +100,25 @@ def _encode_image(payload, image_format: str, quality: int, max_side: int | None
         img.save(buf, format="JPEG", quality=quality)
         stored = np.asarray(Image.open(io.BytesIO(buf.getvalue())))  # what a reader gets back
     return buf.getvalue(), read, (img.height, img.width), stored
+
+
+def _eight_bit(img: Image.Image) -> Image.Image:
+    """An image of another mode as L or RGB. One of more than 8 bits (16-bit PNGs are I;16 or I, float
+    TIFFs F) is converted only when its values are whole numbers in 0..255, which `Image.convert` keeps
+    exactly; it clips any other to 0..255 without a word (a 16-bit 300 becomes 255), so such an image is
+    a ValueError: skipped and counted, naming the `tiff:` source, which stores any dtype."""
+    if img.mode.startswith(("I", "F")):
+        values = np.asarray(img)
+        if values.size and (
+            values.min() < 0 or values.max() > 255 or not np.array_equal(values, np.rint(values))
+        ):
+            raise ValueError(
+                f"{img.mode} image with values in {values.min()}..{values.max()}, which 8-bit storage would "
+                "clip: store such images as TIFF and convert them with tiff:DIR (any band count and dtype)"
+            )
+        exact = Image.fromarray(values.astype(np.uint8))  # mode L
+        return exact if img.mode == "I;16" else exact.convert("RGB")  # the modes `convert` gave them
+    return img.convert("L" if img.mode in ("L", "1") else "RGB")
 
 
 def _encode_array(payload: ArrayFile) -> tuple[bytes, tuple[int, int], BandStats]:

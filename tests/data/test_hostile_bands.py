@@ -2,20 +2,24 @@
 with a byte-order mark, rows naming files outside its folder or twice, labels that are no class
 index; EuroSAT split lists naming a file twice or nothing; a parquet file with two columns of one
 name; `data inspect --stats` on a folder it cannot write or shards without a manifest; `mean: auto` on
-shards of another band count than `channels`. Each is read as meant, or refused in one line with
-nothing written; `labels.csv` content is generated too (hypothesis)."""
+shards of another band count than `channels`; 16-bit PNGs given to 8-bit sources. Each is read as
+meant, skipped and counted, or refused in one line with nothing written; `labels.csv` content is
+generated too (hypothesis)."""
 
+import io
 import json
 import string
+import tarfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from bands_helpers import fake_eurosat, write_tiff
+from bands_helpers import fake_eurosat, png16, write_tiff
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 from test_errors import error_line
 
 from ssl_vit.data.sources import tiff
@@ -219,3 +223,22 @@ def test_auto_mean_of_shards_of_another_band_count_names_the_channels_to_set(cli
         proc, "mean 'auto': the manifest's band_stats are of 4 bands", "channels is 3", "set channels to 4"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_16_bit_pngs_of_8_bit_sources_are_stored_exactly_or_skipped_never_clipped(cli, tmp_path):
+    """imagefolder: and hf: store L or RGB. Before: a 16-bit PNG's 300 was stored as 255 without a word
+    (PIL's convert clips); now one whose values fit in 0..255 is stored exactly, another is skipped and
+    counted, naming tiff:."""
+    root = tmp_path / "pngs" / "class"
+    root.mkdir(parents=True)
+    (root / "fits.png").write_bytes(png16(np.arange(64, dtype=np.uint16).reshape(8, 8) * 4))
+    (root / "wide.png").write_bytes(png16(np.full((8, 8), 300, dtype=np.uint16)))
+    proc = convert(cli, f"imagefolder:{tmp_path / 'pngs'}", tmp_path / "out", "--format", "png")
+    manifest = json.loads((tmp_path / "out" / "train.json").read_text())
+    assert manifest["num_samples"] == 1 and manifest["skipped"] == 1
+    assert "wide.png: I;16 image with values in 300..300, which 8-bit storage would clip" in proc.stderr
+    assert "convert them with tiff:DIR" in proc.stderr
+    with tarfile.open(tmp_path / "out" / "train-000000.tar") as tar:
+        (member,) = [m for m in tar.getmembers() if m.name.endswith(".png")]
+        stored = np.asarray(Image.open(io.BytesIO(tar.extractfile(member).read())))
+    assert stored.dtype == np.uint8 and np.array_equal(stored, np.arange(64).reshape(8, 8) * 4)
