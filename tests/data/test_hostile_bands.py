@@ -242,3 +242,19 @@ def test_16_bit_pngs_of_8_bit_sources_are_stored_exactly_or_skipped_never_clippe
         (member,) = [m for m in tar.getmembers() if m.name.endswith(".png")]
         stored = np.asarray(Image.open(io.BytesIO(tar.extractfile(member).read())))
     assert stored.dtype == np.uint8 and np.array_equal(stored, np.arange(64).reshape(8, 8) * 4)
+
+
+def test_a_readme_whose_yaml_aliases_make_billions_of_items_is_one_line(cli, tmp_path):
+    """Before: the message quoted `data_files!r:.80`, whose full repr (9^9 strings, from 600 bytes of
+    YAML aliases) took all the memory there was."""
+    snap = tmp_path / "snap"
+    path = snap / "data" / "train-00000-of-00001.parquet"
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"image": [b"x"], "label": [0]}), path)
+    levels = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    card = "\n".join(["---", *levels, "configs:", "- config_name: default", "  data_files: [*a8]", "---"])
+    (snap / "README.md").write_text(card + "\n")
+    proc = convert(cli, f"hf:{snap}", tmp_path / "out", check=False, prelude=LIMITED)
+    error_line(proc, "README.md: data_files [[[...]", "is not a glob", "fix it or download it again")
+    assert not (tmp_path / "out").exists()
