@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import re
+import reprlib
 import sys
 from collections import deque
 
@@ -43,9 +44,21 @@ class BadValue(UserError, ValueError):
 
 def shown(value: object, limit: int = 60) -> str:
     """`repr(value)` for a one-line message, cut to `limit` characters: a hostile value (200 KB of text, a
-    number of thousands of digits) must not become the line."""
-    text = repr(value)
+    number of thousands of digits, YAML aliases that make a few hundred bytes a list of billions of shared
+    items) must not become the line, nor take the memory a full `repr` would before it is cut. Values of
+    at most `_SHOWN`'s sizes read as their plain `repr`."""
+    try:
+        text = _SHOWN.repr(value)
+    except ValueError:  # an int past Python's 4,300-digit limit for str()
+        return "an integer too long to show"
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+# reprlib bounds what a repr builds (depth, items, long strings), not only what it shows. Attributes, not
+# arguments: Python 3.11's Repr takes none.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict, _SHOWN.maxset = 3, 12, 12, 12, 12
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 400
 
 
 def check_at_least(args, low: int, *names: str) -> None:

@@ -341,3 +341,19 @@ def evaluate(source, *args, **kwargs):
     return real(source, *args, **kwargs)
 ranks.evaluate = evaluate
 """
+
+
+# A `prelude` for run_cli/start_cli: 1 GiB more than the command has mapped when it starts, so a reader
+# that builds 10^14 class names, or a full repr of YAML aliases, fails in the command, not on the machine.
+LIMITED = """
+import re, resource
+mapped = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) << 10
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), mapped + (1 << 30)))
+"""
+
+
+def billion_laughs(depth: int = 8) -> list[str]:
+    """YAML lines defining anchors a0..a{depth}, each a list of 9 of the one before: a few hundred bytes
+    that load (shared, cheaply) as 9^(depth+1) items, and whose full repr takes all the memory there is."""
+    levels = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    return levels + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, depth + 1)]

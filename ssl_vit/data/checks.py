@@ -8,7 +8,7 @@ from typing import Any
 
 from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.urls import check_urls, expand
-from ssl_vit.errors import BadValue, UserError
+from ssl_vit.errors import BadValue, UserError, shown
 
 SPLITS = ("train", "val", "test")
 # The split each stage cannot run without.
@@ -81,9 +81,9 @@ def check_counts(values: dict[str, Any], where: str = "") -> None:
     for key, value in values.items():
         low, high = COUNT_MINIMUMS[key], COUNT_MAXIMUMS.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-            raise BadValue(f"{where}{key} is {value!r}: it should be an integer of at least {low}")
+            raise BadValue(f"{where}{key} is {shown(value)}: it should be an integer of at least {low}")
         if value is not None and high is not None and value > high:
-            raise BadValue(f"{where}{key} is {value!r}: it should be an integer of at most {high:,}")
+            raise BadValue(f"{where}{key} is {shown(value)}: it should be an integer of at most {high:,}")
 
 
 def check_seconds(values: dict[str, Any], where: str = "") -> None:
@@ -91,4 +91,4 @@ def check_seconds(values: dict[str, Any], where: str = "") -> None:
     for key, value in values.items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if value is not None and not (number and 0 < value < math.inf):
-            raise BadValue(f"{where}{key} is {value!r}: it should be a positive number of seconds")
+            raise BadValue(f"{where}{key} is {shown(value)}: it should be a positive number of seconds")

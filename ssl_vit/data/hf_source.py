@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import re
-import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -42,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ssl_vit.data.wds_source import Broken, ShardImage
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, shown
 
 log = logging.getLogger("ssl_vit.data")
 LAYOUTS = (
@@ -268,7 +267,7 @@ def _patterns(data_files: object, what: str) -> dict[str, list[str]]:
         value = [value] if isinstance(value, str) else value
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise UserError(
-                f"{what}: README.md: data_files {_brief(data_files)} is not a glob, a list of globs or a "
+                f"{what}: README.md: data_files {shown(data_files, 80)} is not a glob, a list of globs or a "
                 "list of {split, path} entries: fix it or download it again"
             )
         return value
@@ -290,17 +289,6 @@ def _inside(base: Path, name: str, root: Path, what: str) -> Path:
     if os.path.relpath(path, os.path.abspath(root)).split(os.sep)[0] == "..":
         raise UserError(f"{what}: README.md names {name!r}, outside {root}: fix it or download it again")
     return path
-
-
-def _brief(value: object) -> str:
-    """A value of the README's front matter for a message, in at most about 80 characters. `reprlib`:
-    YAML's aliases make a few hundred bytes a list of billions of shared items, whose full `repr` (which
-    `!r:.80` computes before cutting it) takes all the memory there is."""
-    return BRIEF.repr(value)[:80]
-
-
-BRIEF = reprlib.Repr()  # attributes, not arguments: Python 3.11's Repr takes none
-BRIEF.maxlevel, BRIEF.maxlist, BRIEF.maxdict, BRIEF.maxstring, BRIEF.maxother = 2, 4, 4, 40, 40
 
 
 SPLIT_IN_NAME = re.compile(r"([A-Za-z]\w*(?:\.\w+)*)(?:-.*)?")  # the Hub's split names: \w+(\.\w+)*
@@ -418,6 +406,6 @@ def _class_names(feature: dict | None, column: str, file: ParquetFile) -> list[s
         return names
     log.warning(
         "%s: the ClassLabel %r has no list of names (%s): classes are numbered from the labels seen",
-        file.path, column, _brief(names),
+        file.path, column, shown(names, 80),
     )  # fmt: skip
     return None

@@ -86,7 +86,7 @@ def _per_band(value: Any, key: str) -> Any:
 
 def _crop(value: Any, key: str) -> Any:
     if not _number(_given(value, key)) or not 0 < value <= 1:
-        raise BadValue(f"{key} is {value!r}: it should be a number in (0, 1]")
+        raise BadValue(f"{key} is {shown(value)}: it should be a number in (0, 1]")
     return value
 
 
@@ -151,7 +151,7 @@ def _protocols(value: Any, key: str) -> list[Protocol]:
 def _integer_of(low: int, high: int) -> Callable[[Any, str], Any]:
     def check(value: Any, key: str) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-            raise BadValue(f"{key} is {value!r}: it should be an integer of {low:,} to {high:,}")
+            raise BadValue(f"{key} is {shown(value)}: it should be an integer of {low:,} to {high:,}")
         return value
 
     return check
@@ -231,7 +231,7 @@ def problem(error: dict) -> str:
     if error["type"] in ("missing", "missing_argument"):
         return f"{key} is missing"
     value, message = error["input"], error["msg"]
-    text = f"{key} is {value!r}: {message[0].lower()}{message[1:]}"
+    text = f"{key} is {shown(value)}: {message[0].lower()}{message[1:]}"
     if isinstance(value, str) and _is_number(value):
         text += " (YAML reads a number without a dot, such as 1e-3, as text: write 1.0e-3)"
     return text

@@ -25,7 +25,7 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer_hybrid import HybridEmbed
 from torch import Tensor
 
-from ssl_vit.errors import BadValue
+from ssl_vit.errors import BadValue, shown
 from ssl_vit.models import features as _features  # noqa: F401  (registers the features)
 from ssl_vit.models.feature import FEATURES, Readout, names
 
@@ -358,13 +358,14 @@ class ViTConfig:
                 not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE
             ):
                 raise BadValue(
-                    f"{where}: {key} is {value!r}: it should be a positive integer of at most {MAX_SIZE:,}"
+                    f"{where}: {key} is {shown(value)}: it should be a positive integer of at most "
+                    f"{MAX_SIZE:,}"
                 )
         if config.pooling not in ("cls", "gap"):
             raise BadValue(f"{where}: pooling is {config.pooling!r}: it should be 'cls' or 'gap'")
         if not isinstance(config.grad_checkpointing, bool):
             value = config.grad_checkpointing
-            raise BadValue(f"{where}: grad_checkpointing is {value!r}: it should be true or false")
+            raise BadValue(f"{where}: grad_checkpointing is {shown(value)}: it should be true or false")
         rate = config.drop_path_rate
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
             raise BadValue(f"{where}: drop_path_rate is {rate!r}: it should be a number in [0, 1)")

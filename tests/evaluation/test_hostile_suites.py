@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_cli
+from cli_helpers import LIMITED, billion_laughs, run_cli
 from hostile_helpers import HOSTILE, WRONG, bounded, places, replaced
 from hypothesis import given
 from hypothesis import strategies as st
+from test_errors import error_line
 
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import FeatureCache
@@ -151,3 +152,17 @@ def test_claims_of_any_yaml_type_are_read_or_one_line(digits_shards, tmp_path):
         proc = run_cli("compare", "a=scratch", "b=scratch", "--suite", str(path), "--claims", claims_path,
                        "--out", out, check=False)  # fmt: skip
         assert proc.returncode == 2 and proc.stderr == f"ssl-vit: error: {line}\n", (line, proc.stderr)
+
+
+def test_a_suite_value_of_yaml_aliases_is_one_short_line_within_memory(tmp_path):
+    """A suite whose `resamples` is a few hundred bytes of YAML aliases (9^9 shared items once loaded):
+    the message quotes the value, bounded in what its repr builds, under a 1 GiB memory limit."""
+    suite = tmp_path / "suite.yaml"
+    laughs = [f"  {line}" for line in billion_laughs()]  # a mapping of anchors, the last 9^9 items
+    rest = ["protocols: [{name: knn, kind: knn}]", "data: {train_urls: a.tar, test_urls: b.tar}"]
+    suite.write_text("\n".join(["resamples:", *laughs, *rest]) + "\n")
+    proc = run_cli("evaluate", "scratch", "--suite", str(suite), "--out", str(tmp_path / "out"),
+                   check=False, prelude=LIMITED)  # fmt: skip
+    line = error_line(proc, "resamples")
+    assert len(line) < 400 and "MemoryError" not in proc.stderr, line
+    assert not (tmp_path / "out").exists()
