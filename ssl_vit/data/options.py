@@ -30,7 +30,7 @@ from ssl_vit.data.checks import check_counts, check_seconds, read_policy
 from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.samples import MAX_IMAGE_PIXELS
 from ssl_vit.data.transforms import Preset
-from ssl_vit.errors import BadValue
+from ssl_vit.errors import BadValue, shown
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Stream:
     on_data_change: Literal["warn", "refuse"] = "warn"
 
     def __post_init__(self) -> None:
-        check_counts({"segment_shards": self.segment_shards})
+        check_counts({"segment_shards": self.segment_shards, "shuffle_buffer": self.shuffle_buffer})
         if self.on_data_change not in ("warn", "refuse"):
             raise BadValue(f"on_data_change must be 'warn' or 'refuse', got {self.on_data_change!r}")
 
@@ -156,3 +156,17 @@ def grouped(flat: Mapping[str, Any]) -> dict[str, Any]:
         if given:
             out[group] = cls(**given)
     return out
+
+
+def check_groups(args: Mapping[str, Any]) -> None:
+    """One line for a group given as something other than its options (`augment: null`, a list): the
+    CLI's parser takes such a value for a dataclass and fails only when it builds the data module, in a
+    traceback (a word, `augment: pretrain`, it refuses as it parses)."""
+    for group, cls in GROUPS.items():
+        value = args.get(group, {})
+        if not isinstance(value, (Mapping, cls)):
+            example = f"{group}: {{{fields(cls)[0].name}: ...}}"
+            raise BadValue(
+                f"{group}: {shown(value)} is not a group of options: give its keys as a mapping ({example}) "
+                "or leave it out for the defaults"
+            )

@@ -26,7 +26,7 @@ from ssl_vit.tasks import targets as _targets  # noqa: F401  (registers the targ
 from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 from ssl_vit.tasks.pictures import masked_prediction_picture
-from ssl_vit.tasks.target import TARGETS
+from ssl_vit.tasks.target import TARGETS, check_made, checked_shape
 from ssl_vit.tasks.teacher import (
     MomentumSchedule,
     TeacherFeatures,
@@ -182,6 +182,7 @@ class MaskedPatchPretraining(BackboneTask):
                 f"the {self.grid[0]}x{self.grid[1]} patch grid; pick another cell_size"
             )
         self.cell_size = cell_size
+        self._target_shape = checked_shape(self.target, self.target.shape(self))
         target_shape = self.target_shape()
         width = self.backbone.embed_dim
         if self.corruption == "drop":
@@ -220,7 +221,7 @@ class MaskedPatchPretraining(BackboneTask):
 
     def target_shape(self) -> torch.Size:
         """T: the prediction per patch."""
-        return self.target.shape(self)
+        return self._target_shape
 
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"mask_embedding", "decoder.mask_token"}
@@ -237,6 +238,7 @@ class MaskedPatchPretraining(BackboneTask):
         uncorrupted images are computed once."""
         pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
         target = self.target.make(self, images)  # (B, N, ...)
+        check_made(self.target, target, len(images), self.num_patches, self.target_shape())
         out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
         monitor = {"student": features.detach()}
         if self.teacher is None:
