@@ -3,6 +3,7 @@ data module's option groups (`augment`, `stream`, `limits`, and the old flat key
 config.yaml): one line `ssl-vit: error: ...`, exit status 2, nothing written; never a traceback, a
 silent exit or a value quietly chosen."""
 
+import math
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from test_errors import error_line
 
 from ssl_vit import plugins
 from ssl_vit.cli.moved_options import _move_options
-from ssl_vit.data.options import GROUPS, MOVED, check_groups
+from ssl_vit.data.options import GROUPS, MOVED, Augment, check_groups
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.registry import NAME, Registry
 
@@ -166,14 +167,65 @@ def test_a_group_given_other_than_its_options_is_one_line(tmp_path, option, valu
     assert not run.exists()
 
 
-@pytest.mark.parametrize("value", ["-1", "-100"])
-def test_a_negative_shuffle_buffer_is_one_line(digits_shards, tmp_path, value):
-    """It trained, without a shuffle (webdataset's buffer never fills)."""
+@pytest.mark.parametrize(
+    "option, value, words",
+    [
+        ("stream.shuffle_buffer", "-1", ["shuffle_buffer is -1: it should be an integer of at least 0"]),
+        ("augment.eval_crop_pct", "0", ["eval_crop_pct 0.0: give a number above 0 (1: the whole image"]),
+        ("augment.eval_crop_pct", "-1.5", ["eval_crop_pct -1.5: give a number above 0"]),
+        ("augment.label_smoothing", "2", ["label_smoothing 2.0: give a number in [0, 1)"]),
+        ("augment.mixup_alpha", "-1", ["mixup_alpha -1.0: give a number at least 0 (0: off)"]),
+        ("augment.cutmix_alpha", "-0.5", ["cutmix_alpha -0.5: give a number at least 0"]),
+    ],
+)  # fmt: skip
+def test_a_group_number_out_of_its_range_is_one_line(digits_shards, tmp_path, option, value, words):
+    """Each trained: a negative shuffle buffer without a shuffle (webdataset's buffer never fills), the
+    others until the first validation (eval_crop_pct 0 divides by it) or on negative soft targets."""
     run = tmp_path / "run"
-    args = one_step_fit_args(digits_shards, run, "--data.init_args.stream.shuffle_buffer", value)
-    proc = run_cli(*args, cwd=tmp_path, check=False)
-    error_line(proc, f"shuffle_buffer is {value}: it should be an integer of at least 0")
+    args = one_step_fit_args(digits_shards, run, f"--data.init_args.{option}", value)
+    error_line(run_cli(*args, cwd=tmp_path, check=False), *words)
     assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "recipe, words",
+    [
+        ("augment: {mixup_alfa: 0.1}", ["data.init_args.augment.mixup_alfa (in mine.yaml): no such option of "
+                                        "ssl_vit.data.ShardDataModule; did you mean data.init_args.augment."
+                                        "mixup_alpha?"]),
+        ("augment: {crop_scale: [0.2]}", ["data.init_args.augment.crop_scale (in mine.yaml): [0.2] is not 2 "
+                                          "values: give a list of 2"]),
+        ("crop_scale: [0.2, 1.0]", ["data.init_args.crop_scale (in mine.yaml): moved to "
+                                    "data.init_args.augment.crop_scale"]),
+    ],
+    ids=["typo", "length", "flat"],
+)  # fmt: skip
+def test_a_group_key_wrong_in_a_recipe_is_one_line_naming_it(tmp_path, recipe, words):
+    """A misspelt key inside a recipe's group, or a crop_scale of one value, was a line quoting the whole
+    `data` block as "not a value it takes"."""
+    (tmp_path / "mine.yaml").write_text(f"data:\n  init_args:\n    {recipe}\n")
+    proc = run_cli(
+        "fit", "--config", RECIPE, "--config", "mine.yaml", "--print_config", cwd=tmp_path, check=False
+    )
+    error_line(proc, *words)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["mixup_alpha", "cutmix_alpha", "label_smoothing", "eval_crop_pct"]),
+        st.floats(allow_nan=True, allow_infinity=True),
+        min_size=1,
+    )
+)
+def test_any_augment_numbers_build_or_are_one_line(numbers):
+    try:
+        augment = Augment(train_preset="supervised", **numbers)
+    except BadValue as err:
+        assert "\n" not in str(err) and "give a number" in str(err), err
+    else:
+        assert augment.mixup_alpha >= 0 and augment.cutmix_alpha >= 0 and 0 <= augment.label_smoothing < 1
+        assert 0 < augment.eval_crop_pct < math.inf
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ _KINDS = (  # (kind, pattern), the more specific first
     ("unknown", re.compile(r"Option '([^']+)' is not accepted")),
     ("unknown", re.compile(r"Subcommand '[^']+' does not accept option '([^']+)'")),
     ("unknown", re.compile(r"unrecognized arguments: --?([^\s=]+)")),
+    ("unknown", re.compile(r"Group '([^']+)' does not accept option '([^']+)'")),  # in a recipe's group
     ("no_class", re.compile(r"module '([^']+)' has no attribute '([^']+)'")),
     ("no_file", re.compile(r"Expected a path but (\S+) either not accessible or invalid")),
     ("no_file", re.compile(r"(?:File|Path) does not exist: '([^']+)'")),
@@ -39,6 +40,7 @@ _KINDS = (  # (kind, pattern), the more specific first
     ("yaml", re.compile(r"Problems parsing config")),
     ("not_mapping", re.compile(r"^Unexpected config: ?(.*)")),  # a --config file of a list or a word
     ("no_group", re.compile(r"Unable to load config ['\"]?(.*?)['\"]?$")),  # a group given a word
+    ("length", re.compile(r"Expected a tuple with (\d+) elements")),
     ("type", re.compile(r"Expected a (typing\.Literal\[.*\]|<class '[\w.]+'>|dot import path)")),
 )
 _IMPORT_PATH = "class's import path (package.module.Name)"
@@ -67,8 +69,8 @@ def config_error(message: str, argv: list[str], parser, err: BaseException) -> s
         return " ... ".join(dict.fromkeys([lines[0], lines[-1]]))[:400] if lines else type(err).__name__
     kind, keys, cls, match, given = findings[0][3:]
     key = ".".join(keys)
-    if kind == "unknown":
-        return _unknown_key(argv, keys, match[1], cls, parser)
+    if kind == "unknown":  # `augment.mixup_alfa` where a group's option is refused
+        return _unknown_key(argv, keys, ".".join(filter(None, match.groups())), cls, parser)
     if kind == "no_class":
         module, name = match[1], match[2]
         imported = importlib.import_module(module)
@@ -86,6 +88,8 @@ def config_error(message: str, argv: list[str], parser, err: BaseException) -> s
         return f"{missing}: required: give --config RECIPE.yaml (recipes/) or --{missing}.class_path CLASS"
     if kind == "no_value":
         return f"--{match[1]}: expected a value"
+    if kind == "length":
+        return f"{_where(argv, key)}: {given} is not {match[1]} values: give a list of {match[1]}"
     if kind in ("yaml", "not_mapping"):
         return _yaml_error(argv, err)
     if kind == "no_group":

@@ -22,6 +22,7 @@ groups, both read through `grouped`, the one place that maps flat keys onto the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
@@ -68,8 +69,26 @@ class Augment:
                 f"crop_scale {list(self.crop_scale)}: give the random crop's area range as two fractions of "
                 "the image, 0 < min <= max <= 1 (e.g. [0.2, 1.0])"
             )
+        self._check_numbers()
         if (self.mixup_alpha or self.cutmix_alpha) and self.train_preset != "supervised":
             raise BadValue(f"mixup/cutmix belong to train_preset 'supervised', not {self.train_preset!r}")
+
+    def _check_numbers(self) -> None:
+        """One line for a number out of its range (NaN included): a Beta distribution's alpha (mixup,
+        cutmix), a share of the label mass (label smoothing), of the image's side (eval_crop_pct); timm
+        would fail on them at the first batch, or train on negative targets."""
+        checks = {
+            "mixup_alpha": (0 <= self.mixup_alpha < math.inf, "at least 0 (0: off)"),
+            "cutmix_alpha": (0 <= self.cutmix_alpha < math.inf, "at least 0 (0: off)"),
+            "label_smoothing": (0 <= self.label_smoothing < 1, "in [0, 1) (0: off)"),
+            "eval_crop_pct": (
+                0 < self.eval_crop_pct < math.inf,
+                "above 0 (1: the whole image; more pads it)",
+            ),
+        }
+        for name, (ok, bounds) in checks.items():
+            if not ok:
+                raise BadValue(f"{name} {getattr(self, name)}: give a number {bounds}")
 
     @property
     def mixes(self) -> bool:
