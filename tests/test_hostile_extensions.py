@@ -93,6 +93,22 @@ def test_a_registry_takes_a_name_it_can_write_or_refuses_it_in_one_line(name):
         assert not set(name) & set(" \t\n:,/")
 
 
+def test_a_plugin_preset_of_a_target_never_registered_names_the_preset(digits_shards, tmp_path):
+    """The line said `target must be one of ... (or set a preset), got 'nosuch'`, where a preset was set:
+    the plugin's, whose target no module registered."""
+    (tmp_path / "ghost.py").write_text(
+        "from ssl_vit.presets import register\nregister('ghost', target='nosuch', corruption='drop', "
+        "mask_ratio=0.5)\n"
+    )
+    run = tmp_path / "run"
+    args = one_step_fit_args(digits_shards, run, "--model.init_args.preset", "ghost", config="mae")
+    proc = run_cli(
+        *args, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "SSL_VIT_PLUGINS": "ghost"}, check=False
+    )
+    error_line(proc, "target must be one of color3bit, ", "(set by preset 'ghost'), got 'nosuch'")
+    assert not run.exists()
+
+
 # --- a plugin target's shapes ---------------------------------------------------------------------------
 
 TARGET = """

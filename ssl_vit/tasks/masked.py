@@ -442,7 +442,8 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
         pixel_loss=pixel_loss,
         **teacher,
     )
-    base = {**DEFAULTS, **(PRESETS.pick(preset) if preset is not None else {})}
+    chosen = PRESETS.pick(preset) if preset is not None else {}
+    base = {**DEFAULTS, **chosen}
     unknown = [key for key in base if key not in given]
     if unknown:  # a plugin's preset, written for another version
         raise BadValue(
@@ -455,7 +456,8 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
     valid.update(ema_schedule=MomentumSchedule.__args__)
     for key, names in valid.items():
         if choices[key] not in names:
-            raise BadValue(f"{key} must be one of {', '.join(names)} (or set a preset), got {choices[key]!r}")
+            by = f"set by preset {preset!r}" if given[key] is None and key in chosen else "or set a preset"
+            raise BadValue(f"{key} must be one of {', '.join(names)} ({by}), got {choices[key]!r}")
     jepa = choices["mask_shape"] == "jepa"  # its blocks set how much is masked
     if not jepa and (choices["mask_ratio"] is None or not 0 < choices["mask_ratio"] < 1):
         raise BadValue(f"mask_ratio must be in (0, 1) (or set a preset), got {choices['mask_ratio']}")
