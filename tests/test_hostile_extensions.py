@@ -3,8 +3,11 @@ data module's option groups (`augment`, `stream`, `limits`, and the old flat key
 config.yaml): one line `ssl-vit: error: ...`, exit status 2, nothing written; never a traceback, a
 silent exit or a value quietly chosen."""
 
+import contextlib
+import io
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -330,3 +333,25 @@ def test_any_group_value_is_options_or_one_line(args):
         assert "\n" not in str(err) and "is not a group of options" in str(err), err
     else:
         assert not set(GROUPS) & set(args)  # none of the values drawn is a group's options
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.text(alphabet="abcxyz_.-:[]{}'\" =,", min_size=1, max_size=12))
+def test_any_group_key_on_the_command_line_is_one_line(key):
+    """`--data.init_args.augment.KEY 1` for hostile KEYs (dots, brackets, quotes, '='): the fit CLI says
+    one `ssl-vit: error:` line and exits 2, whatever jsonargparse makes of the key."""
+    from ssl_vit.cli import main
+
+    argv = ["fit", "--config", RECIPE, f"--data.init_args.augment.{key}", "1", "--print_config"]
+    stderr, stdout = io.StringIO(), io.StringIO()
+    # sys.argv as the command's own: LightningCLI warns of arguments beside another command line
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        contextlib.redirect_stderr(stderr),
+        contextlib.redirect_stdout(stdout),
+    ):
+        patch.setattr(sys, "argv", ["ssl-vit", *argv])
+        status = main(argv)
+    lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("ssl-vit: error: "), stderr.getvalue()
+    assert not stdout.getvalue()
