@@ -20,6 +20,7 @@ from test_errors import error_line
 from ssl_vit import plugins
 from ssl_vit.cli.moved_options import _move_options
 from ssl_vit.data.options import GROUPS, MOVED, Augment, check_groups
+from ssl_vit.data.transforms import build_transform
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.registry import NAME, Registry
 
@@ -204,6 +205,35 @@ def test_a_group_number_out_of_its_range_is_one_line(digits_shards, tmp_path, op
     args = one_step_fit_args(digits_shards, run, f"--data.init_args.{option}", value)
     error_line(run_cli(*args, cwd=tmp_path, check=False), *words)
     assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("nonsense", ["randaugment 'nonsense': not a timm RandAugment config (it does not start with"]),
+        ("rand-m9.5", ["randaugment 'rand-m9.5': not a timm RandAugment config (invalid literal for int()"]),
+        ("rand-foo5", ["(Unknown RandAugment config section): give one such as rand-m9-mstd0.5-inc1"]),
+    ],
+)  # fmt: skip
+def test_a_randaugment_timm_does_not_parse_is_one_line(digits_shards, tmp_path, value, words):
+    """timm's parser asserts (or fails on a section's number): a traceback as the data module was built."""
+    run = tmp_path / "run"
+    args = one_step_fit_args(
+        digits_shards, run, "--data.init_args.augment.randaugment", value, config="supervised"
+    )
+    error_line(run_cli(*args, cwd=tmp_path, check=False), *words)
+    assert not run.exists()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet="rand-mstdincw0159._x", max_size=20))
+def test_any_randaugment_text_builds_or_is_one_line(config):
+    try:
+        transform = build_transform("supervised", 16, mean=(0.5,) * 3, randaugment=config)
+    except BadValue as err:
+        assert "\n" not in str(err) and "not a timm RandAugment config" in str(err), err
+    else:
+        assert callable(transform)
 
 
 @pytest.mark.parametrize(
