@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import distributions, entry_points
 
 from ssl_vit.errors import UserError
 
@@ -33,25 +33,55 @@ _loaded: list[str] = []  # the plugins imported so far, in order
 def load() -> list[str]:
     """Import every plugin not imported yet: the installed ones (entry points of `GROUP`, by name), then
     the modules `ENV` names, in its order. Returns the names of all plugins imported so far."""
-    for point in sorted(entry_points(group=GROUP), key=lambda point: point.name):
+    for point in sorted(_entry_points(), key=lambda point: point.name):
         where = f"entry point {point.name!r} of {GROUP}" + (f" in {point.dist.name}" if point.dist else "")
         fix = f"reinstall or uninstall {point.dist.name if point.dist else 'its package'}"
         _import(point.value, where, fix, point.load)
     for module in filter(None, (name.strip() for name in os.environ.get(ENV, "").split(","))):
-        fix = f"put it on the Python path (PYTHONPATH) or take it out of {ENV}"
-        _import(module, f"named in {ENV}", fix, lambda module=module: importlib.import_module(module))
+        _import(module, f"named in {ENV}", None, lambda module=module: importlib.import_module(module))
     return list(_loaded)
 
 
-def _import(name: str, where: str, fix: str, do: Callable[[], object]) -> None:
+def _entry_points() -> list:
+    """The entry points of `GROUP`. importlib reads every installed package's entry_points.txt to find
+    them, and raises on one that does not parse (a line without `=`), whichever group it is in: that
+    package is named, by reading the packages one by one."""
+    try:
+        return list(entry_points(group=GROUP))
+    except Exception as err:
+        bad = next((dist for dist in distributions() if not _reads(dist)), None)
+        which = f"installed package {bad.name} {bad.version}" if bad is not None else "an installed package"
+        raise UserError(
+            f"the entry points of {which} do not read ({_first_line(err)}): reinstall or uninstall it"
+        ) from err
+
+
+def _reads(dist) -> bool:
+    try:
+        return dist.entry_points is not None
+    except Exception:
+        return False
+
+
+def _import(name: str, where: str, fix: str | None, do: Callable[[], object]) -> None:
+    """Runs `do`, which imports the plugin `name`; `fix`: what the line says to do when it fails (None:
+    that of a module `ENV` names, which depends on whether it was found)."""
     if name in _loaded:
         return
     try:
         do()
-    except Exception as err:  # whatever a plugin raises as it registers, it is the plugin's: one line
-        first = (str(err).strip().splitlines() or [""])[0]
-        first = first if len(first) <= 200 else f"{first[:197]}..."
-        raise UserError(
-            f"plugin {name} ({where}) does not import: {type(err).__name__}: {first}: {fix}"
-        ) from err
+    # whatever a plugin raises as it registers, it is the plugin's: one line; a plugin's `sys.exit()`
+    # too, which would otherwise end every command with no word (Ctrl-C stays Ctrl-C)
+    except (Exception, SystemExit) as err:
+        if fix is None:
+            found = not isinstance(err, ModuleNotFoundError)
+            fix = f"{'fix it' if found else 'put it on the Python path (PYTHONPATH)'} or take it out of {ENV}"
+        raise UserError(f"plugin {name} ({where}) does not import: {_first_line(err)}: {fix}") from err
     _loaded.append(name)
+
+
+def _first_line(err: BaseException) -> str:
+    """`Type: the first line of its message`, cut to 200 characters."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 200 else f"{first[:197]}..."
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__

@@ -7,9 +7,14 @@ list of valid names, choice and message is read from the registry, never written
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from ssl_vit.errors import BadValue
+from ssl_vit.errors import BadValue, shown
+
+# A name as it is written in a recipe, a suite, a SOURCE string (`name:ARG`) and a comma-separated list
+# of bench tasks: no space, colon, comma or other punctuation that one of those would split it at.
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 class Registry(dict):
@@ -24,7 +29,12 @@ class Registry(dict):
         both where they have one: whichever of a built-in and a plugin's registers second (a plugin may
         be imported before the built-in ones of a registry are)."""
         if not isinstance(name, str) or not name.strip():
-            raise BadValue(f"a {self.what} needs a name, got {name!r}")
+            raise BadValue(f"a {self.what} needs a name, got {shown(name)}")
+        if not NAME.fullmatch(name):
+            raise BadValue(
+                f"{self.what} name {shown(name)}: give one of letters, digits, '_', '.' and '-' (at most 64, "
+                "not starting with '.' or '-')"
+            )
         if name in self:
             modules = [getattr(e, "__module__", None) for e in (self[name], entry)]
             by = f" (by {modules[0]} and {modules[1]})" if all(modules) else ""

@@ -30,6 +30,7 @@ _KINDS = (  # (kind, pattern), the more specific first
     ("unknown", re.compile(r"Option '([^']+)' is not accepted")),
     ("unknown", re.compile(r"Subcommand '[^']+' does not accept option '([^']+)'")),
     ("unknown", re.compile(r"unrecognized arguments: --?([^\s=]+)")),
+    ("unknown", re.compile(r"Group '([^']+)' does not accept option '([^']+)'")),  # in a recipe's group
     ("no_class", re.compile(r"module '([^']+)' has no attribute '([^']+)'")),
     ("no_file", re.compile(r"Expected a path but (\S+) either not accessible or invalid")),
     ("no_file", re.compile(r"(?:File|Path) does not exist: '([^']+)'")),
@@ -37,6 +38,9 @@ _KINDS = (  # (kind, pattern), the more specific first
     ("required", re.compile(r"the following arguments are required: (.*)")),
     ("no_value", re.compile(r"argument --(\S+): expected one argument")),
     ("yaml", re.compile(r"Problems parsing config")),
+    ("not_mapping", re.compile(r"^Unexpected config: ?(.*)")),  # a --config file of a list or a word
+    ("no_group", re.compile(r"Unable to load config ['\"]?(.*?)['\"]?$")),  # a group given a word
+    ("length", re.compile(r"Expected a tuple with (\d+) elements")),
     ("type", re.compile(r"Expected a (typing\.Literal\[.*\]|<class '[\w.]+'>|dot import path)")),
 )
 _IMPORT_PATH = "class's import path (package.module.Name)"
@@ -65,8 +69,8 @@ def config_error(message: str, argv: list[str], parser, err: BaseException) -> s
         return " ... ".join(dict.fromkeys([lines[0], lines[-1]]))[:400] if lines else type(err).__name__
     kind, keys, cls, match, given = findings[0][3:]
     key = ".".join(keys)
-    if kind == "unknown":
-        return _unknown_key(argv, keys, match[1], cls, parser)
+    if kind == "unknown":  # `augment.mixup_alfa` where a group's option is refused
+        return _unknown_key(argv, keys, ".".join(filter(None, match.groups())), cls, parser)
     if kind == "no_class":
         module, name = match[1], match[2]
         imported = importlib.import_module(module)
@@ -84,8 +88,15 @@ def config_error(message: str, argv: list[str], parser, err: BaseException) -> s
         return f"{missing}: required: give --config RECIPE.yaml (recipes/) or --{missing}.class_path CLASS"
     if kind == "no_value":
         return f"--{match[1]}: expected a value"
-    if kind == "yaml":
+    if kind == "length":
+        return f"{_where(argv, key)}: {given} is not {match[1]} values: give a list of {match[1]}"
+    if kind in ("yaml", "not_mapping"):
         return _yaml_error(argv, err)
+    if kind == "no_group":
+        return (
+            f"{_where(argv, key)}: {match[1]!r} is not a group of options nor a file of them: give its keys "
+            f"(--{key}.KEY VALUE, or {keys[-1]}: {{KEY: VALUE}} in a recipe)"
+        )
     types = [f.match[1] for f in findings if f.kind == "type" and f.keys == keys]
     return _type_error(argv, key, types, given)
 
@@ -235,16 +246,20 @@ def _type_name(expected: str) -> str:
 
 
 def _yaml_error(argv: list[str], err: BaseException) -> str:
-    """`--config FILE: not YAML: line L, column C: PROBLEM`; the file is found by reading each `--config`
-    file again (jsonargparse's message names none)."""
+    """`--config FILE: not YAML: line L, column C: PROBLEM`, or `--config FILE: holds a list, not a
+    mapping`; the file is found by reading each `--config` file again (jsonargparse's message names
+    none)."""
     for path in _config_files(argv):
         try:
-            yaml.safe_load(Path(path).read_text())
+            tree = yaml.safe_load(Path(path).read_text())
         except yaml.MarkedYAMLError as bad:
             mark = bad.problem_mark
             return f"--config {path}: not YAML: line {mark.line + 1}, column {mark.column + 1}: {bad.problem}"
         except (OSError, yaml.YAMLError):
             continue
+        if not isinstance(tree, dict):  # jsonargparse: "Unexpected config"
+            got = "nothing" if tree is None else f"a {type(tree).__name__}"
+            return f"--config {path}: holds {got}, not a mapping of options: give KEY: VALUE lines (recipes/)"
     cause = next((c for c in _causes(err) if isinstance(c, yaml.YAMLError)), err)
     return f"a config is not YAML: {' '.join(line.strip() for line in str(cause).splitlines()[:4])}"
 

@@ -33,7 +33,9 @@ from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
 from ssl_vit.cli.config_errors import config_error, import_class
 from ssl_vit.cli.moved_options import with_moved_options
+from ssl_vit.data import ShardDataModule
 from ssl_vit.data.checks import check_shard_urls
+from ssl_vit.data.options import check_groups
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
 from ssl_vit.internals import LightningCLIHooks
@@ -326,6 +328,8 @@ def check_values(subcommand: str, config) -> None:
     # output and the run directory is left as it was.
     data_args = getattr(config.get("data"), "init_args", None)
     if data_args is not None:
+        if issubclass(import_class(config.data.class_path), ShardDataModule):
+            check_groups(data_args.as_dict())
         check_shard_urls(subcommand, data_args.as_dict())
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from ssl_vit.cli.config_errors import moved_options
+from ssl_vit.errors import UserError, shown
 from ssl_vit.run.checks import DEFAULT_ROOT
 
 log = logging.getLogger("ssl_vit.cli")
@@ -35,7 +36,7 @@ def with_moved_options(argv: list[str]) -> list[str] | None:
         if not path:
             continue
         tree = _run_config(path)
-        found = _move_options(tree) if tree is not None else []
+        found = _move_options(tree, path) if tree is not None else []
         if found:
             text = yaml.safe_dump(tree, sort_keys=False)
             out[i] = f"--config={text}" if inline else arg
@@ -60,11 +61,11 @@ def _run_config(path: str) -> dict | None:
     return tree if own else None
 
 
-def _move_options(node) -> list[tuple[str, str]]:
-    """Moves, in the config tree `node`, each class's moved options to their new places; `(old, new)`
-    of each one moved."""
+def _move_options(node, path: str) -> list[tuple[str, str]]:
+    """Moves, in the config tree `node` (of the file `path`), each class's moved options to their new
+    places; `(old, new)` of each one moved."""
     if isinstance(node, list):
-        return [pair for item in node for pair in _move_options(item)]
+        return [pair for item in node for pair in _move_options(item, path)]
     if not isinstance(node, dict):
         return []
     moved = []
@@ -72,10 +73,26 @@ def _move_options(node) -> list[tuple[str, str]]:
     if isinstance(node.get("class_path"), str) and isinstance(init_args, dict):
         for old, new in moved_options(node["class_path"]).items():
             if old in init_args:
-                *groups, name = new.split(".")
-                place = init_args
-                for group in groups:
-                    place = place.setdefault(group, {})
-                place[name] = init_args.pop(old)
+                _move(init_args, old, new, path)
                 moved.append((old, new))
-    return moved + [pair for value in node.values() for pair in _move_options(value)]
+    return moved + [pair for value in node.values() for pair in _move_options(value, path)]
+
+
+def _move(init_args: dict, old: str, new: str, path: str) -> None:
+    """`init_args[old]` moved to the dotted place `new`. A file that gives both (edited by hand) with
+    different values is refused in one line: either value would be a guess."""
+    *groups, name = new.split(".")
+    place = init_args
+    for group in groups:
+        parent, place = place, place.get(group)
+        if place is None:  # absent, or `augment: null` beside the old keys: the group from them alone
+            place = parent[group] = {}
+        if not isinstance(place, dict):
+            raise UserError(f"{path}: {group} is {shown(place)}, beside {old}: give {group} as a mapping")
+    value = init_args.pop(old)
+    if name in place and place[name] != value:
+        raise UserError(
+            f"{path}: {old} ({shown(value)}) and {new} ({shown(place[name])}) are both given: keep {new} "
+            f"and take {old} out"
+        )
+    place[name] = value

@@ -59,7 +59,7 @@ def read_policy(args: dict[str, Any]) -> ReadPolicy:
 # The integer settings of a `ShardDataModule` and their smallest values (None: the default applies).
 COUNT_MINIMUMS = {
     "batch_size": 1, "image_size": 1, "num_workers": 0, "segment_shards": 1, "train_batches": 1,
-    "num_classes": 1, "seed": 0, "read_retries": 0, "max_image_pixels": 1, "channels": 1,
+    "num_classes": 1, "seed": 0, "read_retries": 0, "max_image_pixels": 1, "channels": 1, "shuffle_buffer": 0,
 }  # fmt: skip
 # The largest values of those that size memory, processes or work before anything is read: beyond them
 # a value is a mistake (a typo, a number pasted into the wrong key), not a setting; 65,536 px is 3x

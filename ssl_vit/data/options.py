@@ -22,6 +22,7 @@ groups, both read through `grouped`, the one place that maps flat keys onto the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
@@ -30,7 +31,7 @@ from ssl_vit.data.checks import check_counts, check_seconds, read_policy
 from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.samples import MAX_IMAGE_PIXELS
 from ssl_vit.data.transforms import Preset
-from ssl_vit.errors import BadValue
+from ssl_vit.errors import BadValue, shown
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,26 @@ class Augment:
                 f"crop_scale {list(self.crop_scale)}: give the random crop's area range as two fractions of "
                 "the image, 0 < min <= max <= 1 (e.g. [0.2, 1.0])"
             )
+        self._check_numbers()
         if (self.mixup_alpha or self.cutmix_alpha) and self.train_preset != "supervised":
             raise BadValue(f"mixup/cutmix belong to train_preset 'supervised', not {self.train_preset!r}")
+
+    def _check_numbers(self) -> None:
+        """One line for a number out of its range (NaN included): a Beta distribution's alpha (mixup,
+        cutmix), a share of the label mass (label smoothing), of the image's side (eval_crop_pct); timm
+        would fail on them at the first batch, or train on negative targets."""
+        checks = {
+            "mixup_alpha": (0 <= self.mixup_alpha < math.inf, "at least 0 (0: off)"),
+            "cutmix_alpha": (0 <= self.cutmix_alpha < math.inf, "at least 0 (0: off)"),
+            "label_smoothing": (0 <= self.label_smoothing < 1, "in [0, 1) (0: off)"),
+            "eval_crop_pct": (
+                0 < self.eval_crop_pct < math.inf,
+                "above 0 (1: the whole image; more pads it)",
+            ),
+        }
+        for name, (ok, bounds) in checks.items():
+            if not ok:
+                raise BadValue(f"{name} {getattr(self, name)}: give a number {bounds}")
 
     @property
     def mixes(self) -> bool:
@@ -96,7 +115,7 @@ class Stream:
     on_data_change: Literal["warn", "refuse"] = "warn"
 
     def __post_init__(self) -> None:
-        check_counts({"segment_shards": self.segment_shards})
+        check_counts({"segment_shards": self.segment_shards, "shuffle_buffer": self.shuffle_buffer})
         if self.on_data_change not in ("warn", "refuse"):
             raise BadValue(f"on_data_change must be 'warn' or 'refuse', got {self.on_data_change!r}")
 
@@ -156,3 +175,17 @@ def grouped(flat: Mapping[str, Any]) -> dict[str, Any]:
         if given:
             out[group] = cls(**given)
     return out
+
+
+def check_groups(args: Mapping[str, Any]) -> None:
+    """One line for a group given as something other than its options (`augment: null`, a list): the
+    CLI's parser takes such a value for a dataclass and fails only when it builds the data module, in a
+    traceback (a word, `augment: pretrain`, it refuses as it parses)."""
+    for group, cls in GROUPS.items():
+        value = args.get(group, {})
+        if not isinstance(value, (Mapping, cls)):
+            example = f"{group}: {{{fields(cls)[0].name}: ...}}"
+            raise BadValue(
+                f"{group}: {shown(value)} is not a group of options: give its keys as a mapping ({example}) "
+                "or leave it out for the defaults"
+            )

@@ -35,7 +35,7 @@ import torchvision.transforms.v2 as v2
 from PIL import Image, ImageOps
 from timm.data.auto_augment import rand_augment_transform
 
-from ssl_vit.errors import BadValue, UserError
+from ssl_vit.errors import BadValue, UserError, shown
 
 Preset = Literal["pretrain", "supervised", "eval"]
 # How `eval` frames an image (`ShardDataModule.eval_view` chooses from the data): `whole` for images stored
@@ -72,16 +72,22 @@ def build_transform(
         steps = [RandomResizedCrop(image_size, scale=crop_scale, draft=draft), HorizontalFlip()]
     if randaugment:
         # timm's RandAugment works on PIL images; hparams as timm's create_transform sets them.
-        steps.append(
-            rand_augment_transform(
-                randaugment,
-                {
-                    "translate_const": int(image_size * 0.45),
-                    "img_mean": tuple(round(255 * m) for m in mean),
-                },
-            )
-        )
+        hparams = {"translate_const": int(image_size * 0.45), "img_mean": tuple(round(255 * m) for m in mean)}
+        steps.append(_rand_augment(randaugment, hparams))
     return Compose([*steps, ToTensor()])
+
+
+def _rand_augment(config: str, hparams: dict) -> Callable:
+    """timm's RandAugment of `config`; one line for a config timm does not parse (it asserts, or fails
+    on a section's number, which would be a traceback)."""
+    try:
+        return rand_augment_transform(config, hparams)
+    except (AssertionError, ValueError, KeyError, IndexError) as err:
+        why = str(err).splitlines()[0][:80] if str(err) else "it does not start with 'rand'"
+        raise BadValue(
+            f"randaugment {shown(config)}: not a timm RandAugment config ({why}): give one such as "
+            "rand-m9-mstd0.5-inc1"
+        ) from err
 
 
 class Compose:

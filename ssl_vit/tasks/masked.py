@@ -26,7 +26,7 @@ from ssl_vit.tasks import targets as _targets  # noqa: F401  (registers the targ
 from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 from ssl_vit.tasks.pictures import masked_prediction_picture
-from ssl_vit.tasks.target import TARGETS
+from ssl_vit.tasks.target import TARGETS, check_made, checked_shape
 from ssl_vit.tasks.teacher import (
     MomentumSchedule,
     TeacherFeatures,
@@ -182,6 +182,7 @@ class MaskedPatchPretraining(BackboneTask):
                 f"the {self.grid[0]}x{self.grid[1]} patch grid; pick another cell_size"
             )
         self.cell_size = cell_size
+        self._target_shape = checked_shape(self.target, self.target.shape(self))
         target_shape = self.target_shape()
         width = self.backbone.embed_dim
         if self.corruption == "drop":
@@ -220,7 +221,7 @@ class MaskedPatchPretraining(BackboneTask):
 
     def target_shape(self) -> torch.Size:
         """T: the prediction per patch."""
-        return self.target.shape(self)
+        return self._target_shape
 
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"mask_embedding", "decoder.mask_token"}
@@ -237,6 +238,7 @@ class MaskedPatchPretraining(BackboneTask):
         uncorrupted images are computed once."""
         pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
         target = self.target.make(self, images)  # (B, N, ...)
+        check_made(self.target, target, len(images), self.num_patches, self.target_shape())
         out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
         monitor = {"student": features.detach()}
         if self.teacher is None:
@@ -440,7 +442,8 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
         pixel_loss=pixel_loss,
         **teacher,
     )
-    base = {**DEFAULTS, **(PRESETS.pick(preset) if preset is not None else {})}
+    chosen = PRESETS.pick(preset) if preset is not None else {}
+    base = {**DEFAULTS, **chosen}
     unknown = [key for key in base if key not in given]
     if unknown:  # a plugin's preset, written for another version
         raise BadValue(
@@ -453,7 +456,8 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
     valid.update(ema_schedule=MomentumSchedule.__args__)
     for key, names in valid.items():
         if choices[key] not in names:
-            raise BadValue(f"{key} must be one of {', '.join(names)} (or set a preset), got {choices[key]!r}")
+            by = f"set by preset {preset!r}" if given[key] is None and key in chosen else "or set a preset"
+            raise BadValue(f"{key} must be one of {', '.join(names)} ({by}), got {choices[key]!r}")
     jepa = choices["mask_shape"] == "jepa"  # its blocks set how much is masked
     if not jepa and (choices["mask_ratio"] is None or not 0 < choices["mask_ratio"] < 1):
         raise BadValue(f"mask_ratio must be in (0, 1) (or set a preset), got {choices['mask_ratio']}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ssl_vit.errors import BadValue, shown
 from ssl_vit.registry import Registry
 
 if TYPE_CHECKING:
@@ -55,10 +56,42 @@ class Target:
 TARGETS = Registry("target")  # name -> the Target
 
 
+def checked_shape(target: Target, shape: object) -> torch.Size:
+    """`target.shape(task)` as given, when it is one: sizes the task builds its head or decoder for. A
+    plugin's target that gets it wrong is one line naming it, not a traceback from the head's layers."""
+    import torch
+
+    sizes = shape if isinstance(shape, tuple) else (None,)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise BadValue(
+            f"target {target.NAME!r} ({type(target).__module__}): shape() gave {shown(shape)}: give a "
+            "torch.Size of positive sizes, what the task predicts per patch"
+        )
+    return torch.Size(sizes)
+
+
+def check_made(target: Target, made: object, batch: int, patches: int, shape: torch.Size) -> None:
+    """One line when `target.make` gave other than (B, N, *T) floats or (B, N, *T[:-1]) int64 class ids
+    (a plugin's target): the step would fail in the loss, in a traceback."""
+    import torch
+
+    if isinstance(made, torch.Tensor):
+        want = (batch, patches, *(shape[:-1] if made.dtype == torch.long else shape))
+        if tuple(made.shape) == want:
+            return
+        given = f"a {made.dtype} tensor of shape {tuple(made.shape)}, not {want}"
+    else:
+        given = f"{shown(made)}, not a tensor"
+    raise BadValue(
+        f"target {target.NAME!r} ({type(target).__module__}): make() gave {given} (B, N, *shape()): fix "
+        "its make()"
+    )
+
+
 def register(cls: type[Target]) -> type[Target]:
     """Class decorator: `target: cls.NAME` selects `cls`."""
     TARGETS.add(cls.NAME, cls())
     return cls
 
 
-__all__ = ["TARGETS", "Target", "register"]
+__all__ = ["TARGETS", "Target", "check_made", "checked_shape", "register"]
