@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssl_vit.data.arrays import BadArray, open_tiff
-from ssl_vit.data.samples import MAX_CLASSES
 from ssl_vit.data.sources import register
 from ssl_vit.errors import UserError, shown
 
@@ -142,6 +141,10 @@ def _csv_labels(labels: list[str], path: Path) -> tuple[list[str], list[int]]:
         class_names = sorted(set(given))
         index = {name: i for i, name in enumerate(class_names)}
         return class_names, [index[label] if label else -1 for label in labels]
+    # Here, not at the top: the registry imports every source for `ssl-vit --help`, which must not
+    # import torch, as ssl_vit.data.samples does.
+    from ssl_vit.data.samples import MAX_CLASSES
+
     for label in given:  # judged by their digits first: `int` refuses more than 4,300 of them
         if label == "-1":  # unlabelled, as an empty label
             continue
