@@ -293,8 +293,8 @@ def build_vit(
 
 def hybrid_resnet(stages: tuple[int, ...], in_chans: int, device=None) -> ResNetV2:
     """The ResNet of a hybrid ViT (R50+B/16): stages of bottleneck blocks, no head, weight-standardised
-    convolutions with TF "same" padding, as timm builds it for `vit_base_r50_s16_224` (its private
-    `_resnetv2`), so the weights and parameter names are timm's."""
+    convolutions with TF "same" padding, as timm builds it for `vit_base_r50_s16_224` (with a private
+    helper; `ResNetV2` itself is public), so the weights and parameter names are timm's."""
     conv = partial(StdConv2dSame, eps=1e-8)
     return ResNetV2(
         layers=stages, num_classes=0, global_pool="", in_chans=in_chans, preact=False, stem_type="same",

@@ -53,7 +53,7 @@ def momentum_at(step: int, total: int, start: float, end: float, schedule: Momen
 @torch.no_grad()
 def ema_update(teacher: ViT, student: ViT, momentum: float) -> None:
     """teacher = momentum * teacher + (1 - momentum) * student, every parameter in one fused kernel
-    (torch's `_foreach_lerp_`, through its public EMA step)."""
+    (torch's multi-tensor lerp, through its public `get_ema_multi_avg_fn`)."""
     get_ema_multi_avg_fn(momentum)(list(teacher.parameters()), list(student.parameters()), None)
 
 
