@@ -61,6 +61,16 @@ _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict, _SHOWN.maxset 
 _SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 400
 
 
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """`Type: the first non-empty line of its message` for a one-line error that quotes an exception (a
+    library's message may run to pages), cut to `limit` characters; `Type` alone for an empty message."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    text = lines[0] if len(lines[0]) <= limit else f"{lines[0][: limit - 3]}..."
+    return f"{type(err).__name__}: {text}"
+
+
 def check_at_least(args, low: int, *names: str) -> None:
     """One line for an integer command-line option below `low` (argparse's `type=int` takes any):
     `names` are attributes of `args`, None meaning the option was not given."""

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from importlib.metadata import distributions, entry_points
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, first_line
 
 GROUP = "ssl_vit.plugins"  # the entry-point group of installed plugins
 ENV = "SSL_VIT_PLUGINS"  # comma-separated module names
@@ -52,7 +52,7 @@ def _entry_points() -> list:
         bad = next((dist for dist in distributions() if not _reads(dist)), None)
         which = f"installed package {bad.name} {bad.version}" if bad is not None else "an installed package"
         raise UserError(
-            f"the entry points of {which} do not read ({_first_line(err)}): reinstall or uninstall it"
+            f"the entry points of {which} do not read ({first_line(err)}): reinstall or uninstall it"
         ) from err
 
 
@@ -76,12 +76,5 @@ def _import(name: str, where: str, fix: str | None, do: Callable[[], object]) ->
         if fix is None:
             found = not isinstance(err, ModuleNotFoundError)
             fix = f"{'fix it' if found else 'put it on the Python path (PYTHONPATH)'} or take it out of {ENV}"
-        raise UserError(f"plugin {name} ({where}) does not import: {_first_line(err)}: {fix}") from err
+        raise UserError(f"plugin {name} ({where}) does not import: {first_line(err)}: {fix}") from err
     _loaded.append(name)
-
-
-def _first_line(err: BaseException) -> str:
-    """`Type: the first line of its message`, cut to 200 characters."""
-    first = (str(err).strip().splitlines() or [""])[0]
-    first = first if len(first) <= 200 else f"{first[:197]}..."
-    return f"{type(err).__name__}: {first}" if first else type(err).__name__

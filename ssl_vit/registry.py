@@ -45,7 +45,7 @@ class Registry(dict):
     def pick(self, name: str) -> Any:
         """The entry `name` selects; one line naming the valid ones otherwise."""
         if not isinstance(name, str) or name not in self:
-            raise BadValue(f"unknown {self.what} {name!r}; valid: {', '.join(self)}")
+            raise BadValue(f"unknown {self.what} {shown(name)}; valid: {', '.join(self)}")
         return self[name]
 
     def option_type(self, type_name: str) -> type[str]:

@@ -34,6 +34,7 @@ epoch size, the class count and the eval view all come from one reading.
 from __future__ import annotations
 
 from collections.abc import Collection
+from functools import cached_property
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -176,9 +177,10 @@ class ShardDataModule(pl.LightningDataModule):
 
     # --- facts for linking (LightningCLI link_arguments) and for evaluation ----------------------------
 
-    @property
+    @cached_property
     def manifest(self) -> dict | None:
-        """The manifest of the first configured split that has one."""
+        """The manifest of the first configured split that has one (looked up once: `num_classes` reads
+        it on every mixed training batch)."""
         for urls in (self.train_urls, self.val_urls, self.test_urls):
             found = self.manifests.of(expand(urls, "urls")[0]) if urls else None
             if found:
@@ -189,7 +191,8 @@ class ShardDataModule(pl.LightningDataModule):
     def num_classes(self) -> int | None:
         if self._num_classes is not None:
             return self._num_classes
-        return self.manifest["num_classes"] if self.manifest else None
+        manifest = self.manifest
+        return manifest["num_classes"] if manifest else None
 
     def split_manifest(self, split: str) -> dict | None:
         """The manifest of `split`'s shards (read once per data module), or None when they have none."""

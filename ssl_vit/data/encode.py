@@ -109,11 +109,11 @@ def _eight_bit(img: Image.Image) -> Image.Image:
     a ValueError: skipped and counted, naming the `tiff:` source, which stores any dtype."""
     if img.mode.startswith(("I", "F")):
         values = np.asarray(img)
-        if values.size and (
-            values.min() < 0 or values.max() > 255 or not np.array_equal(values, np.rint(values))
-        ):
+        low, high = (values.min(), values.max()) if values.size else (0, 0)
+        whole = img.mode != "F" or np.array_equal(values, np.rint(values))  # only floats have fractions
+        if low < 0 or high > 255 or not whole:
             raise ValueError(
-                f"{img.mode} image with values in {values.min()}..{values.max()}, which 8-bit storage would "
+                f"{img.mode} image with values in {low}..{high}, which 8-bit storage would "
                 "clip: store such images as TIFF and convert them with tiff:DIR (any band count and dtype)"
             )
         exact = Image.fromarray(values.astype(np.uint8))  # mode L

@@ -22,11 +22,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 import webdataset as wds
 
-from ssl_vit.data.manifest import read_manifest
+from ssl_vit.data.manifest import read_manifest, samples_in
 from ssl_vit.data.samples import MAX_IMAGE_PIXELS, BadSample, max_member_bytes, parse_label
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.data.urls import check_urls, expand
@@ -118,9 +117,7 @@ def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None
     manifest = read_manifest(urls[0])
     if manifest is None:
         return None, ShardRecords(urls, None)
-    counts = {s["url"]: s["num_samples"] for s in manifest["shards"]}
-    files = [PurePosixPath(u).name for u in urls]
-    total = sum(counts[f] for f in files) if all(f in counts for f in files) else None
+    total = samples_in(manifest, urls)
     labelled = None
     if total is not None and total == manifest["num_samples"]:  # the whole split: its class counts
         labelled = sum(n for label, n in manifest.get("class_counts", {}).items() if int(label) >= 0)

@@ -42,7 +42,7 @@ from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, first_line
 from ssl_vit.internals import ModelCheckpointHooks, wraps_checkpoint_io
 
 # Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
@@ -135,8 +135,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu", policy: ReadPol
         raise refused(text, err) from None
     except Exception as err:  # HTTP errors, truncated or non-zip files, permissions: one line each
         raise UserError(
-            f"{text} is not a readable checkpoint ({type(err).__name__}: {_first_line(err)}); give a .ckpt "
-            "written by ssl-vit"
+            f"{text} is not a readable checkpoint ({first_line(err)}); give a .ckpt written by ssl-vit"
         ) from None
 
 
@@ -149,7 +148,7 @@ DAMAGED_FIX = (
 def refused(path: str, err: Exception) -> UserError:
     """The one-line error for a checkpoint whose pickle names globals outside torch's weights-only set."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    reason = next((line for line in lines if "GLOBAL" in line or "global" in line), _first_line(err))
+    reason = next((line for line in lines if "GLOBAL" in line or "global" in line), first_line(err))
     return UserError(
         f"{path} is not a checkpoint ssl-vit loads safely (it needs to run code to unpickle: "
         f"{reason[:200]}); re-save it with weights only or give a checkpoint written by ssl-vit"
@@ -432,11 +431,6 @@ def _is_local(path: Path | str) -> bool:
 def _local(path: Path | str) -> str:
     text = str(path)
     return text.removeprefix("file://") if text.startswith("file://") else text
-
-
-def _first_line(err: Exception) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0][:200] if lines else type(err).__name__
 
 
 # --- `last`: which checkpoint of a run directory a job resumes -----------------------------------------

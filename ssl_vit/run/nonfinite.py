@@ -115,6 +115,8 @@ class StopPolicy(NonFinitePolicy):
         self.first_bad = torch.where(bad & (self.first_bad < 0), trainer.global_step, self.first_bad)
 
     def on_train_batch_end(self, trainer: pl.Trainer, outputs) -> None:
+        if accumulating(trainer):  # the step is not done: its micro-batches would each check again
+            return
         every = self.guard.check_every or trainer.log_every_n_steps
         if trainer.global_step % max(1, every) == 0:
             self.check(trainer)
@@ -124,8 +126,11 @@ class StopPolicy(NonFinitePolicy):
 
     def check(self, trainer: pl.Trainer) -> None:
         """Stops the run if any rank has seen a bad step: one reduction and one host read."""
-        first = int(self.first_bad) if self.first_bad is not None else -1
-        first = int(trainer.strategy.reduce(torch.tensor(first, dtype=torch.float64), reduce_op="max"))
+        first = self.first_bad
+        if first is None:
+            first = torch.full((), -1, dtype=torch.long, device=trainer.strategy.root_device)
+        # Reduced where it lives (NCCL reduces only device tensors), then read once.
+        first = int(trainer.strategy.reduce(first.to(torch.float64), reduce_op="max"))
         if first >= 0:
             self.guard.stop(trainer, f"{NON_FINITE} at step {first}")
 
