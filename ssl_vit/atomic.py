@@ -75,6 +75,16 @@ class Staged:
         return fd
 
 
+def write_text(target: str | os.PathLike, text: str) -> None:
+    """`target` replaced whole by `text`, on disk before its name points at it: a reader, or a run after
+    a kill or a power cut, sees the old file or the new one, never a part."""
+    with Staged(target) as staged, open(staged.create(), "w", closefd=False) as f:
+        f.write(text)
+        f.flush()
+        staged.sync()
+        staged.replace()
+
+
 def fsync_directory(directory: str) -> None:
     """A rename or link in `directory` survives a power loss."""
     try:

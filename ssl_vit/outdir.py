@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
-from ssl_vit.atomic import Staged
+from ssl_vit.atomic import write_text
 from ssl_vit.errors import UserError
 from ssl_vit.lock import RunLock, job_leader
 
@@ -229,11 +229,7 @@ class Output:
 
     def rewrite(self, name: str, text: str) -> None:
         """The committed output's file `name` replaced whole by `text` (a reader sees the old or the new)."""
-        with Staged(Path(self.path) / name) as staged, open(staged.create(), "w", closefd=False) as f:
-            f.write(text)
-            f.flush()
-            staged.sync()
-            staged.replace()
+        write_text(Path(self.path) / name, text)
 
     def picture(self, name: str, draw: Callable[[Path], object]) -> Path | None:
         """`draw(path)` writes the picture `name` (or decides there is none to draw: nothing at `path`);

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ssl_vit.atomic import Staged
+from ssl_vit.atomic import write_text
 from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.manifest import channel_choices, manifest_url, read_manifest
 from ssl_vit.data.masks import IGNORE_INDEX, pixel_counts
@@ -210,11 +210,7 @@ def _rewrite(path: Path, manifest: dict, images: int) -> None:
     """`manifest` put in place at `path` whole, or one line (giving the statistics, which took a pass over
     the images) when the folder cannot be written: a read-only mount of a shared dataset, say."""
     try:
-        with Staged(path) as staged, open(staged.create(), "w", closefd=False) as f:
-            f.write(json.dumps(manifest, indent=1) + "\n")
-            f.flush()
-            staged.sync()
-            staged.replace()
+        write_text(path, json.dumps(manifest, indent=1) + "\n")
     except OSError as err:
         raise UserError(
             f"{path}: band_stats cannot be added ({err.strerror or err}): copy the shards and their manifest "

@@ -37,6 +37,7 @@ from pathlib import Path
 import webdataset as wds
 
 from ssl_vit import progress
+from ssl_vit.atomic import write_text
 from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.encode import encode_star
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
@@ -322,9 +323,7 @@ def _read_progress(partial: Path) -> dict:
 
 def _save_progress(partial: Path, options: dict, shards: list[dict]) -> None:
     """Replace the progress record in one step, so that a kill leaves the old one or the new one."""
-    tmp = partial / f"{PROGRESS}.tmp"
-    tmp.write_text(json.dumps({"options": options, "shards": shards}) + "\n")
-    os.replace(tmp, partial / PROGRESS)
+    write_text(partial / PROGRESS, json.dumps({"options": options, "shards": shards}) + "\n")
 
 
 class _Shard:
