@@ -286,7 +286,7 @@ class SslVitCLI(LightningCLIHooks):
         refuse = getattr(self.datamodule, "refuse_changed_data", None)
         resumed, self.resumed = self.resumed, None  # the file's map is let go
         if resumed is not None and refuse is not None:
-            refuse(resumed.get(type(self.datamodule).__qualname__, {}))
+            refuse(resumed.get(type(self.datamodule).__qualname__, {}), self.trainer.world_size)
 
     def instantiate_trainer(self, **kwargs):
         # A recipe's `trainer.plugins` replaces the default list (LightningCLI merges only callbacks

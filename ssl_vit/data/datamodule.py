@@ -47,13 +47,14 @@ from ssl_vit.data.band_stats import normalisation
 from ssl_vit.data.band_transforms import build_array_transform
 from ssl_vit.data.checks import SPLITS, STAGE_SPLITS, check_counts, check_shard_urls
 from ssl_vit.data.device_decode import device_transform, place_jpegs
+from ssl_vit.data.epoch_order import SampleIndex, build_index, indexable
 from ssl_vit.data.identity import check_same_data, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
 from ssl_vit.data.manifest import Manifests
 from ssl_vit.data.mixing import Mixing
 from ssl_vit.data.options import DEFAULTS, MOVED, Augment, Limits, Stream
-from ssl_vit.data.position import TrainingPosition
-from ssl_vit.data.stream import ShardStream
+from ssl_vit.data.position import TrainingPosition, check_step
+from ssl_vit.data.stream import DryShards, ShardStream
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
 from ssl_vit.data.urls import expand
 from ssl_vit.errors import BadValue, UserError
@@ -237,7 +238,7 @@ class ShardDataModule(pl.LightningDataModule):
                     "pass needs at least one shard per rank; re-convert with a smaller --shard-size"
                 )
         if "train" in self._urls:
-            self.batches_per_epoch = self.train_batches or self._batches_from_manifest()
+            self.batches_per_epoch = self.train_batches or self._batches_per_epoch()
 
     def _rank_and_world_size(self) -> tuple[int, int]:
         """Read in the main process and handed to the workers: a worker cannot be trusted to discover them."""
@@ -247,8 +248,28 @@ class ShardDataModule(pl.LightningDataModule):
             return torch.distributed.get_rank(), torch.distributed.get_world_size()
         return 0, 1
 
-    def _batches_from_manifest(self) -> int:
-        if self.train_keys is not None:
+    @cached_property
+    def train_index(self) -> SampleIndex | None:
+        """Where every kept training sample lies, when the training shards are local uncompressed files
+        (`ssl_vit.data.epoch_order`): the stream then reads the epoch's global order. None otherwise."""
+        urls = self._split_urls("train")
+        if not indexable(urls):
+            return None
+        index = build_index(
+            urls,
+            classes=self.classes,
+            keys=self.train_keys,
+            num_classes=self.num_classes,
+            require_labels=self.require_labels or self._task_needs_labels(),
+        )
+        if index.total == 0:
+            DryShards(urls).fail(urls)
+        return index
+
+    def _batches_per_epoch(self) -> int:
+        if self.train_index is not None:
+            samples = self.train_index.total
+        elif self.train_keys is not None:
             samples = len(self.train_keys)
         else:
             first = self._urls["train"][0]
@@ -322,6 +343,7 @@ class ShardDataModule(pl.LightningDataModule):
             require_labels=self.require_labels or self._task_needs_labels(),
             max_image_pixels=self.limits.max_image_pixels,
             read_policy=self.read_policy,
+            index=self.train_index if split == "train" else None,
         )
 
     def _transforms(self, split: str, preset: Preset, randaugment: str | None) -> tuple:
@@ -357,7 +379,12 @@ class ShardDataModule(pl.LightningDataModule):
         (`TrainingPosition.start`): the trainer's epoch when attached, else a count of passes."""
         epoch = self.trainer.current_epoch if self.trainer is not None else None
         return self.position.start(
-            epoch, self.rank, self.world_size, self.num_workers, self.batches_per_epoch
+            epoch,
+            self.rank,
+            self.world_size,
+            self.num_workers,
+            self.batches_per_epoch,
+            self.batch_size * self.world_size,
         )
 
     def prepare_batch(self, batch: dict) -> dict:
@@ -400,7 +427,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.position.load(state_dict)
         if "data" in state_dict and "train" in self._urls:  # checkpoints from before it was recorded: none
             self._check_same_data(state_dict["data"], self._urls["train"])
-        if self.position.started and self.trainer is not None and not self.position.loader.consumed:
+        if self.position.started and self.trainer is not None and not self.position.loader.recorded:
             restart_fetcher(self.trainer, fetched=0)  # Lightning counts the restored batches itself
 
     def skip_batches(self, count: int) -> int:
@@ -418,10 +445,13 @@ class ShardDataModule(pl.LightningDataModule):
             restart_fetcher(self.trainer, fetched=restart)
         return skipped
 
-    def refuse_changed_data(self, state_dict: dict[str, Any]) -> None:
-        """With `stream.on_data_change: refuse`, the error for training data that differ from those of
-        the checkpoint whose data-module state is `state_dict`, before the fit writes anything (the CLI
-        calls it first; Lightning's restore, `load_state_dict`, is after config.yaml and the W&B run)."""
+    def refuse_changed_data(self, state_dict: dict[str, Any], world_size: int = 1) -> None:
+        """Before the fit writes anything (the CLI calls it first; Lightning's restore, `load_state_dict`,
+        is after config.yaml and the W&B run): the error for a resume on `world_size` ranks that would
+        change the run's global batch (`position.check_step`), and with `stream.on_data_change:
+        refuse`, for training data that differ from those of the checkpoint whose data-module state is
+        `state_dict`."""
+        check_step(state_dict.get("position", {}), world_size, self.batch_size)
         if self.stream.on_data_change == "refuse" and "data" in state_dict and self.train_urls is not None:
             self._check_same_data(state_dict["data"], expand(self.train_urls, "train_urls"))
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ssl_vit.data.stream import ResumePlan, ShardStream, WorkerPosition
+from ssl_vit.data.stream import OrderStart, ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.data.workers import DeadWorkers, Workers
 from ssl_vit.errors import UserError
 
@@ -91,20 +91,33 @@ class EpochLoader(ShardLoader):
     fetched: Lightning fetches one batch ahead.
     """
 
-    def __init__(self, stream: ShardStream, start: Callable[[], tuple[int, ResumePlan | None]], **kwargs):
+    def __init__(self, stream: ShardStream, start: Callable[[], tuple[int, Any]], **kwargs):
         super().__init__(stream, split="train", persistent_workers=False, **kwargs)
         self.start = start
         self.epoch: int | None = None
-        self.consumed: dict[int, WorkerPosition] = {}
+        self.consumed: dict[int, WorkerPosition] = {}  # a stream of segments: each worker's position
+        self.samples = 0  # an indexed stream: the samples of the epoch's order consumed (all ranks)
+        self.recorded = False  # whether training consumed a batch of this pass
+
+    @property
+    def ordered(self) -> bool:
+        """Whether the stream reads the epoch's global order (`ssl_vit.data.epoch_order`)."""
+        return self.dataset.index is not None
 
     def __iter__(self):
         epoch, plan = self.start()
         self.dataset.epoch, self.dataset.resume = epoch, plan
-        self.epoch, self.consumed = epoch, dict(plan.workers) if plan else {}
+        self.epoch, self.recorded = epoch, False
+        self.consumed = dict(plan.workers) if isinstance(plan, ResumePlan) else {}
+        self.samples = plan.samples if isinstance(plan, OrderStart) else 0
         return super().__iter__()
 
     def record(self, batch: dict) -> None:
-        """Note that training consumed `batch` (it carries its worker's position in `stream`)."""
+        """Note that training consumed `batch` (it carries where the stream stands after it in `stream`)."""
+        self.recorded = True
+        if self.ordered:
+            self.samples = int(batch["stream"])
+            return
         worker, batches, segment, offset = (int(v) for v in batch["stream"])
         self.consumed[worker] = WorkerPosition(batches, segment, offset)
 
@@ -118,6 +131,15 @@ class EpochLoader(ShardLoader):
         pass
 
     def position(self) -> dict[str, Any]:
+        stream = self.dataset
+        if self.ordered:
+            return {
+                "epoch": self.epoch,
+                "order": "global",
+                "samples": self.samples,
+                "step": stream.batch_size * stream.world_size,
+                "world": [stream.world_size, self.num_workers],
+            }
         return {
             "epoch": self.epoch,
             "num_workers": max(1, self.num_workers),

@@ -1,8 +1,14 @@
 """Where a data module's training stream stands, as a checkpoint saves it, and where its next training
 pass starts: afresh, where a resumed checkpoint stopped (`load`), or past batches a rollback skips
-(`skip`). Every worker's stream is a function of (seed, epoch, rank, worker, segment), so a position is
-the epoch and, per rank and worker, the batches consumed and where in its segment they ended
-(`ssl_vit.data.stream.WorkerPosition`)."""
+(`skip`).
+
+Over local shards the stream reads the epoch's global order (`ssl_vit.data.epoch_order`), a function of
+the seed, the epoch and the data only: a position is the epoch and the samples of its order consumed,
+the same on every rank, and a resume continues there on any number of ranks and workers, exactly, as
+long as a data step (batch_size x ranks) keeps its size. Over remote or compressed shards every worker's
+stream is a function of (seed, epoch, rank, worker, segment), so a position is the epoch and, per rank
+and worker, the batches consumed and where in its segment they ended (`stream.WorkerPosition`): exact
+with the run's own ranks and workers only."""
 
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from typing import Any
 import torch
 
 from ssl_vit.data.loaders import EpochLoader
-from ssl_vit.data.stream import ResumePlan, WorkerPosition
+from ssl_vit.data.stream import OrderStart, ResumePlan, WorkerPosition
+from ssl_vit.errors import UserError
 
 log = logging.getLogger("ssl_vit.data")
 
@@ -33,10 +40,13 @@ class TrainingPosition:
         """Whether a training pass has started (its loader has an epoch)."""
         return self.loader is not None and self.loader.epoch is not None
 
-    def start(self, epoch: int | None, rank: int, world_size: int, workers: int, batches: int) -> tuple:
+    def start(
+        self, epoch: int | None, rank: int, world_size: int, workers: int, batches: int, step: int
+    ) -> tuple:
         """`(epoch, ResumePlan or None)` of the training pass about to start: `epoch` (the trainer's;
         None: a count of passes) and, once after a resume or a skip, where each worker stands in it.
-        `workers`: the DataLoader's (0: the main process), `batches`: per rank per epoch.
+        `workers`: the DataLoader's (0: the main process), `batches`: per rank per epoch, `step`: the
+        samples of a data step (batch_size x ranks).
 
         Lightning starts the first training iterator before it restores its loops (to count the steps
         for the schedule), so after a resume the epoch comes from the restored position, not from the
@@ -46,7 +56,11 @@ class TrainingPosition:
         if moved is not None:
             epoch, plan = moved
         elif saved is not None:
-            epoch, plan = resume_plan(saved, rank, world_size, max(1, workers), batches)
+            ordered = self.loader is not None and self.loader.ordered
+            if ordered:
+                epoch, plan = order_start(saved, world_size, workers, batches, step)
+            else:
+                epoch, plan = resume_plan(saved, rank, world_size, max(1, workers), batches)
         else:
             epoch, plan = (self.epoch if epoch is None else epoch), None
         self.epoch = epoch + 1
@@ -74,6 +88,8 @@ class TrainingPosition:
         """Moves the stream `count` batches past the last one training consumed, up to the end of the
         epoch (`ShardDataModule.skip_batches`); `(batches skipped, where the epoch's next pass restarts
         (its batches fetched so far) or None when the epoch is over)`."""
+        if self.loader.ordered:
+            return self._skip_ordered(count, batch_size * self.loader.dataset.world_size, batches)
         workers = max(1, workers)
         positions = dict(self.loader.consumed)
         consumed = sum(p.batches for p in positions.values())
@@ -86,6 +102,64 @@ class TrainingPosition:
             return count, None
         self._moved = (self.loader.epoch, ResumePlan(positions, first=(consumed + count) % workers))
         return count, consumed + count
+
+    def _skip_ordered(self, count: int, step: int, batches: int) -> tuple[int, int | None]:
+        """`skip` in the epoch's global order: `count` data steps further."""
+        done = self.loader.samples
+        count = max(0, min(count, (batches * step - done) // step))
+        self.loader.samples = done + count * step
+        if self.loader.samples + step > batches * step:
+            return count, None
+        self._moved = (self.loader.epoch, OrderStart(self.loader.samples))
+        return count, self.loader.samples // step
+
+
+def check_step(saved: dict, world_size: int, batch_size: int) -> None:
+    """One line when a resume would change the samples of a data step (batch_size x ranks) of a run
+    that reads the global order: its global batch is the run's own, so the same size, split over the
+    ranks there are now, is what the user sets."""
+    mine = saved.get("ranks", [{}])[0] if isinstance(saved, dict) else {}
+    if not isinstance(mine, dict) or mine.get("order") != "global" or mine["step"] == batch_size * world_size:
+        return
+    step, (ranks, _) = mine["step"], mine["world"]
+    fix = (
+        f"set --data.init_args.batch_size {step // world_size}"
+        if step % world_size == 0
+        else f"run on a number of ranks that divides {step}"
+    )
+    raise UserError(
+        f"this run's global batch is {step} ({step // ranks} per rank on {ranks} ranks), and "
+        f"{batch_size} per rank on {world_size} ranks would make it {batch_size * world_size}: {fix}, "
+        "so that the resume continues the epoch exactly"
+    )
+
+
+def order_start(saved: dict, world_size: int, workers: int, batches: int, step: int) -> tuple:
+    """`(epoch, OrderStart or None)` from a checkpoint's position `saved`, for a stream that reads the
+    epoch's global order: exact on any number of ranks and workers (one line says so when they
+    changed); None at the end of an epoch. A position saved by a stream of segments (a run from
+    before, or over remote shards) cannot be placed in the order: its epoch starts again, said in one
+    warning."""
+    mine = saved["ranks"][0]
+    epoch = mine["epoch"]
+    if mine.get("order") != "global":
+        log.warning(
+            "the checkpoint's training position was saved by a stream of shard segments (remote or "
+            "compressed shards, or an older ssl-vit): epoch %d starts again from its first sample",
+            epoch,
+        )
+        return epoch, None
+    check_step(saved, world_size, step // world_size)
+    if mine["samples"] + step > batches * step:
+        return epoch + 1, None  # saved at the end of the epoch: the next one starts afresh
+    if mine["world"] != [world_size, workers]:
+        log.warning(
+            "resuming on %d rank(s) x %d DataLoader worker(s), saved on %d x %d: the epoch's order does "
+            "not depend on them, so the resume is exact (epoch %d continues after its %d samples trained "
+            "on)",
+            world_size, workers, *mine["world"], epoch, mine["samples"],
+        )  # fmt: skip
+    return epoch, OrderStart(mine["samples"])
 
 
 def resume_plan(saved: dict, rank: int, world_size: int, workers: int, batches: int) -> tuple:

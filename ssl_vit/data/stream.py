@@ -50,6 +50,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ssl_vit.data import samples
 from ssl_vit.data.device_decode import DeferredCrop, collate_jpegs
+from ssl_vit.data.epoch_order import EpochOrder, SampleIndex, SampleReader
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import (
@@ -81,6 +82,14 @@ class WorkerPosition:
     segment: int = 0
     offset: int = 0
     skip: int = 0
+
+
+@dataclass(frozen=True)
+class OrderStart:
+    """Where a training pass over an indexed epoch (`ssl_vit.data.epoch_order`) starts: the samples of
+    the epoch's order that training consumed before it, on all ranks together."""
+
+    samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,7 @@ class ShardStream(IterableDataset):
         shuffle_buffer: int = 1000,
         segment_shards: int = 4,
         read_policy: ReadPolicy = DEFAULT,
+        index: SampleIndex | None = None,
     ):
         super().__init__()
         self.urls = list(urls)
@@ -152,8 +162,9 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.segment_shards = segment_shards
         self.read_policy = read_policy
+        self.index = index
         self.epoch = 0
-        self.resume: ResumePlan | None = None
+        self.resume: ResumePlan | OrderStart | None = None
 
     def __len__(self) -> int:
         if self.batches_per_epoch is None:
@@ -164,7 +175,10 @@ class ShardStream(IterableDataset):
         info = get_worker_info()
         physical, num_workers = (info.id, info.num_workers) if info else (0, 1)
         counter = SkipCounter(limit=samples.MAX_SKIPS_IN_A_ROW if self.batches_per_epoch else None)
-        if self.batches_per_epoch:
+        if self.batches_per_epoch and self.index is not None:
+            start = self.resume or OrderStart()
+            batches = self._ordered_batches(start.samples, physical, num_workers, counter, info is not None)
+        elif self.batches_per_epoch:
             first = self.resume.first if self.resume else 0
             worker = (physical + first) % num_workers  # see ResumePlan
             batches = self._training_batches(worker, num_workers, counter, in_worker=info is not None)
@@ -187,6 +201,50 @@ class ShardStream(IterableDataset):
         worker in turn and moves on when one is done, so the rank yields exactly batches_per_epoch."""
         n = self.batches_per_epoch
         return n // num_workers + (worker < n % num_workers)
+
+    def _ordered_batches(
+        self, start: int, worker: int, num_workers: int, counter: SkipCounter, in_worker: bool
+    ) -> Iterator[dict]:
+        """This worker's batches of the rest of the epoch's order (`ssl_vit.data.epoch_order`) after the
+        `start` samples consumed: data steps `worker, worker + num_workers, ...` from there, this rank's
+        slice of each. `stream` in each batch: the samples of the order consumed once it is."""
+        step = self.batch_size * self.world_size
+        steps = (self.batches_per_epoch * step - start) // step
+        order = EpochOrder(self.index, self.seed, self.epoch)
+        reader = SampleReader(self.index, max_member_bytes(self.max_image_pixels))
+        try:
+            for t in range(worker, steps, num_workers):
+                first = start + t * step + self.rank * self.batch_size
+                batch = self.collate(
+                    [
+                        self._ordered_sample(order, reader, g, counter, in_worker)
+                        for g in range(first, first + self.batch_size)
+                    ]
+                )
+                batch["stream"] = torch.tensor(start + (t + 1) * step)
+                yield batch
+        finally:
+            reader.close()
+
+    def _ordered_sample(
+        self, order: EpochOrder, reader: SampleReader, g: int, counter: SkipCounter, in_worker: bool
+    ) -> dict:
+        """The sample at position `g`, decoded and augmented with the seed of `g`. One that cannot be used
+        is skipped and counted, and the next usable one of the order takes its place (so the batch keeps
+        its size, and that sample comes twice in the epoch); the SkipCounter's limit ends a stream of
+        nothing but bad samples."""
+        with _seeded_rngs(stream_seed(self.seed, self.epoch, g, 3), restore=not in_worker):
+            for later in count(g):
+                try:
+                    raw = reader.read(*order.locate(later))
+                    raw["__label__"] = self.label_of(raw)
+                    out = self.decode(raw)
+                except BadSample as err:
+                    counter(err)
+                    continue
+                counter.end_run()
+                return out
+        raise AssertionError("unreachable: count() does not end")
 
     def _training_batches(
         self, worker: int, num_workers: int, counter: SkipCounter, in_worker: bool
@@ -397,7 +455,7 @@ class DryShards:
             handed.append(url)
             yield {"url": url}
         if exhaustive and handed and self.since >= set(handed):
-            self._fail(handed)
+            self.fail(handed)
         self._check()
 
     def passed(self, raw: Iterable[dict]) -> Iterator[dict]:
@@ -407,9 +465,9 @@ class DryShards:
 
     def _check(self) -> None:
         if self.since and self.since >= self.urls:
-            self._fail(sorted(self.urls))
+            self.fail(sorted(self.urls))
 
-    def _fail(self, urls: list[str]) -> None:
+    def fail(self, urls: list[str]) -> None:
         shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
         raise NoUsableData(
             f"no usable sample in a whole pass over {len(urls)} shard(s) ({shown}): they are empty or "

@@ -237,6 +237,77 @@ def _members(
         raise _error("no member after a pax or long-name header", offset)
 
 
+def sample_spans(stream, size: int, label_bytes: int) -> Iterator[tuple[str, int, int, dict[str, bytes]]]:
+    """`(key, start, end, labels)` for each sample of an uncompressed tar file of `size` bytes opened
+    for random access: the bytes `[start, end)` hold the sample's members with their headers (pax and
+    long-name ones included), so that the sample can be read alone; `labels` holds its `cls`/`json`
+    members of at most `label_bytes` bytes (what a class filter reads before anything is decoded).
+
+    A walk over the headers that seeks past the data: indexing a shard reads about 1.5 KB per sample
+    whatever the images weigh. Members are grouped by key as `group_by_keys` groups them (consecutive
+    members of one key). Raises `tarfile.ReadError` as `tar_files` does, after yielding the samples
+    that were whole before the damage; a global pax header (which renames every later member, so that
+    a sample read alone would have other names) is refused the same way."""
+    read = stream.read
+    header = read(_BLOCK)
+    if not header:
+        raise tarfile.ReadError("empty tar stream")
+    offset = start = 0
+    meta, gathered = _Meta(), _Gathered()
+    while (header := _checked(read, header, offset)) is not None:
+        kind = header[156:157]
+        if kind == b"\0" and _name(header[:100]).endswith(b"/"):
+            kind = b"5"
+        length = _size(header, kind, meta.size, offset)
+        end = offset + _BLOCK + length + (-length % _BLOCK)
+        if end > size:
+            raise _error(f"the data ends inside a tar member ({size - offset - _BLOCK} of {length})", offset)
+        if kind in _REGULAR or kind in _LINKS:
+            name = _member_name(header, meta.path, meta.global_path)
+            label = kind in _REGULAR and length <= label_bytes
+            yield from gathered.add(name, start, end, read if label else None, length)
+            start = end
+        elif kind not in _NO_DATA:
+            if length > _CHUNK:
+                raise _error(f"a metadata header of {length:,} bytes", offset)
+            meta.read(kind, read(length), offset)
+            if meta.global_path is not None:
+                raise _error("global pax header naming later members (not supported by the index)", offset)
+        if kind in _META:
+            meta.waiting = True
+        elif meta.waiting:
+            meta.clear()
+        offset = end
+        stream.seek(offset)
+        header = read(_BLOCK)
+    if meta.waiting:
+        raise _error("no member after a pax or long-name header", offset)
+    yield from gathered.add(None, 0, 0, None, 0)
+
+
+class _Gathered:
+    """`sample_spans`' sample in progress: `[key, start, end, labels]`, handed on when a member of
+    another key (or the end, `name` None) comes."""
+
+    def __init__(self) -> None:
+        self.current: list | None = None
+
+    def add(self, name: str | None, start: int, end: int, read: Callable | None, length: int) -> Iterator:
+        key, ext = base_plus_ext(name) if name is not None else (None, None)
+        if name is not None and (key is None or (name.startswith("__") and _is_meta(name))):
+            return
+        if self.current is not None and self.current[0] != key:
+            yield tuple(self.current)
+            self.current = None
+        if key is None:
+            return
+        if self.current is None:
+            self.current = [key, start, end, {}]
+        self.current[2] = end
+        if read is not None and ext.lower() in LABEL_MEMBERS:
+            self.current[3][ext.lower()] = read(length)
+
+
 def _checked(read: Callable[[int], bytes], header: bytes, offset: int) -> bytes | None:
     """The 512-byte header block that starts with `header` (completed from `read` after a short read),
     its checksum verified; None at the end of the archive (a zero block, like tarfile, or the end of

@@ -4,6 +4,8 @@ resumed where it broke off; one it cannot is one error after the tries; a missin
 of the server. And what the data module builds on them: manifests read once and never taken for absent
 when they cannot be read, shards whose close fails counted once, the options checked."""
 
+import gzip
+import json
 import os
 import sys
 import tarfile
@@ -185,10 +187,18 @@ def test_manifests_are_read_once_and_never_taken_for_absent(faulty_http, digits_
 
 
 def test_no_manifest_to_size_an_epoch_names_the_manifest(digits_shards, tmp_path):
+    """Local shards are sized by their index (`epoch_order`); compressed or remote ones need the
+    manifest."""
     for i in range(2):
-        (tmp_path / f"train-00000{i}.tar").write_bytes((digits_shards / f"train-00000{i}.tar").read_bytes())
-    dm = ShardDataModule(train_urls=str(tmp_path / "train-{000000..000001}.tar"), image_size=32)
-    with pytest.raises(UserError, match=f"no manifest \\({tmp_path}/train.json does not exist\\)"):
+        data = (digits_shards / f"train-00000{i}.tar").read_bytes()
+        (tmp_path / f"train-00000{i}.tar").write_bytes(data)
+        (tmp_path / f"gz-00000{i}.tar").write_bytes(gzip.compress(data))
+    dm = ShardDataModule(train_urls=str(tmp_path / "train-{000000..000001}.tar"), image_size=32, batch_size=8)
+    dm.setup("fit")
+    manifest = json.loads((digits_shards / "train.json").read_text())
+    assert dm.batches_per_epoch == sum(s["num_samples"] for s in manifest["shards"][:2]) // 8
+    dm = ShardDataModule(train_urls=str(tmp_path / "gz-{000000..000001}.tar"), image_size=32)
+    with pytest.raises(UserError, match=f"no manifest \\({tmp_path}/gz.json does not exist\\)"):
         dm.setup("fit")
     dm = ShardDataModule(train_urls=f"pipe:cat {tmp_path}/train-000000.tar", image_size=32)
     with pytest.raises(UserError, match="only shards named SPLIT-NNNNNN.tar"):

@@ -1,5 +1,6 @@
 """The training DataLoader resumes mid-epoch exactly; streams that can never deliver fail with one line."""
 
+import gzip
 import logging
 import traceback
 
@@ -100,11 +101,36 @@ def test_in_process_and_worker_streams_agree_and_leave_the_main_rng_alone(shards
     assert same(in_process, consume(datamodule(urls, 1).train_dataloader()))
 
 
-def test_resume_with_other_worker_count_warns_and_reads_new_segments(shards, caplog):
+@pytest.mark.parametrize(("before", "after"), [(0, 2), (3, 0), (2, 1)])
+def test_resume_with_other_worker_count_is_exact_and_says_so(shards, caplog, before, after):
+    """The epoch's order depends on the seed, the epoch and the data only (`epoch_order`): a resume
+    with other DataLoader workers continues with exactly the batches the uninterrupted run gives."""
     urls, _ = shards
-    first = datamodule(urls, 0)
+    full = consume(datamodule(urls, before).train_dataloader())
+    first = datamodule(urls, before)
     part = consume(first.train_dataloader(), 3)
-    again = datamodule(urls, 2)
+    again = datamodule(urls, after)
+    again.load_state_dict(first.state_dict())
+    with caplog.at_level(logging.WARNING, logger="ssl_vit.data"):
+        rest = consume(again.train_dataloader())
+    assert f"resuming on 1 rank(s) x {after} DataLoader worker(s), saved on 1 x {before}" in caplog.text
+    assert "the resume is exact" in caplog.text
+    assert same(part + rest, full)
+    assert same(full, consume(datamodule(urls, after).train_dataloader()))  # workers change nothing
+
+
+def test_a_stream_of_segments_resumed_with_other_workers_warns_and_reads_new_segments(tmp_path, caplog):
+    """Compressed (or remote) shards are read as streams of segments, exact with the run's own workers
+    only: another count is said in one warning."""
+    write_shards(tmp_path, [13, 7, 11, 9, 5], prefix="train")
+    zipped = []
+    for path in sorted(tmp_path.glob("train-*.tar")):
+        (tmp_path / f"gz{path.name}").write_bytes(gzip.compress(path.read_bytes()))
+        zipped.append(str(tmp_path / f"gz{path.name}"))
+    first = datamodule(zipped, 0)
+    assert first.train_index is None
+    part = consume(first.train_dataloader(), 3)
+    again = datamodule(zipped, 2)
     again.load_state_dict(first.state_dict())
     with caplog.at_level(logging.WARNING, logger="ssl_vit.data"):
         rest = consume(again.train_dataloader())
