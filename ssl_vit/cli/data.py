@@ -43,6 +43,15 @@ def add_parser(subparsers) -> None:
         "sources only)",
     )
     convert.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
+    convert.add_argument(
+        "--order",
+        choices=["random", "source"],
+        default="random",
+        help="random (default): the split's records in a seeded random order, decided before any image is "
+        "read (a resumed conversion writes the same shards), so no shard holds one class; source: the "
+        "source's own order (class folders: class by class). wds: and hf: read lazily keep their order",
+    )
+    convert.add_argument("--seed", type=int, default=0, help="seed of --order random (default 0)")
     for kind, flag in source_flags():  # each source's own flags, as its module registers them
         convert.add_argument(
             flag.option,
@@ -153,6 +162,7 @@ def _convert(args) -> int:
     from ssl_vit.data.writer import convert, manifest_path
 
     check_at_least(args, 1, "workers", "max_side")
+    check_at_least(args, 0, "seed")
 
     manifest = convert(
         args.source,
@@ -165,6 +175,8 @@ def _convert(args) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=args.progress,
+        order=args.order,
+        seed=args.seed,
         **{flag.name: getattr(args, flag.name) for _, flag in source_flags()},
     )
     print(

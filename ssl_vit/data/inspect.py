@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from ssl_vit.atomic import write_text
 from ssl_vit.data.band_stats import BandStats, merged
+from ssl_vit.data.class_mix import uniform_distinct
 from ssl_vit.data.manifest import channel_choices, manifest_url, read_manifest
 from ssl_vit.data.masks import IGNORE_INDEX, pixel_counts
 from ssl_vit.data.samples import (
@@ -230,6 +231,7 @@ def format_report(reports: list[ShardReport], problems: list[str]) -> str:
     n = sum(r.samples for r in reports)
     labelled = len([c for c in total if c >= 0])
     lines.append(f"{n} good samples in {len(reports)} shards, {labelled} classes, {len(problems)} problems")
+    lines += class_order(reports, total)
     masks = sum(r.masks for r in reports)
     if masks:
         pixels = sum((r.mask_pixels for r in reports), Counter())
@@ -242,6 +244,28 @@ def format_report(reports: list[ShardReport], problems: list[str]) -> str:
         lines.append("problems:")
         lines += [f"  {p}" for p in problems]
     return "\n".join(lines)
+
+
+def class_order(reports: list[ShardReport], total: Counter) -> list[str]:
+    """The shards' class mix: classes per shard against a shard of a uniformly shuffled set of the same
+    classes (`class_mix.uniform_distinct`), and one warning line when the shards are sorted by class
+    (a mix below half of it), naming the fixes."""
+    counts = [v for c, v in total.items() if c >= 0]
+    shards = [r for r in reports if sum(v for c, v in r.classes.items() if c >= 0)]
+    if len(counts) < 2 or len(shards) < 2:
+        return []
+    held = sum(len([c for c in r.classes if c >= 0]) for r in shards) / len(shards)
+    uniform = sum(uniform_distinct(counts, sum(r.classes.values())) for r in shards) / len(shards)
+    line = f"class mix: {held:.1f} classes per shard, {uniform:.1f} in the shards of a shuffled set"
+    if held >= 0.5 * uniform:
+        return [line]
+    return [
+        line,
+        "warning: the shards are sorted by class: training on local shards mixes them anyway (its epoch is "
+        "one random order of every sample), but remote or gzip-compressed shards are read a few at a "
+        "time and give batches of a few classes: reconvert with `ssl-vit data convert` (--order random, "
+        "its default), or keep the shards local and uncompressed",
+    ]
 
 
 def _classes(counts: Counter) -> str:

@@ -111,10 +111,10 @@ def _check_scalars(manifest: dict, bad: _Bad) -> None:
         raise bad("num_classes", f"at most {MAX_CLASSES:,}")
     if "masks" in manifest and not isinstance(manifest["masks"], bool):
         raise bad("masks", "true or false")
-    for key in ("version", "skipped"):
+    for key in ("version", "skipped", "order_seed"):
         if key in manifest and not _count(manifest[key]):
             raise bad(key, "a non-negative integer")
-    for key in ("source", "split", "image_format"):
+    for key in ("source", "split", "image_format", "order"):
         if key in manifest and not isinstance(manifest[key], str):
             raise bad(key, "a string")
     size = manifest.get("image_size")

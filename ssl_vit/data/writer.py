@@ -34,6 +34,7 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import webdataset as wds
 
 from ssl_vit import progress
@@ -66,6 +67,8 @@ def convert(
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
+    order: str = "random",
+    seed: int = 0,
     **source_options: int | str | None,
 ) -> dict:
     """Write the shards and manifest for SOURCE `spec`, images shrunk to `max_side` pixels on their
@@ -84,6 +87,7 @@ def convert(
     with split_lock(outdir, split):  # the rest under it: one conversion of a split at a time
         _check_outdir(outdir, split, overwrite)
         source = open_source(spec, split, **source_options)
+        order = _shuffle(source, order, seed)
         options = {
             "source": spec,
             "split": split,
@@ -92,6 +96,8 @@ def convert(
             "quality": quality,
             "max_side": max_side,
             "source_records": source.total,
+            "order": order,
+            **({"order_seed": seed} if order == "random" else {}),
             **source.options,
         }
         outdir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +108,24 @@ def convert(
         _swap_in(outdir, split, partial, manifest)
         shutil.rmtree(partial, ignore_errors=True)  # what is left: the progress record
         return manifest
+
+
+def _shuffle(source: Source, order: str, seed: int) -> str:
+    """`--order`: the records of a listed source (every one but `wds:` and `hf:`, read lazily) in a
+    random order seeded by `seed`, decided from the list before any image is read, so that a resumed
+    conversion writes the same shards; returns the order written. Class-folder sources list their
+    records class by class: shards in that order hold one class or a few, which a stream of shards read
+    one after another cannot mix (the training stream's global order can: `data/README.md`)."""
+    if order not in ("random", "source"):
+        raise UserError(f"--order must be random or source, got {order!r}")
+    if order == "source":
+        return order
+    if not isinstance(source.records, list):
+        log.info("%s is read lazily: its records keep the source's order", source.spec)
+        return "source"
+    rng = np.random.default_rng([seed, 0x0DE])
+    source.records = [source.records[i] for i in rng.permutation(len(source.records))]
+    return order
 
 
 def _image_options(
@@ -488,7 +512,10 @@ def _manifest(source: Source, options: dict, shards: list[dict], trailing_skippe
         "class_names": class_names,
         "class_counts": {str(k): v for k, v in sorted(class_counts.items())},
         "shards": [{"url": entry["url"], "num_samples": entry["num_samples"]} for entry in shards],
+        "order": options.get("order", "source"),
     }
+    if "order_seed" in options:
+        manifest["order_seed"] = options["order_seed"]
     if source.masks:  # every sample has a seg.png; its classes are class_names
         pixels: Counter = Counter()
         for entry in shards:

@@ -88,6 +88,8 @@ def test_digits_fixed_split_round_trips(cli, tmp_path):
     cli(
         "data",
         "convert",
+        "--order",
+        "source",
         "digits",
         str(tmp_path),
         "--split",
@@ -97,7 +99,18 @@ def test_digits_fixed_split_round_trips(cli, tmp_path):
         "--workers",
         "2",
     )
-    cli("data", "convert", "digits", str(tmp_path), "--split", "val", "--shard-size", "600")
+    cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        "digits",
+        str(tmp_path),
+        "--split",
+        "val",
+        "--shard-size",
+        "600",
+    )
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -127,6 +140,8 @@ def test_cifar_pickles_round_trip(cli, tmp_path, hundred):
             cli(
                 "data",
                 "convert",
+                "--order",
+                "source",
                 f"{kind}:{tmp_path / 'raw'}",
                 str(tmp_path / "out"),
                 "--split",
@@ -136,7 +151,14 @@ def test_cifar_pickles_round_trip(cli, tmp_path, hundred):
                 "--no-progress",
             )
         else:  # the library call behind the CLI, to keep the suite fast
-            convert(f"{kind}:{tmp_path / 'raw'}", tmp_path / "out", split=split, shard_size=4, progress=False)
+            convert(
+                f"{kind}:{tmp_path / 'raw'}",
+                tmp_path / "out",
+                split=split,
+                shard_size=4,
+                progress=False,
+                order="source",
+            )
         manifest, _ = assert_round_trip(tmp_path / "out", split, *images[split])
         assert manifest["num_classes"] == (100 if hundred else 10) and manifest["class_names"][1] == "class1"
     assert len(json.loads((tmp_path / "out" / "train.json").read_text())["shards"]) == (1 if hundred else 4)
@@ -152,9 +174,19 @@ def test_idx_round_trips(cli, tmp_path, gz):
     write_idx(tmp_path / f"labels-idx1-ubyte{suffix}", labels, gz)
     source = f"idx:{tmp_path}/images-idx3-ubyte{suffix},{tmp_path}/labels-idx1-ubyte{suffix}"
     if gz:
-        cli("data", "convert", source, str(tmp_path / "out"), "--shard-size", "5", "--no-progress")
+        cli(
+            "data",
+            "convert",
+            "--order",
+            "source",
+            source,
+            str(tmp_path / "out"),
+            "--shard-size",
+            "5",
+            "--no-progress",
+        )
     else:  # the library call behind the CLI, to keep the suite fast
-        convert(source, tmp_path / "out", shard_size=5, progress=False)
+        convert(source, tmp_path / "out", shard_size=5, progress=False, order="source")
     manifest, _ = assert_round_trip(tmp_path / "out", "train", grey, labels.tolist())
     assert manifest["image_size"] == [28, 28] and [s["num_samples"] for s in manifest["shards"]] == [5, 5, 1]
 
@@ -171,7 +203,13 @@ def test_imagefolder_round_trips_and_counts_unreadable(cli, tmp_path):
             expected.append((array, 0 if cls == "cat" else 1))
     (tmp_path / "folder" / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     proc = cli(
-        "data", "convert", f"imagefolder:{tmp_path / 'folder'}", str(tmp_path / "out"), "--no-progress"
+        "data",
+        "convert",
+        "--order",
+        "source",
+        f"imagefolder:{tmp_path / 'folder'}",
+        str(tmp_path / "out"),
+        "--no-progress",
     )
     assert "1 unreadable skipped" in proc.stdout and "broken.png" in proc.stderr
     manifest, _ = assert_round_trip(
@@ -192,12 +230,22 @@ def test_npz_and_jpg(cli, tmp_path):
     ).astype(np.uint8)  # smooth, so JPEG keeps it close
     labels = np.arange(6) % 3
     np.savez(tmp_path / "set.npz", images=images, labels=labels, class_names=np.array(["a", "b", "c"]))
-    cli("data", "convert", f"npz:{tmp_path / 'set.npz'}", str(tmp_path / "png"), "--no-progress")
+    cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        f"npz:{tmp_path / 'set.npz'}",
+        str(tmp_path / "png"),
+        "--no-progress",
+    )
     manifest, _ = assert_round_trip(tmp_path / "png", "train", images, labels.tolist())
     assert manifest["class_names"] == ["a", "b", "c"] and manifest["class_counts"] == {"0": 2, "1": 2, "2": 2}
     cli(
         "data",
         "convert",
+        "--order",
+        "source",
         f"npz:{tmp_path / 'set.npz'}",
         str(tmp_path / "jpg"),
         "--format",
@@ -212,8 +260,8 @@ def test_npz_and_jpg(cli, tmp_path):
 
 
 def test_synthetic_is_deterministic_and_workers_agree(tmp_path):
-    convert("synthetic:50", tmp_path / "a", shard_size=20, progress=False)
-    convert("synthetic:50", tmp_path / "b", shard_size=20, workers=2, progress=False)
+    convert("synthetic:50", tmp_path / "a", shard_size=20, progress=False, order="source")
+    convert("synthetic:50", tmp_path / "b", shard_size=20, workers=2, progress=False, order="source")
     for name in ("train-000000.tar", "train-000001.tar", "train-000002.tar", "train.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     manifest = json.loads((tmp_path / "a" / "train.json").read_text())
@@ -222,14 +270,14 @@ def test_synthetic_is_deterministic_and_workers_agree(tmp_path):
 
 @pytest.mark.slow
 def test_refuses_to_overwrite_and_bad_sources_are_one_line_errors(cli, tmp_path):
-    convert("synthetic:30", tmp_path, shard_size=10, progress=False)
+    convert("synthetic:30", tmp_path, shard_size=10, progress=False, order="source")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    proc = cli("data", "convert", "synthetic:5", str(tmp_path), check=False)
+    proc = cli("data", "convert", "--order", "source", "synthetic:5", str(tmp_path), check=False)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("ssl-vit: error:")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
-    cli("data", "convert", "synthetic:5", str(tmp_path), "--overwrite", "--no-progress")
+    cli("data", "convert", "--order", "source", "synthetic:5", str(tmp_path), "--overwrite", "--no-progress")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "train-000000.tar",
         "train.json",
@@ -239,7 +287,7 @@ def test_refuses_to_overwrite_and_bad_sources_are_one_line_errors(cli, tmp_path)
         (f"cifar10:{tmp_path / 'nope'}", "no such directory"),
         ("mnist:x", "unknown source"),
     ]:
-        proc = cli("data", "convert", source, str(tmp_path / "new"), check=False)
+        proc = cli("data", "convert", "--order", "source", source, str(tmp_path / "new"), check=False)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
         assert proc.stderr.strip().count("\n") == 0 and not (tmp_path / "new").exists()
 
@@ -299,7 +347,19 @@ sys.exit(main(sys.argv[3:]))
 
 def convert_with_fault(fail_on: str, how: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", CONVERT_WITH_FAULT, fail_on, how, "data", "convert", *args, "--no-progress"],
+        [
+            sys.executable,
+            "-c",
+            CONVERT_WITH_FAULT,
+            fail_on,
+            how,
+            "data",
+            "convert",
+            "--order",
+            "source",
+            *args,
+            "--no-progress",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -334,8 +394,8 @@ def assert_inspect_passes(cli, outdir: Path, split: str, samples: int) -> None:
 @pytest.fixture
 def old_split(tmp_path) -> tuple[Path, dict[str, bytes | None]]:
     """OUTDIR holding split train: 30 samples in 3 shards, and split val, which must never be touched."""
-    convert("synthetic:30", tmp_path / "out", shard_size=10, progress=False)
-    convert("synthetic:7", tmp_path / "out", split="val", shard_size=10, progress=False)
+    convert("synthetic:30", tmp_path / "out", shard_size=10, progress=False, order="source")
+    convert("synthetic:7", tmp_path / "out", split="val", shard_size=10, progress=False, order="source")
     return tmp_path / "out", snapshot(tmp_path / "out")
 
 
@@ -362,7 +422,7 @@ def test_a_directory_in_the_way_is_refused_before_anything_is_written(cli, old_s
     (outdir / "train-000003.tar").mkdir()  # where the new set's 4th shard would go
     before = snapshot(outdir)
     proc = cli(
-        "data", "convert", "synthetic:50", str(outdir), "--shard-size", "10", "--overwrite", "--no-progress",
+        "data", "convert", "--order", "source", "synthetic:50", str(outdir), "--shard-size", "10", "--overwrite", "--no-progress",
         check=False,
     )  # fmt: skip
     assert_one_line_error(proc, f"{outdir / 'train-000003.tar'} is in the way", "move it out")
@@ -386,7 +446,9 @@ def test_a_conversion_killed_mid_swap_is_finished_by_the_next_one(cli, old_split
     assert proc.returncode == 9, proc.stderr
     assert (outdir / ".train.old").is_dir()
 
-    proc = cli("data", "convert", "synthetic:5", str(outdir), "--no-progress", check=False)
+    proc = cli(
+        "data", "convert", "--order", "source", "synthetic:5", str(outdir), "--no-progress", check=False
+    )
     assert proc.returncode == 2 and "finished the interrupted conversion of split 'train'" in proc.stderr
     assert (
         proc.stderr.strip().splitlines()[-1].startswith("ssl-vit: error: ") and "--overwrite" in proc.stderr
@@ -401,7 +463,18 @@ def test_a_conversion_killed_mid_swap_is_finished_by_the_next_one(cli, old_split
 def test_overwrite_with_fewer_shards_leaves_no_stale_shard_and_other_splits_alone(cli, old_split):
     outdir, before = old_split
     (outdir / "train-extra-000000.tar").write_bytes(b"a split called train-extra")
-    cli("data", "convert", "synthetic:12", str(outdir), "--shard-size", "10", "--overwrite", "--no-progress")
+    cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        "synthetic:12",
+        str(outdir),
+        "--shard-size",
+        "10",
+        "--overwrite",
+        "--no-progress",
+    )
     assert_inspect_passes(cli, outdir, "train", 12)
     after = snapshot(outdir)
     assert sorted(after) == sorted(
@@ -420,7 +493,17 @@ def test_overwrite_with_fewer_shards_leaves_no_stale_shard_and_other_splits_alon
 
 @pytest.mark.parametrize("split", ["../x", "a/b", "/tmp/x"])
 def test_split_must_be_a_plain_name(cli, tmp_path, split):
-    proc = cli("data", "convert", "synthetic:5", str(tmp_path / "out"), "--split", split, check=False)
+    proc = cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        "synthetic:5",
+        str(tmp_path / "out"),
+        "--split",
+        split,
+        check=False,
+    )
     assert_one_line_error(proc, f"--split {split!r} is not a plain name", "letters, digits")
     assert list(tmp_path.iterdir()) == []  # not even OUTDIR
 
@@ -428,7 +511,7 @@ def test_split_must_be_a_plain_name(cli, tmp_path, split):
 def test_split_names_that_are_not_plain(tmp_path):
     for split in (".hidden", "x/../../y", "..", "a..b", "", "tr ain", "x\\y", "val\n"):
         with pytest.raises(UserError, match="is not a plain name"):
-            convert("synthetic:5", tmp_path / "out", split=split, progress=False)
+            convert("synthetic:5", tmp_path / "out", split=split, progress=False, order="source")
     assert list(tmp_path.iterdir()) == []
     for split in ("train", "val", "test-2", "in1k_train.v2"):
         check_split_name(split)

@@ -81,6 +81,8 @@ def test_train_and_val_labels(cli, tree, tmp_path, truth):
         cli(
             "data",
             "convert",
+            "--order",
+            "source",
             f"imagenet:{tree}",
             str(out),
             "--split",
@@ -129,7 +131,17 @@ def test_unreadable_trees_are_one_line_errors_and_nothing_is_written(
     cli, tree, tmp_path, break_it, split, words
 ):
     break_it(tree)
-    proc = cli("data", "convert", f"imagenet:{tree}", str(tmp_path / "out"), "--split", split, check=False)
+    proc = cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        f"imagenet:{tree}",
+        str(tmp_path / "out"),
+        "--split",
+        split,
+        check=False,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("ssl-vit: error: ")
     for word in words:

@@ -62,7 +62,9 @@ def test_ade20k_maps_other_to_ignored_and_shifts_the_classes(cli, ade, tmp_path)
     root, truth = ade
     out = tmp_path / "out"
     args = ["--format", "jpg", "--shard-size", "2", "--no-progress"]
-    cli("data", "convert", f"ade20k:{root.parent}", str(out), *args)  # DIR: the folder holding the set
+    cli(
+        "data", "convert", "--order", "source", f"ade20k:{root.parent}", str(out), *args
+    )  # DIR: the folder holding the set
     manifest, samples = samples_of(out, "train")
     assert [s["__key__"] for s in samples] == [f"ade20k-train-{i:08d}" for i in range(3)]
     stems = [f"ADE_train_0000000{i}" for i in (1, 2, 3)]
@@ -84,7 +86,7 @@ def test_ade20k_maps_other_to_ignored_and_shifts_the_classes(cli, ade, tmp_path)
     assert manifest["mask_pixels"] == dict(sorted(expected_pixels.items(), key=lambda kv: int(kv[0])))
     assert set(manifest["mask_pixels"]) == {"0", "1", "4", "149", "255"}
 
-    convert(f"ade20k:{root}", out, split="val", progress=False)  # DIR the folder itself; val
+    convert(f"ade20k:{root}", out, split="val", progress=False, order="source")  # DIR the folder itself; val
     manifest, (sample,) = samples_of(out, "val")
     assert sample["__key__"] == "ade20k-val-00000000" and manifest["num_samples"] == 1
     assert np.array_equal(pixels(sample["png"]), pixels(truth["ADE_val_00000001"][0]))  # decoded, as PNG
@@ -108,7 +110,15 @@ def test_masks_that_do_not_fit_are_skipped_and_counted_and_max_side_shrinks_them
     save(np.ones((10, 12), np.uint8), root / "annotations/training/ADE_train_00000002.png")  # half size
     save(np.full((20, 24), 200, np.uint8), root / "annotations/training/ADE_train_00000003.png")  # 199
     proc = cli(
-        "data", "convert", f"ade20k:{root}", str(tmp_path / "out"), "--max-side", "12", "--no-progress"
+        "data",
+        "convert",
+        "--order",
+        "source",
+        f"ade20k:{root}",
+        str(tmp_path / "out"),
+        "--max-side",
+        "12",
+        "--no-progress",
     )
     assert "wrote 1 samples (2 unreadable skipped)" in proc.stdout
     warnings = proc.stderr.splitlines()
@@ -146,7 +156,9 @@ def voc(tmp_path) -> tuple[Path, dict]:
 def test_voc_keeps_the_palette_indices_and_the_255_border(cli, voc, tmp_path):
     root, truth = voc
     assert Image.open(root / "SegmentationClass/2007_000032.png").mode == "P"
-    cli("data", "convert", f"voc:{root.parent}", str(tmp_path / "out"), "--no-progress")  # DIR = VOCdevkit
+    cli(
+        "data", "convert", "--order", "source", f"voc:{root.parent}", str(tmp_path / "out"), "--no-progress"
+    )  # DIR = VOCdevkit
     manifest, samples = samples_of(tmp_path / "out", "train")
     assert [s["__key__"] for s in samples] == ["voc-train-00000000", "voc-train-00000001"]
     for sample, name in zip(samples, ("2007_000032", "2008_000002")):
@@ -161,7 +173,7 @@ def test_voc_keeps_the_palette_indices_and_the_255_border(cli, voc, tmp_path):
     ]
     assert manifest["class_names"][20] == "tvmonitor" and manifest["masks"] is True
     assert manifest["mask_pixels"]["255"] == 2 * 18
-    convert(f"voc:{root}", tmp_path / "out", split="val", progress=False)  # DIR = VOC2012
+    convert(f"voc:{root}", tmp_path / "out", split="val", progress=False, order="source")  # DIR = VOC2012
     _, (sample,) = samples_of(tmp_path / "out", "val")
     assert np.array_equal(pixels(sample["seg.png"]), truth["2007_000039"])
 
@@ -172,6 +184,8 @@ def tile_shards(root: Path, images: np.ndarray, labels: np.ndarray, cli) -> str:
     cli(
         "data",
         "convert",
+        "--order",
+        "source",
         f"npz:{root / 'tiles.npz'}",
         str(root / "tiles"),
         "--shard-size",
@@ -189,7 +203,7 @@ def test_mosaic_tiles_row_by_row_with_their_classes_and_a_background(cli, tmp_pa
     labels = np.array([0, 1, 2, 0, 2, 2, 1, 0, 1, 1, 0])
     urls = tile_shards(tmp_path, tiles, labels, cli)
     proc = cli(
-        "data", "convert", f"mosaic:{urls}", str(tmp_path / "out"), "--grid", "2", "--background-threshold",
+        "data", "convert", "--order", "source", f"mosaic:{urls}", str(tmp_path / "out"), "--grid", "2", "--background-threshold",
         "60", "--no-progress",
     )  # fmt: skip
     assert "the last 3 tiles do not fill a 2x2 grid and are left out" in proc.stderr
@@ -216,7 +230,16 @@ def test_mosaic_grey_level_is_the_brightest_channel_and_conversions_resume(cli, 
     tiles[:, :2, :, 0] = 200  # top half dark red, bottom half black
     urls = tile_shards(tmp_path, tiles, np.arange(8) % 3, cli)
     args = ["--grid", "1", "--background-threshold", "100", "--shard-size", "3"]
-    cli("data", "convert", f"mosaic:{urls}", str(tmp_path / "whole"), *args, "--no-progress")
+    cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        f"mosaic:{urls}",
+        str(tmp_path / "whole"),
+        *args,
+        "--no-progress",
+    )
     manifest, samples = samples_of(tmp_path / "whole", "train")
     for i, sample in enumerate(samples):
         assert pixels(sample["png"]).shape == (4, 4, 3)
@@ -227,11 +250,29 @@ def test_mosaic_grey_level_is_the_brightest_channel_and_conversions_resume(cli, 
 
     convert_killed(2, f"mosaic:{urls}", str(tmp_path / "out"), *args)
     shutil.copytree(tmp_path / "out", tmp_path / "other")  # the same interrupted conversion, twice
-    proc = cli("data", "convert", f"mosaic:{urls}", str(tmp_path / "out"), *args, "--no-progress")
+    proc = cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        f"mosaic:{urls}",
+        str(tmp_path / "out"),
+        *args,
+        "--no-progress",
+    )
     assert "continuing the interrupted conversion after its 1 finished shards" in proc.stderr
     assert files(tmp_path / "out") == files(tmp_path / "whole")  # manifest and masks included
     args[3] = "50"  # the same records, other masks: the finished shard is of no use
-    proc = cli("data", "convert", f"mosaic:{urls}", str(tmp_path / "other"), *args, "--no-progress")
+    proc = cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        f"mosaic:{urls}",
+        str(tmp_path / "other"),
+        *args,
+        "--no-progress",
+    )
     assert "interrupted conversion with other background_threshold is discarded" in proc.stderr
 
 
@@ -284,13 +325,23 @@ def test_bad_inputs_are_one_line_and_write_nothing(cli, ade, voc, tmp_path, case
         source, words = "synthetic:4", ["--background-threshold: only for the mosaic:URLS source"]
         extra = ["--background-threshold", "9"]
     elif case == "mosaic-without-grid":
-        convert("synthetic:4", tmp_path / "tiles", progress=False)
+        convert("synthetic:4", tmp_path / "tiles", progress=False, order="source")
         source, words = f"mosaic:{tmp_path}/tiles/train-000000.tar", ["needs --grid K"]
     else:
-        convert("synthetic:4", tmp_path / "tiles", progress=False)
+        convert("synthetic:4", tmp_path / "tiles", progress=False, order="source")
         (tmp_path / "tiles/train.json").unlink()
         source = f"mosaic:{tmp_path}/tiles/train-000000.tar"
         words, extra = [f"{tmp_path}/tiles/train.json is missing", "ssl-vit data convert"], ["--grid", "2"]
-    proc = cli("data", "convert", source, str(tmp_path / "out"), *extra, "--no-progress", check=False)
+    proc = cli(
+        "data",
+        "convert",
+        "--order",
+        "source",
+        source,
+        str(tmp_path / "out"),
+        *extra,
+        "--no-progress",
+        check=False,
+    )
     assert_one_line_error(proc, *words)
     assert not (tmp_path / "out").exists()
