@@ -128,10 +128,14 @@ def check_step(saved: dict, world_size: int, batch_size: int) -> None:
         else f"run on a number of ranks that divides {step}"
     )
     raise UserError(
-        f"this run's global batch is {step} ({step // ranks} per rank on {ranks} ranks), and "
-        f"{batch_size} per rank on {world_size} ranks would make it {batch_size * world_size}: {fix}, "
+        f"this run's global batch is {step} ({step // ranks} per rank on {_ranks(ranks)}), and "
+        f"{batch_size} per rank on {_ranks(world_size)} would make it {batch_size * world_size}: {fix}, "
         "so that the resume continues the epoch exactly"
     )
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
 
 
 def order_start(saved: dict, world_size: int, workers: int, batches: int, step: int) -> tuple:
