@@ -483,3 +483,29 @@ def test_bench_step_runs_the_latent_and_hog_presets(tmp_path):
     rows = {row["name"]: row for row in report["rows"]}
     assert list(rows) == ["plain", "maskfeat", "ijepa", "data2vec2"]
     assert all(row["images_per_s"] > 0 and row["gflops_per_image"] > 0 for row in rows.values())
+
+
+def test_bench_feed_reports_the_class_mix_of_class_sorted_shards(tmp_path):
+    """`--shards` written class by class (one class per shard, no manifest): the feed's rows say how
+    mixed the batches are, against a uniform shuffle, from the first batch on."""
+    import io
+
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(8):
+        with wds.TarWriter(str(tmp_path / f"train-{c:06d}.tar")) as sink:
+            for i in range(16):
+                png = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(png, format="PNG")
+                sink.write({"__key__": f"c{c}-{i:02d}", "png": png.getvalue(), "cls": str(c)})
+    out = tmp_path / "feed.json"
+    args = ["--img-size", "16", "--variant", "Ti/8", "--batch-size", "16", "--batches", "2", "--steps", "1"]
+    shards = str(tmp_path / "train-{000000..000007}.tar")
+    proc = run_cli("bench", "feed", *args, "--workers", "0", "--shards", shards, "--json", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    mix = row["mix"]
+    assert mix["batches"] == 4 and mix["ratio"] >= 0.85 and mix["first"] >= 6, mix  # 7.6 for a uniform draw
+    assert "distinct classes per batch of 16" in proc.stdout

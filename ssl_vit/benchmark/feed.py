@@ -17,6 +17,11 @@ Each worker's first `WARMUP_BATCHES` batches are not timed (process start-up, fi
 shuffle buffer primed); then `batches` per worker are, the device synchronised at both ends. The
 DataLoader takes batches from its workers in turn, so the timed window holds whole rounds of them.
 
+Each row also gives the batches' class mix when the shards are labelled (`ssl_vit.data.class_mix`:
+distinct classes per batch from the first batch on, against a uniform shuffle of the classes the
+manifest counts; how often neighbours share a class, against the same): what the order the shards were
+written in does to the batches, which `benchmarks/stream_mix.py` measures on class-sorted layouts.
+
 `feed / step` above 1: the workers deliver faster than the step consumes, the accelerator never waits
 for data. Each side is timed alone: on a CPU device, where a training run's step and workers share
 the cores, the ratio only says which of the two is far the slower.
@@ -34,6 +39,7 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 
 from ssl_vit.benchmark.data import make_jpegs, write_shards
 from ssl_vit.data import ShardDataModule
+from ssl_vit.data.class_mix import batch_mix, format_mix
 from ssl_vit.data.manifest import channel_choices, read_manifest
 from ssl_vit.data.options import Augment
 from ssl_vit.data.urls import expand
@@ -52,10 +58,11 @@ def default_workers() -> list[int]:
 
 def feed_rate(
     urls: str, workers: int, batch_size: int, img_size: int, batches: int, device: torch.device, decode: str
-) -> tuple[float, float]:
+) -> tuple[float, float, dict | None]:
     """Images/s from `workers` DataLoader workers (0: the main process decodes) to normalised batches
-    on `device`, over `batches` timed batches per worker; and the share of those images decoded on the
-    CPU (with `decode="device"`, what the device decoder does not take: PNGs, arrays, CMYK JPEGs)."""
+    on `device`, over `batches` timed batches per worker; the share of those images decoded on the
+    CPU (with `decode="device"`, what the device decoder does not take: PNGs, arrays, CMYK JPEGs); and
+    the class mix of all the batches (None for shards of fewer than 2 labelled classes)."""
     rounds = max(1, workers)  # batches per round of the DataLoader over its workers
     data = ShardDataModule(
         **band_args(urls),
@@ -69,8 +76,9 @@ def feed_rate(
         decode=decode,
     )
     data.setup("fit")
-    on_cpu = 0
+    on_cpu, labels = 0, []
     for i, batch in enumerate(data.train_dataloader()):
+        labels.append(batch["label"].tolist())
         batch = data.on_after_batch_transfer(move_data_to_device(batch, device), 0)
         if i >= WARMUP_BATCHES * rounds:  # every image on the CPU unless the device decoded some
             on_cpu += int(batch.get("decoded_on_cpu", len(batch["key"])))
@@ -79,7 +87,14 @@ def feed_rate(
             start = time.perf_counter()
     _sync(device)
     images = batches * rounds * batch_size
-    return images / (time.perf_counter() - start), on_cpu / images
+    return images / (time.perf_counter() - start), on_cpu / images, _mix(labels, data.manifest)
+
+
+def _mix(labels: list[list[int]], manifest: dict | None) -> dict | None:
+    counts = [n for c, n in (manifest or {}).get("class_counts", {}).items() if int(c) >= 0] or None
+    if len({label for batch in labels for label in batch if label >= 0}) < 2:
+        return None
+    return batch_mix(labels, counts)
 
 
 def band_args(urls: str) -> dict:
@@ -121,11 +136,21 @@ def run_feed(
     with tempfile.TemporaryDirectory(prefix="ssl-vit-bench-feed-") as tmp:
         urls = shards or write_shards(make_jpegs(IMAGES, stored, quality=quality), tmp, SHARDS)
         for n in workers:
-            rate, on_cpu = feed_rate(urls, n, batch_size, img_size, batches, torch.device(device), decode)
+            rate, on_cpu, mix = feed_rate(
+                urls, n, batch_size, img_size, batches, torch.device(device), decode
+            )
             rows.append(
-                {"workers": n, "images_per_s": rate, "per_worker": rate / max(1, n), "on_cpu": on_cpu}
+                {
+                    "workers": n,
+                    "images_per_s": rate,
+                    "per_worker": rate / max(1, n),
+                    "on_cpu": on_cpu,
+                    "mix": mix,
+                }
             )
             progress(f"{n} workers: {rate:.1f} img/s, {100 * on_cpu:.0f}% decoded on the CPU")
+            if mix is not None:
+                progress(f"{n} workers: {format_mix(mix)}")
     source = {"shards": shards} if shards else {"stored": list(stored), "quality": quality, "images": IMAGES}
     config = {
         **source, "img_size": img_size,
