@@ -422,7 +422,8 @@ def test_a_directory_in_the_way_is_refused_before_anything_is_written(cli, old_s
     (outdir / "train-000003.tar").mkdir()  # where the new set's 4th shard would go
     before = snapshot(outdir)
     proc = cli(
-        "data", "convert", "--order", "source", "synthetic:50", str(outdir), "--shard-size", "10", "--overwrite", "--no-progress",
+        "data", "convert", "--order", "source", "synthetic:50", str(outdir), "--shard-size", "10",
+        "--overwrite", "--no-progress",
         check=False,
     )  # fmt: skip
     assert_one_line_error(proc, f"{outdir / 'train-000003.tar'} is in the way", "move it out")

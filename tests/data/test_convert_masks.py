@@ -203,8 +203,8 @@ def test_mosaic_tiles_row_by_row_with_their_classes_and_a_background(cli, tmp_pa
     labels = np.array([0, 1, 2, 0, 2, 2, 1, 0, 1, 1, 0])
     urls = tile_shards(tmp_path, tiles, labels, cli)
     proc = cli(
-        "data", "convert", "--order", "source", f"mosaic:{urls}", str(tmp_path / "out"), "--grid", "2", "--background-threshold",
-        "60", "--no-progress",
+        "data", "convert", "--order", "source", f"mosaic:{urls}", str(tmp_path / "out"), "--grid", "2",
+        "--background-threshold", "60", "--no-progress",
     )  # fmt: skip
     assert "the last 3 tiles do not fill a 2x2 grid and are left out" in proc.stderr
     manifest, samples = samples_of(tmp_path / "out", "train")
