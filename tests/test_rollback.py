@@ -61,11 +61,11 @@ def assert_continues(got: list[dict], want: list[dict]) -> None:
         assert abs(g["loss"] - w["loss"]) < 1e-6 and g["keys"] == w["keys"] and g["lr"] == w["lr"], g["step"]
 
 
-# One worker reading one shard at a time (300 digits), 8 a batch: the first 21 batches hold 168 samples of
-# one shard, none twice; so a sample of a skipped batch has no reason to come back but a rollback's mistake.
-# (Across segments and workers, shards are drawn with replacement: samples do come back.)
+# 8 a batch, 24 batches an epoch: the 21 batches of the reference are all in epoch 0, whose order holds
+# every sample once, so a sample of a skipped batch has no reason to come back but a rollback's mistake.
 SPIKED = ["--nonfinite.skip_batches", "2", "--data.init_args.batch_size", "8",
-          "--data.init_args.num_workers", "1", "--data.init_args.stream.segment_shards", "1"]  # fmt: skip
+          "--data.init_args.num_workers", "1"]  # fmt: skip
+SPIKED_BATCHES = 24
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +75,13 @@ def spiked(digits_shards, tmp_path_factory):
     it continues on."""
     tmp = tmp_path_factory.mktemp("rollback")
     reference = tmp / "reference.jsonl"
-    args = rollback_args(digits_shards, tmp / "reference", reference, *SPIKED, steps=21)
+    args = rollback_args(
+        digits_shards, tmp / "reference", reference, *SPIKED, steps=21, batches=SPIKED_BATCHES
+    )
     proc = run_cli(*args, cwd=ROOT, env=ENV)
     assert not rollback_lines(proc.stderr)
     record = tmp / "spiked.jsonl"
-    args = rollback_args(digits_shards, tmp / "spiked", record, *SPIKED)
+    args = rollback_args(digits_shards, tmp / "spiked", record, *SPIKED, batches=SPIKED_BATCHES)
     proc = run_cli(*args, cwd=ROOT, env=ENV, prelude=spike_prelude({11: 1e4}))
     return {
         "reference": read_steps(reference),
@@ -136,7 +138,7 @@ def test_a_loss_spike_rolls_back_once_steps_over_its_batches_and_the_run_reaches
 @pytest.mark.timeout(600)
 def test_a_kill_after_a_rollback_resumes_exactly_with_its_history(spiked, digits_shards, tmp_path):
     run, record, release = tmp_path / "run", tmp_path / "run.jsonl", tmp_path / "release"
-    args = rollback_args(digits_shards, run, record, *SPIKED)
+    args = rollback_args(digits_shards, run, record, *SPIKED, batches=SPIKED_BATCHES)
     hold = ["--trainer.callbacks+=resume_helpers.HoldAt", "--trainer.callbacks.release", str(release),
             "--trainer.callbacks.step", "9", "--trainer.callbacks.occurrence", "2"]  # fmt: skip
     proc = start_cli(*args, *hold, cwd=ROOT, env=ENV, session=True, prelude=spike_prelude({11: 1e4}))
@@ -181,7 +183,7 @@ def test_a_sigterm_during_a_rollback_saves_the_whole_rolled_back_state_and_resum
     spiked, digits_shards, tmp_path
 ):
     run, record = tmp_path / "run", tmp_path / "run.jsonl"
-    args = rollback_args(digits_shards, run, record, *SPIKED)
+    args = rollback_args(digits_shards, run, record, *SPIKED, batches=SPIKED_BATCHES)
     prelude = spike_prelude({11: 1e4}) + SIGTERM_IN_ROLLBACK
     proc = start_cli(*args, cwd=ROOT, env=ENV, session=True, prelude=prelude).wait(300)
     assert proc.returncode == 143, proc.stderr[-3000:]
@@ -190,7 +192,7 @@ def test_a_sigterm_during_a_rollback_saves_the_whole_rolled_back_state_and_resum
     saved = torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == 8 and len(saved["callbacks"]["NonFiniteGuard"]["rollbacks"]) == 1
     (rank,) = saved["ShardDataModule"]["position"]["ranks"]
-    assert sum(p[0] for p in rank["workers"].values()) == 13  # batches 0-12 read or stepped over
+    assert rank["samples"] == 13 * 8  # batches 0-12 read or stepped over
 
     run_cli(*args, "--ckpt_path", "last", cwd=ROOT, env=ENV)
     steps = read_steps(record)
