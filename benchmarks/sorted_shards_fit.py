@@ -41,8 +41,9 @@ def run(*args: str) -> None:
 
 def layouts(out: Path) -> dict[str, str]:
     """The three training layouts of the digits' training images; their URLs."""
-    if not (DIGITS / "train.json").exists():
-        run("data", "convert", "digits", str(DIGITS), "--split", "train", "--shard-size", "300")
+    for split, size in (("train", "300"), ("val", "100")):  # as `make quickstart` converts them
+        if not (DIGITS / f"{split}.json").exists():
+            run("data", "convert", "digits", str(DIGITS), "--split", split, "--shard-size", size)
     manifest = json.loads((DIGITS / "train.json").read_text())
     urls = [str(DIGITS / s["url"]) for s in manifest["shards"]]
     images, labels = [], []

@@ -259,9 +259,9 @@ def sample_spans(stream, size: int, label_bytes: int) -> Iterator[tuple[str, int
         if kind == b"\0" and _name(header[:100]).endswith(b"/"):
             kind = b"5"
         length = _size(header, kind, meta.size, offset)
-        end = offset + _BLOCK + length + (-length % _BLOCK)
-        if end > size:
+        if offset + _BLOCK + length > size:
             raise _error(f"the data ends inside a tar member ({size - offset - _BLOCK} of {length})", offset)
+        end = min(offset + _BLOCK + length + (-length % _BLOCK), size)  # a last member may lack its padding
         if kind in _REGULAR or kind in _LINKS:
             name = _member_name(header, meta.path, meta.global_path)
             label = kind in _REGULAR and length <= label_bytes

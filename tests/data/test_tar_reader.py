@@ -19,6 +19,8 @@ import pytest
 import webdataset as wds
 from cli_helpers import run_cli
 from data_helpers import image_bytes, write_shards
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys
 
 from ssl_vit.data import ShardDataModule
@@ -396,12 +398,27 @@ def trim(data: bytes, samples: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def seed_shards(digits_shards) -> dict[str, bytes]:
+def seed_shards(tmp_path_factory) -> dict[str, bytes]:
     """Small well-formed shards, written as they are in practice: by `ssl-vit data convert` (ustar,
     no pax headers), by webdataset's TarWriter (a pax header per member for its float mtime, fixed
     here so that the fuzz is the same on every run), the same with keys too long for ustar (pax
     paths), and with GNU long names. (Not `write_shards`: its TarWriter takes the time as mtime.)"""
     rng = np.random.default_rng(0)
+    # the digits' val split in the source's order: the fuzz's cases are drawn from these bytes
+    digits = tmp_path_factory.mktemp("seed_digits")
+    order = ("--order", "source")
+    run_cli(
+        "data",
+        "convert",
+        "digits",
+        str(digits),
+        "--split",
+        "val",
+        "--shard-size",
+        "100",
+        *order,
+        "--no-progress",
+    )
 
     def tarwriter(key: str, samples: int) -> bytes:
         out = io.BytesIO()
@@ -418,7 +435,7 @@ def seed_shards(digits_shards) -> dict[str, bytes]:
                 info.size = len(payload)
                 archive.addfile(info, io.BytesIO(payload))
     return {
-        "convert": trim((digits_shards / "val-000003.tar").read_bytes(), 25),
+        "convert": trim((digits / "val-000003.tar").read_bytes(), 25),
         "tarwriter": tarwriter("stock-%04d", 20),
         "tarwriter-long-keys": tarwriter("k" * 110 + "-%03d", 12),
         "gnu-long-names": gnu.getvalue(),
@@ -727,3 +744,78 @@ def test_data_inspect_counts_link_members(tmp_path):
     row = next(line for line in proc.stdout.splitlines() if line.startswith(str(tmp_path)))
     assert row.split()[1:3] == ["2", "2"]  # 2 good samples, 2 bad: the samples of the links
     assert "s1.txt: a symbolic link to '/etc/xxx" in proc.stdout and "s2.png: a hard link" in proc.stdout
+
+
+# -- the index of the epoch's global order (`epoch_order`): a header walk, then samples read alone ---------
+
+
+def indexed(data: bytes, path) -> list[dict | str]:
+    """Every sample `build_index` finds in `data` (written to `path`), read back alone: its dict, or the
+    BadSample's reason; the spans checked to lie inside the file, in order."""
+    from ssl_vit.data.epoch_order import SampleReader, build_index
+    from ssl_vit.data.samples import BadSample
+
+    path.write_bytes(data)
+    index = build_index([str(path)])
+    (starts,), (ends,) = index.starts, index.ends
+    assert all(0 <= s < e <= len(data) for s, e in zip(starts, ends))
+    assert all(e <= s for e, s in zip(ends, starts[1:]))
+    reader, out = SampleReader(index, max_member_bytes=None), []
+    for i in range(index.total):
+        try:
+            out.append(reader.read(0, i))
+        except BadSample as err:
+            out.append(str(err))
+    reader.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fuzz_the_index_reads_back_what_the_stream_reads(seed_shards, tmp_path):
+    """Seeded random mutations of real shards (`mutate`), uncompressed: indexing never raises (a shard
+    that breaks off keeps its samples before the damage, said in a warning) and never hangs; a sample
+    read back alone is a dict or a counted BadSample; and where the whole shard reads cleanly, the
+    indexed samples read back are exactly the samples the streamed shard gives."""
+    rng = random.Random(4321)
+    compared = whole = 0
+    for seed_name, seed in seed_shards.items():
+        for case in range(150):
+            data = seed
+            for _ in range(rng.choice([1, 1, 2])):
+                data = mutate(rng, data) or data
+            where = f"{seed_name} case {case}"
+            try:
+                with cpu_time_limit(2.0):
+                    got = indexed(data, tmp_path / "shard.tar")
+            except Hang:
+                pytest.fail(f"{where}: the index still running after 2 s of CPU time")
+            members, err = ours(data)
+            if err is not None or not data:
+                continue
+            try:
+                streamed = list(
+                    group_by_keys(iter({"fname": n, "data": d, "__url__": "u"} for n, d in members))
+                )
+            except ValueError:  # a member named twice in a sample: the stream skips and counts it
+                continue
+            read = [s for s in got if isinstance(s, dict)]
+            # the index stops where it is stricter (a global pax header renaming later members)
+            assert [s["__key__"] for s in read] == [s["__key__"] for s in streamed[: len(read)]], where
+            whole += len(read) == len(streamed)
+            for a, b in zip(read, streamed):
+                assert {k: v for k, v in a.items() if k != "__url__"} == {
+                    k: v for k, v in b.items() if k != "__url__"
+                }, where
+            compared += 1
+    assert compared >= 100 and whole >= 0.9 * compared  # not vacuous
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(min_value=0, max_value=10**6), junk=st.binary(max_size=1500), drop=st.booleans())
+def test_any_bytes_in_a_shard_never_break_the_index(seed_shards, tmp_path, cut, junk, drop):
+    seed = seed_shards["tarwriter"]
+    cut %= len(seed) + 1
+    data = seed[:cut] + junk + (seed[cut + len(junk) :] if drop else seed[cut:])
+    with cpu_time_limit(2.0):
+        got = indexed(data, tmp_path / "shard.tar")
+    assert all(isinstance(s, dict | str) for s in got)
