@@ -60,6 +60,7 @@ from ssl_vit.run.checks import (
 from ssl_vit.run.health import HealthMonitor
 from ssl_vit.run.nonfinite import NonFiniteGuard, check_rollback
 from ssl_vit.run.preemption import Preemption
+from ssl_vit.run.progress import ProgressLines, progress_bar
 from ssl_vit.run.resume import RandomState
 from ssl_vit.run.rollback import SafeSteps
 from ssl_vit.tasks.base import Throughput
@@ -157,6 +158,9 @@ class SslVitCLI(LightningCLIHooks):
         parser.add_lightning_class_args(HealthMonitor, "health")
         # torch.compile of the blocks or the step: `compile.enabled`, `.mode`, `.scope`, `.backend`.
         parser.add_lightning_class_args(CompileTask, "compile")
+        # Where the fit is: a line every `trainer.log_every_n_steps` steps and at least every
+        # `progress.every_minutes` when stdout is not a terminal, and the run directory's progress record.
+        parser.add_lightning_class_args(ProgressLines, "progress")
         # Values that must agree between data and model are given once, on the data side: the image size
         # and the input bands (a data module without `channels` reads RGB: the backbone keeps in_chans 3).
         parser.link_arguments("data.init_args.image_size", "model.init_args.backbone.img_size")
@@ -293,6 +297,7 @@ class SslVitCLI(LightningCLIHooks):
         # with trainer_defaults), so the checkpoint IO is (re)added here.
         plugins = self.config_init[self.subcommand].get("trainer", {}).get("plugins")
         trainer = super().instantiate_trainer(plugins=with_safe_io(plugins), **kwargs)
+        progress_bar(trainer, sys.stdout.isatty())  # a terminal's bar; elsewhere the progress lines
         if not trainer.loggers:  # --trainer.logger false: the LR monitor has nowhere to log, and raises
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
         return trainer
