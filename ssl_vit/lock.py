@@ -40,6 +40,7 @@ import json
 import os
 import re
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -260,6 +261,40 @@ class RunLock:
             except OSError:  # not empty (the fit wrote into it), or gone
                 break
         self._created = []
+
+
+def lock_state(run_dir: str | os.PathLike, name: str = LOCK_NAME) -> str:
+    """What `run_dir`'s lock says of its holder, in a few words (for `ssl-vit status`), looking without
+    taking it: the kernel is asked who holds its POSIX lock (F_GETLK), nothing is written or locked."""
+    path = Path(run_dir) / name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return "not held (no lock file)"
+    except OSError as err:
+        return f"unknown ({path} cannot be read: {err.strerror})"
+    try:
+        holder, held = _read(fd), _lock_holder(fd)
+    finally:
+        os.close(fd)
+    who = _describe(holder) if holder else "a job that recorded no holder"
+    if held is None:  # no locks here: the pid tells, on this host only
+        if holder and holder.get("host") != HOST:
+            return f"recorded by {who}: another host, which this one cannot check"
+        held = bool(holder) and _alive(holder.get("pid"))
+    if held:
+        return f"held by {who}, a live process"
+    return f"not held: left by {who}, which has ended (killed, or its node lost)"
+
+
+def _lock_holder(fd: int) -> bool | None:
+    """Whether another process holds a POSIX lock on `fd`'s file (None: the filesystem cannot tell)."""
+    query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0) + bytes(8)  # struct flock, padded
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, query)
+    except OSError:
+        return None
+    return struct.unpack_from("h", answer)[0] != fcntl.F_UNLCK
 
 
 @contextmanager

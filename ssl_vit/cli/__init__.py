@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ssl_vit.cli import data as data_commands
     from ssl_vit.cli import evaluate as evaluation_commands
     from ssl_vit.cli import export as checkpoint_commands
-    from ssl_vit.cli import info
+    from ssl_vit.cli import info, status
 
     parser = argparse.ArgumentParser(prog="ssl-vit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation_commands.add_parsers(sub)
     checkpoint_commands.add_parser(sub)
     analysis_commands.add_parser(sub)
+    status.add_parser(sub)
     bench = sub.add_parser("bench", help="throughput benchmarks, as ratios against a reference run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     data_commands.add_bench_parser(bench_sub)
