@@ -200,7 +200,7 @@ class RunLock:
             raise UserError(f"{self.path} is held by this process already: a job takes its lock once")
         locks = self._locks = _try_lock(fd)
         if locks is False:
-            if holder and holder.get("host") == HOST and not _alive(holder.get("pid")):
+            if holder and holder.get("host") == HOST and not alive(holder.get("pid")):
                 return None  # being taken over from its dead holder by another process right now
             raise self._held(holder)
         if not _same_file(fd, self.path):
@@ -212,7 +212,7 @@ class RunLock:
             local_only = "its filesystem has no locks" if locks is None else _node_local_locks(self.run_dir)
             if other_host and local_only:
                 raise self._held(holder, unverifiable=local_only)
-            if not other_host and holder and _alive(holder.get("pid")):
+            if not other_host and holder and alive(holder.get("pid")):
                 raise self._held(holder)
         return holder or {}
 
@@ -281,7 +281,7 @@ def lock_state(run_dir: str | os.PathLike, name: str = LOCK_NAME) -> str:
     if held is None:  # no locks here: the pid tells, on this host only
         if holder and holder.get("host") != HOST:
             return f"recorded by {who}: another host, which this one cannot check"
-        held = bool(holder) and _alive(holder.get("pid"))
+        held = bool(holder) and alive(holder.get("pid"))
     if held:
         return f"held by {who}, a live process"
     return f"not held: left by {who}, which has ended (killed, or its node lost)"
@@ -340,7 +340,7 @@ def _describe(holder: dict) -> str:
     return f"ssl-vit {command} on host {holder.get('host', '?')} pid {holder.get('pid', '?')}{since}"
 
 
-def _alive(pid) -> bool:
+def alive(pid) -> bool:
     """Whether a process `pid` exists on this host (a pid that was reused counts as alive: safe side)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
