@@ -17,6 +17,7 @@ import threading
 from ssl_vit import plugins
 from ssl_vit.errors import Interrupted, resource_error_message, user_error_message
 from ssl_vit.quiet import quiet, verbose_requested
+from ssl_vit.redact import redact, redact_logs
 from ssl_vit.signals import Terminated, raises, received, recorded
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     errors of the other commands pass through as they are (usage message, exit 2)."""
     verbose, argv = verbose_requested(sys.argv[1:] if argv is None else argv)
     quiet(verbose)
+    redact_logs()  # a credential never in a log line, whoever logs it
     try:
         plugins.load()  # before any parser: a plugin's presets, targets, kinds and sources are valid names
         if argv and argv[0] in LIGHTNING_COMMANDS:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             # raised in or past a DataLoader (a split with no usable sample): its other workers end now,
             # not after their SIGTERM grace at the interpreter's exit
             _end_early()
-            print(f"ssl-vit: error: {message}", file=sys.stderr)
+            print(f"ssl-vit: error: {redact(message)}", file=sys.stderr)
             return 2
         message = resource_error_message(err)
         if message is None:
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return _stopped(stop, _saved(err))
         _end_early()
         message += _saved(err)
-        print(f"ssl-vit: error: {message}", file=sys.stderr)
+        print(f"ssl-vit: error: {redact(message)}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted):
         # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.

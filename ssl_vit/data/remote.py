@@ -58,6 +58,9 @@ from urllib.parse import urlparse
 
 from webdataset.gopen import gopen, gopen_curl, gopen_pipe, gopen_schemes
 
+from ssl_vit.errors import UserError
+from ssl_vit.redact import clean_token
+
 log = logging.getLogger("ssl_vit.data")
 
 MAX_BACKOFF_S = 30.0  # the longest wait between two tries
@@ -202,6 +205,8 @@ def _tried(url: str, policy: ReadPolicy, attempt: Callable[[], object], verdict:
         tries += 1
         try:
             return attempt()
+        except UserError:  # the user's to mend (HF_TOKEN): no try mends it
+            raise
         except Exception as err:
             _after_failure(url, policy, err, verdict(err), tries)
 
@@ -396,9 +401,26 @@ def _http_open(url: str, timeout_s: float, method: str = "GET", headers: dict | 
 def _authorize(request: urllib.request.Request) -> None:
     """`Authorization: Bearer $HF_TOKEN` on a request to the Hub, none on any other."""
     request.remove_header("Authorization")
-    token = os.environ.get("HF_TOKEN")
+    token = hub_token()
     if token and _on_hub(request.full_url):
         request.add_header("Authorization", f"Bearer {token}")
+
+
+def hub_token() -> str | None:
+    """HF_TOKEN as huggingface_hub reads it (line breaks removed, spaces stripped: `echo $(cat token) >
+    .env` leaves a newline), or None; a one-line UserError, which quotes none of it, when what is left
+    holds a character no token has (a control character, a space, a letter outside ASCII): http.client
+    would refuse it with a message quoting the whole header."""
+    token = clean_token(os.environ.get("HF_TOKEN") or "")
+    wrong = [i for i, c in enumerate(token) if not 33 <= ord(c) <= 126]
+    if wrong:
+        where = ", ".join(str(i + 1) for i in wrong[:5]) + (" ..." if len(wrong) > 5 else "")
+        raise UserError(
+            f"HF_TOKEN holds {len(wrong)} character(s) no token has (a control character, a space or a "
+            f"letter outside ASCII; at character {where} of {len(token)}): set it to the token alone, as "
+            "huggingface.co/settings/tokens shows it"
+        )
+    return token or None
 
 
 def _on_hub(url: str) -> bool:

@@ -84,6 +84,8 @@ def _problem(url: str, policy: ReadPolicy = DEFAULT) -> str | None:
     except ImportError as err:
         scheme = urlparse(url).scheme
         return f"needs the fsspec package for {scheme}:// ({err.name}): pip install {err.name}"
+    except UserError:  # the user's to mend, not the URL's (a malformed HF_TOKEN): its own line
+        raise
     except Exception as err:
         return f"unreachable ({err})"
     return None
