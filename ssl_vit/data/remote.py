@@ -401,8 +401,8 @@ def _http_open(url: str, timeout_s: float, method: str = "GET", headers: dict | 
 def _authorize(request: urllib.request.Request) -> None:
     """`Authorization: Bearer $HF_TOKEN` on a request to the Hub, none on any other."""
     request.remove_header("Authorization")
-    token = hub_token()
-    if token and _on_hub(request.full_url):
+    token = hub_token() if _on_hub(request.full_url) else None
+    if token:
         request.add_header("Authorization", f"Bearer {token}")
 
 
