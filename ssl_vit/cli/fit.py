@@ -48,6 +48,7 @@ from ssl_vit.run.checks import (
     check_ckpt_path,
     check_run_dir,
     checkpoint_dir,
+    follow_run_dir,
     local_ckpt_path,
     refuse_contradicting_config,
     refuse_foreign_model,
@@ -133,6 +134,11 @@ class SslVitCLI(LightningCLIHooks):
                 raise
             parser = self.subcommand_parser(self.argv[0])
             raise UserError(config_error(str(err), self.argv, parser, err)) from None
+        subcommand = self.config.get("subcommand")
+        if subcommand in ("fit", "validate", "test"):  # a run's own config.yaml, where the run now is
+            note = follow_run_dir(self.config[subcommand], self.argv)
+            if note is not None and job_leader():
+                print(f"ssl-vit: warning: {note}", file=sys.stderr, flush=True)
 
     def subcommands(self) -> dict[str, set[str]]:
         # Only the command being run gets a parser: each is built from the signatures of the
