@@ -65,7 +65,7 @@ class ProgressLines(pl.Callback):
         self.skipped: torch.Tensor | None = None  # this rank's bad samples, on the device
         self.skipped_total = 0  # over the ranks, as of the last step every rank reduced at
         self.rollbacks_seen, self.skips_seen = 0, 0
-        self.ended = False
+        self.started = self.ended = False  # a job that never trained (a refusal at setup) records nothing
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         root = str(trainer.default_root_dir or DEFAULT_ROOT)
@@ -74,6 +74,7 @@ class ProgressLines(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
+        self.started = True
         self.total = _total_steps(trainer)
         self.first_step = trainer.global_step
         self.start = self.last_time = time.monotonic()
@@ -161,7 +162,7 @@ class ProgressLines(pl.Callback):
             self._end(trainer, "failed", why=f"{type(exception).__name__}: {why[0][:300] if why else ''}")
 
     def _end(self, trainer: pl.Trainer, event: str, **fields: Any) -> None:
-        if self.ended or not trainer.is_global_zero:
+        if self.ended or not self.started or not trainer.is_global_zero:
             return
         self.ended = True
         checkpoint = _last_checkpoint(trainer)
