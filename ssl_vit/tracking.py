@@ -3,7 +3,6 @@ that a restarted job continues, and where the tasks' pictures go."""
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import uuid
@@ -13,7 +12,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torchvision.utils import save_image
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import NO_ROOM, UserError
 from ssl_vit.internals import WandbLoggerHooks, logging_step
 
 RUN_ID_FILE = "wandb-run-id"
@@ -105,7 +104,7 @@ class WandbLogger(WandbLoggerHooks):
         try:
             run = super().experiment
         except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's: the CLI's line for a full disk
+            if err.errno in NO_ROOM:  # the machine's: the CLI's line for a full disk
                 raise
             folder = Path(self.init_options.get("dir") or ".") / "wandb"
             raise UserError(

@@ -42,7 +42,7 @@ from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
-from ssl_vit.errors import UserError, first_line
+from ssl_vit.errors import NO_ROOM, UserError, first_line
 from ssl_vit.internals import ModelCheckpointHooks, wraps_checkpoint_io
 
 # Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
@@ -403,7 +403,7 @@ def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
             staged.sync()
         except Exception as err:
             full = recording.error or (err if isinstance(err, OSError) else None)
-            if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
+            if full is not None and full.errno in NO_ROOM:
                 # torch's zip writer reports a failed write as "unexpected pos": say what it was.
                 raise OSError(full.errno, os.strerror(full.errno), target) from err
             raise
@@ -411,7 +411,7 @@ def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
 
 
 class _Recording:
-    """A file for torch.save that remembers the OSError a write raised (ENOSPC, EDQUOT), which torch's
+    """A file for torch.save that remembers the OSError a write raised (ENOSPC, EDQUOT, EFBIG), which torch's
     zip writer turns into a RuntimeError about positions."""
 
     def __init__(self, file) -> None:
