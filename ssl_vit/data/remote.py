@@ -106,7 +106,8 @@ class _Changed(OSError):
 
 
 class _TooManyRedirects(OSError):
-    """A request redirected more than MAX_REDIRECTS times: a loop, never mended by trying again."""
+    """A request redirected more than MAX_REDIRECTS times (a loop), or to a scheme other than http(s)
+    (urllib follows `ftp://`, each try waiting out the read timeout): never mended by trying again."""
 
 
 def is_remote(url: str) -> bool:
@@ -253,7 +254,7 @@ def _http_verdict(err: Exception) -> str:
             return MISSING
         transient = err.code >= 500 and err.code not in PERMANENT_5XX
         return RETRY if transient or err.code in (408, 425, 429) else FATAL
-    if isinstance(err, (_Changed, _TooManyRedirects)):
+    if isinstance(err, (_Changed, _TooManyRedirects, http.client.InvalidURL)):  # no try mends them
         return FATAL
     if isinstance(err, urllib.error.URLError) and isinstance(err.reason, ssl.SSLCertVerificationError):
         return FATAL
@@ -438,7 +439,8 @@ def _origin(url: str) -> tuple:
 
 
 class _Redirects(urllib.request.HTTPRedirectHandler):
-    """urllib's redirects, with three changes. A HEAD stays a HEAD: urllib's handler (Python 3.11's
+    """urllib's redirects, with four changes. Only http(s) is followed (urllib follows `ftp://` too, each
+    try waiting out the read timeout). A HEAD stays a HEAD: urllib's handler (Python 3.11's
     `redirect_request`) follows it with a GET, and a probe would start downloading the shard. The token
     is decided again for every hop (`_authorize`): urllib copies every header to the next host. More
     than MAX_REDIRECTS hops fail with `_TooManyRedirects` (urllib's own loop error has three lines)."""
@@ -446,6 +448,10 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     max_repeats = max_redirections = MAX_REDIRECTS + 1  # so that the count below decides
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
+        scheme = urlparse(newurl).scheme
+        if scheme not in ("http", "https"):
+            fp.close()
+            raise _TooManyRedirects(f"redirected to a {scheme}:// URL; only http(s) redirects are followed")
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         hops = getattr(req, "hops", 0) + 1
         if hops > MAX_REDIRECTS:
