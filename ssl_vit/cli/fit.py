@@ -51,6 +51,7 @@ from ssl_vit.run.checks import (
     follow_run_dir,
     local_ckpt_path,
     refuse_contradicting_config,
+    refuse_contradicting_in_chans,
     refuse_foreign_model,
     refuse_other_bands,
     refuse_overridden_options,
@@ -136,6 +137,7 @@ class SslVitCLI(LightningCLIHooks):
             raise UserError(config_error(str(err), self.argv, parser, err)) from None
         subcommand = self.config.get("subcommand")
         if subcommand in ("fit", "validate", "test"):  # a run's own config.yaml, where the run now is
+            refuse_contradicting_in_chans(self.config[subcommand], self.argv)
             note = follow_run_dir(self.config[subcommand], self.argv)
             if note is not None and job_leader():
                 print(f"ssl-vit: warning: {note}", file=sys.stderr, flush=True)

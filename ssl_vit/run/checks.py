@@ -83,6 +83,41 @@ def _loggers(config) -> list:
     return [spec for spec in specs if getattr(spec, "init_args", None) is not None]
 
 
+IN_CHANS = "--model.init_args.backbone.in_chans"
+
+
+def refuse_contradicting_in_chans(config, argv: list[str]) -> None:
+    """A backbone's `in_chans` given (on the command line or in a `--config` file) that is not the data's
+    `channels`: one line. The config links the two (the backbone takes the data's bands), which would
+    drop the value given without a word and build a model of the data's band count."""
+    channels = getattr(getattr(config.get("data"), "init_args", None), "channels", None)
+    if not isinstance(channels, int):
+        return
+    for given, where in _given_in_chans(argv):
+        if str(given).strip() != str(channels):
+            raise UserError(
+                f"{IN_CHANS} {given}{where} contradicts the data's channels ({channels}): the backbone "
+                "takes the data's bands; give --data.init_args.channels instead, or leave in_chans out"
+            )
+
+
+def _given_in_chans(argv: list[str]) -> list[tuple[object, str]]:
+    """Each value of the backbone's in_chans `argv` gives, with where (` (in FILE)` for a config file)."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg == IN_CHANS and i + 1 < len(argv):
+            found.append((argv[i + 1], ""))
+        elif arg.startswith(f"{IN_CHANS}="):
+            found.append((arg.partition("=")[2], ""))
+        elif arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
+            path = Path(argv[i + 1] if arg == "--config" else arg.partition("=")[2])
+            model = _load(path).get("model")
+            backbone = model.get("init_args", {}).get("backbone") if isinstance(model, dict) else None
+            if isinstance(backbone, dict) and "in_chans" in backbone and backbone["in_chans"] is not None:
+                found.append((backbone["in_chans"], f" (in {path})"))
+    return found
+
+
 def _config_files(argv: list[str]) -> list[Path]:
     """The `--config` files of `argv` named config.yaml (what a fit writes in its run directory)."""
     found = []
@@ -95,13 +130,17 @@ def _config_files(argv: list[str]) -> list[Path]:
 
 def _recorded(path: Path) -> dict:
     """The `trainer` and `checkpoint` groups `path` records ({} when it cannot be read as such)."""
+    loaded = _load(path)
+    return {k: loaded[k] for k in ("trainer", "checkpoint") if isinstance(loaded.get(k), dict)}
+
+
+def _load(path: Path) -> dict:
+    """A config file's mapping ({} when it cannot be read as one: the parser has said so already)."""
     try:
         loaded = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return {}
-    if not isinstance(loaded, dict):
-        return {}
-    return {k: loaded[k] for k in ("trainer", "checkpoint") if isinstance(loaded.get(k), dict)}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def _same(a: str | Path, b: str | Path) -> bool:
