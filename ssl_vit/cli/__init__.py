@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet(verbose)
     redact_logs()  # a credential never in a log line, whoever logs it
     try:
-        plugins.load()  # before any parser: a plugin's presets, targets, kinds and sources are valid names
+        if argv and argv[0] not in ("-h", "--help"):
+            # Before any parser: a plugin's presets, targets, kinds and sources are valid names. Not for
+            # `ssl-vit --help`: plugins add names within commands (shown by each command's --help, which
+            # loads them), never commands, and a plugin that hangs or fails must not hide the list.
+            plugins.load()
         if argv and argv[0] in LIGHTNING_COMMANDS:
             # Until the trainer's own handlers take over (a fit's from its setup on: a checkpoint at the
             # step's end, `ssl_vit.run.preemption`), SIGTERM ends the command with its one line, the run
