@@ -1,6 +1,7 @@
 """No secret in what a command shows or logs: `redact(text)` hides credentials before a line leaves
-the process (the error line `ssl_vit.cli.main` prints, every log record once `redact_logs` is on, the
-config a fit logs to W&B).
+the process (the error line `ssl_vit.cli.main` prints, every log record once `redact_logs` is on, every
+config `ssl_vit.tracking.WandbLogger` sends to W&B). A run's own config.yaml keeps its URLs whole: a
+resume reads its shards from them.
 
 What is hidden, each replaced by `***`:
 - the values of the credential variables (`SECRET_ENV`: HF_TOKEN, W&B's and the clouds' keys), in every

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from argparse import Namespace
+from collections.abc import Mapping
 from pathlib import Path
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
@@ -14,6 +16,7 @@ from torchvision.utils import save_image
 
 from ssl_vit.errors import NO_ROOM, UserError
 from ssl_vit.internals import WandbLoggerHooks, logging_step
+from ssl_vit.redact import redacted
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -143,6 +146,16 @@ class WandbLogger(WandbLoggerHooks):
         self.init_options.pop("fork_from", None)
         self.init_options.update(resume=None, resume_from=f"{self.init_options['id']}?_step={rewind}")
         self._floor = step - 1
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        """Lightning's, with every credential in the values hidden (`ssl_vit.redact`): the run's config
+        leaves the machine (a shard URL's password, a presigned checkpoint URL's signature)."""
+        if isinstance(params, Mapping):
+            params = redacted(dict(params))
+        elif isinstance(params, Namespace):
+            params = redacted(vars(params))
+        super().log_hyperparams(params, *args, **kwargs)
 
     @rank_zero_only
     def log_metrics(self, metrics, step: int | None = None) -> None:

@@ -41,3 +41,17 @@ def test_a_config_for_wandb_and_every_log_record_are_redacted(monkeypatch, caplo
         assert caplog.messages == ["reading failed (Bearer ***)"]
     finally:
         logging.setLogRecordFactory(factory)
+
+
+def test_the_wandb_logger_hides_credentials_in_the_config_it_sends(monkeypatch, tmp_path):
+    from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
+
+    from ssl_vit.tracking import WandbLogger
+
+    sent = []
+    monkeypatch.setattr(
+        LightningWandbLogger, "log_hyperparams", lambda self, params, *a, **k: sent.append(params)
+    )
+    logger = WandbLogger(save_dir=str(tmp_path), project="p", offline=True)
+    logger.log_hyperparams({"cli": {"data": {"train_urls": "https://me:pa55@host/a.tar"}, "seed": 0}})
+    assert sent == [{"cli": {"data": {"train_urls": "https://me:***@host/a.tar"}, "seed": 0}}]

@@ -40,7 +40,6 @@ from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
 from ssl_vit.internals import LightningCLIHooks
 from ssl_vit.lock import LOCK_NAME, RunLock, job_leader
-from ssl_vit.redact import redacted
 from ssl_vit.run.checkpointing import LastLinkCheckpoint, checkpoint_step, with_safe_io
 from ssl_vit.run.checks import (
     DEFAULT_ROOT,
@@ -85,8 +84,8 @@ class SaveAndLogConfig(SaveConfigCallback):
     trainer included, in the W&B run's config under `cli`."""
 
     def save_config(self, trainer, pl_module, stage) -> None:
-        if trainer.logger is not None:  # credentials (a URL's password, a presigned URL's signature) hidden
-            trainer.logger.log_hyperparams({"cli": redacted(self.config.as_dict())})
+        if trainer.logger is not None:  # (W&B's logger hides the credentials in it: `ssl_vit.redact`)
+            trainer.logger.log_hyperparams({"cli": self.config.as_dict()})
 
 
 class SslVitCLI(LightningCLIHooks):
