@@ -4,6 +4,7 @@ it behind the wrappers libraries put around it."""
 from __future__ import annotations
 
 import errno
+import os
 import re
 import reprlib
 import sys
@@ -103,14 +104,31 @@ _OUT_OF_MEMORY = ("can't allocate memory", "CUDA out of memory", "out of memory"
 _WORKER_DIED = re.compile(
     r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:exited unexpectedly|is killed by signal: (?P<sig>[^.]+))"
 )
+# A write the disk refused for want of room: full (ENOSPC), over quota (EDQUOT), or past the file size
+# limit, `ulimit -f` or the filesystem's own (EFBIG; Python ignores SIGXFSZ, so the write fails instead).
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 RESOURCE_FIXES = {
     "memory": "lower the batch size (data.init_args.batch_size, a suite's batch_size, bench's "
     "--batch-size) or the number of DataLoader workers, or turn on "
     "--model.init_args.backbone.grad_checkpointing",
     "space": "free space there, or give a --trainer.default_root_dir / --out on a disk with room",
+    "size": "raise the limit (ulimit -f), or give a --trainer.default_root_dir / --out on a filesystem that "
+    "takes files this large",
     "worker": "it is usually the kernel's out-of-memory killer: use fewer data.init_args.num_workers or a "
     "smaller shuffle_buffer, or give the job more memory",
 }
+
+
+# How Rust libraries (safetensors) word the OSError behind their own error: `I/O error: ... (os error 28)`.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error(exc: BaseException) -> tuple[int | None, str | None]:
+    """The errno and file name of an OSError, or of one a library's own error quotes."""
+    if isinstance(exc, OSError):
+        return exc.errno, exc.filename
+    found = _RUST_OS_ERROR.search(str(exc))
+    return (int(found[1]), None) if found else (None, None)
 
 
 def worker_died(err: BaseException) -> bool:
@@ -124,9 +142,15 @@ def resource_error_message(err: BaseException) -> str | None:
     of the user's input, so the CLI exits 1, not 2."""
     for exc in _chain(err):
         text = str(exc)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            where = f" on the disk of {exc.filename}" if exc.filename else ""
-            return f"no space left{where} ({exc.strerror}): {RESOURCE_FIXES['space']}"
+        code, filename = _os_error(exc)
+        if code == errno.EFBIG:
+            where = f" for {filename}" if filename else ""
+            return (
+                f"file too large{where} ({os.strerror(code)}: the file size limit): {RESOURCE_FIXES['size']}"
+            )
+        if code in NO_ROOM:
+            where = f" on the disk of {filename}" if filename else ""
+            return f"no space left{where} ({os.strerror(code)}): {RESOURCE_FIXES['space']}"
         if (
             isinstance(exc, MemoryError)
             or type(exc).__name__ == "OutOfMemoryError"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import ModelCheckpoint, RichProgressBar
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.plugins.io.wrapper import _WrappingCheckpointIO
@@ -279,6 +279,23 @@ class WandbLoggerHooks(WandbLogger):
     def metric_prefix(self) -> str:
         """The constructor's `prefix`, put before every metric's name."""
         return self._prefix
+
+
+# --- Lightning's progress bar -------------------------------------------------------------------------
+
+
+@_touch("pytorch_lightning", "RichProgressBar._get_train_description")
+class RichProgressBarHooks(RichProgressBar):
+    """Lightning's RichProgressBar with its training bar's description as a public hook,
+    `epoch_description(epoch)`: Lightning's private one writes `Epoch N/{max_epochs - 1}`, which reads
+    `Epoch 4/-2` for an unbounded fit (`max_epochs: -1`), and no option changes it."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return self.epoch_description(current_epoch)
+
+    def epoch_description(self, epoch: int) -> str:
+        """The training bar's description in `epoch` (Lightning's)."""
+        return RichProgressBar._get_train_description(self, epoch)
 
 
 # --- LightningCLI and jsonargparse --------------------------------------------------------------------

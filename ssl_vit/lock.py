@@ -40,6 +40,7 @@ import json
 import os
 import re
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -199,7 +200,7 @@ class RunLock:
             raise UserError(f"{self.path} is held by this process already: a job takes its lock once")
         locks = self._locks = _try_lock(fd)
         if locks is False:
-            if holder and holder.get("host") == HOST and not _alive(holder.get("pid")):
+            if holder and holder.get("host") == HOST and not alive(holder.get("pid")):
                 return None  # being taken over from its dead holder by another process right now
             raise self._held(holder)
         if not _same_file(fd, self.path):
@@ -211,7 +212,7 @@ class RunLock:
             local_only = "its filesystem has no locks" if locks is None else _node_local_locks(self.run_dir)
             if other_host and local_only:
                 raise self._held(holder, unverifiable=local_only)
-            if not other_host and holder and _alive(holder.get("pid")):
+            if not other_host and holder and alive(holder.get("pid")):
                 raise self._held(holder)
         return holder or {}
 
@@ -262,6 +263,40 @@ class RunLock:
         self._created = []
 
 
+def lock_state(run_dir: str | os.PathLike, name: str = LOCK_NAME) -> str:
+    """What `run_dir`'s lock says of its holder, in a few words (for `ssl-vit status`), looking without
+    taking it: the kernel is asked who holds its POSIX lock (F_GETLK), nothing is written or locked."""
+    path = Path(run_dir) / name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return "not held (no lock file)"
+    except OSError as err:
+        return f"unknown ({path} cannot be read: {err.strerror})"
+    try:
+        holder, held = _read(fd), _lock_holder(fd)
+    finally:
+        os.close(fd)
+    who = _describe(holder) if holder else "a job that recorded no holder"
+    if held is None:  # no locks here: the pid tells, on this host only
+        if holder and holder.get("host") != HOST:
+            return f"recorded by {who}: another host, which this one cannot check"
+        held = bool(holder) and alive(holder.get("pid"))
+    if held:
+        return f"held by {who}, a live process"
+    return f"not held: left by {who}, which has ended (killed, or its node lost)"
+
+
+def _lock_holder(fd: int) -> bool | None:
+    """Whether another process holds a POSIX lock on `fd`'s file (None: the filesystem cannot tell)."""
+    query = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0) + bytes(8)  # struct flock, padded
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, query)
+    except OSError:
+        return None
+    return struct.unpack_from("h", answer)[0] != fcntl.F_UNLCK
+
+
 @contextmanager
 def _host_mutex(path: Path):
     """Exclusive among the processes of this host, for `path` (flock on a file in the temp directory,
@@ -305,7 +340,7 @@ def _describe(holder: dict) -> str:
     return f"ssl-vit {command} on host {holder.get('host', '?')} pid {holder.get('pid', '?')}{since}"
 
 
-def _alive(pid) -> bool:
+def alive(pid) -> bool:
     """Whether a process `pid` exists on this host (a pid that was reused counts as alive: safe side)."""
     if not isinstance(pid, int) or pid <= 0:
         return False

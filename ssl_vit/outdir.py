@@ -15,6 +15,17 @@
   over; a file is linked, which fails if the name exists): the job then says so in one line and keeps its
   results beside the output. Only `--overwrite` replaces an output, once the new one is complete, and under
   the lock no two jobs do so at once.
+- `--overwrite` replaces only *our output*: a directory that holds the marker file `MARKER`, which every
+  output committed here carries (written into the staging directory when it is made). A non-empty
+  directory without it (a thesis, a dataset, the results of another tool, an output of a version before
+  the marker) is refused in one line naming what it holds; nothing is deleted.
+- The replacement is one atomic exchange of the two directories (Linux `renameat2(RENAME_EXCHANGE)`),
+  so a signal, or a kill, at any moment leaves the output holding the old result or the new one. Where
+  the filesystem cannot exchange, the old output is renamed aside to `.NAME.old` and the new one renamed
+  in, with SIGTERM and SIGINT held off between the two renames; only a SIGKILL there leaves `.NAME.old`
+  and no output. The next command on that output, under its lock, puts such a `.NAME.old` back (or
+  removes it once the output is there) and removes a staging directory a killed job left, each in one
+  warning line (`recover`).
 - What was computed is written and committed before anything optional (pictures, the W&B run,
   `Output.optional`): a picture that fails costs that picture, one warning line and a note, never the
   numbers.
@@ -23,21 +34,27 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import json
 import os
+import re
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 from ssl_vit.atomic import write_text
 from ssl_vit.errors import UserError
-from ssl_vit.lock import RunLock, job_leader
+from ssl_vit.lock import HOST, RunLock, alive, job_leader
 
 T = TypeVar("T")
+MARKER = ".ssl-vit-output"  # in every output committed here: what `--overwrite` may replace
 
 
 class Input(NamedTuple):
@@ -85,10 +102,16 @@ def refuse_inputs(out: str | Path, inputs: Iterable[Input], label: str = "--out"
 
 
 def check_out(
-    out: str | Path, overwrite: bool = False, inputs: Iterable[Input] = (), label: str = "--out"
+    out: str | Path,
+    overwrite: bool = False,
+    inputs: Iterable[Input] = (),
+    label: str = "--out",
+    used: bool = True,
 ) -> Path:
     """`out` as a Path after checking that the command may write it; a one-line UserError if not.
-    Writes nothing (a directory made and removed at once tests that the parent is writable)."""
+    Writes nothing (a directory made and removed at once tests that the parent is writable). `used`:
+    also whether it may replace what is there (`refuse_used`; `Output` checks that under its lock, after
+    `recover`)."""
     out = Path(out)
     refuse_inputs(out, inputs, label)
     if out.exists() and not out.is_dir():
@@ -108,15 +131,86 @@ def check_out(
         raise UserError(
             f"{label} {out} cannot be written ({err.strerror}): give a writable directory"
         ) from None
-    refuse_used(out, overwrite, label)
+    if used:
+        refuse_used(out, overwrite, label)
     return out
 
 
 def refuse_used(out: Path, overwrite: bool, label: str = "--out") -> None:
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    """A one-line UserError when `out` is a non-empty directory and `overwrite` is not given, or it is
+    given but the directory is not an output of ours (no `MARKER`): what it holds is named."""
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    if not overwrite:
         raise UserError(
             f"{label} {out} exists and is not empty: give a new directory, or --overwrite to replace it"
         )
+    if not is_ours(out):
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise UserError(
+            f"{label} {out} holds {shown}, which ssl-vit did not write (no {MARKER}): --overwrite replaces "
+            f"only an earlier output of ssl-vit; give a new {label}, or move those files away"
+        )
+
+
+def is_ours(directory: Path) -> bool:
+    """Whether `directory` is an output this module committed (it holds the marker file)."""
+    marker = directory / MARKER
+    return marker.is_file() and not marker.is_symlink()
+
+
+def mark(directory: Path, command: str) -> None:
+    """`directory` (a staging directory) marked as an output of `command`."""
+    made = datetime.now(timezone.utc).isoformat("T", "seconds")
+    record = {"command": command, "host": HOST, "pid": os.getpid(), "made": made}
+    (directory / MARKER).write_text(json.dumps(record) + "\n")
+
+
+def _maker(directory: Path) -> dict:
+    """What `directory`'s marker says of the job that made it ({} when it says nothing)."""
+    try:
+        record = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def recover(out: Path, label: str = "--out") -> None:
+    """What a job stopped during its commit left beside `out` (this process holds `out`'s lock): the old
+    output set aside as `.NAME.old` is put back where `out` is missing, else removed; the staging
+    directories of ours whose job has ended are removed (whether `out` holds the old result or the new, a
+    staging directory is never the only copy of one). One warning line each; a folder that is not ours,
+    or another host's, is only reported."""
+    out = Path(os.path.realpath(out))  # as `Output.staged` names its staging directory
+    old = out.with_name(f".{out.name}.old")
+    if old.is_dir() and not old.is_symlink():
+        if not is_ours(old):
+            _warn(f"{label} {out}: {old} is left beside it and is not an output of ssl-vit; remove it")
+        elif not out.exists():
+            old.rename(out)
+            _warn(f"{label} {out}: put back the earlier result a job stopped mid-replacement left in {old}")
+        else:
+            shutil.rmtree(old)
+            _warn(f"{label} {out}: removed {old}, the earlier result a job stopped after replacing it left")
+    staging = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}")
+    for path in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
+        if not staging.fullmatch(path.name) or not path.is_dir() or path.is_symlink():
+            continue
+        maker = _maker(path)
+        if not any(path.iterdir()):  # an empty one: nothing to lose
+            path.rmdir()
+        elif maker.get("host") == HOST and not alive(maker.get("pid")):
+            shutil.rmtree(path)
+            _warn(f"{label} {out}: removed {path}, the unfinished results of a job that was stopped")
+        else:  # another host's job, which may still be writing it (where locks are not shared), or not ours
+            _warn(
+                f"{label} {out}: {path} is left beside it by another job; remove it once that job has ended"
+            )
+
+
+def _warn(text: str) -> None:
+    print(f"ssl-vit: warning: {text}", file=sys.stderr, flush=True)
 
 
 def out_lock(out: str | Path, command: str, label: str = "--out") -> contextlib.AbstractContextManager:
@@ -148,10 +242,13 @@ def commit(staged: Path, out: Path, replace: bool = False, label: str = "--out")
     which fails if the name exists. Then `staged` is kept beside `out` under a visible name, and the
     line says where. With `replace` an old `out` is moved aside and removed once the new one is in."""
     if replace and out.is_dir() and any(out.iterdir()):
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        staged.rename(out)
+        if _exchange(staged, out):  # one step: `out` holds the old or the new, whatever stops the job
+            shutil.rmtree(staged)  # the old output now
+            return
+        old = out.with_name(f".{out.name}.old")  # (`recover` put back or removed an earlier one)
+        with _signals_held():
+            out.rename(old)
+            staged.rename(out)
         shutil.rmtree(old)
         return
     try:
@@ -172,6 +269,44 @@ def commit(staged: Path, out: Path, replace: bool = False, label: str = "--out")
         ) from None
 
 
+RENAME_EXCHANGE = 2  # renameat2's flag (linux/fs.h)
+AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """`a` and `b` swapped in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False where the
+    system or the filesystem cannot (then nothing changed)."""
+    function = getattr(_libc(), "renameat2", None)
+    if function is None:
+        return False
+    if function(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT held off (delivered when the block ends), in the main thread."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
 class Output:
     """`with Output(out, command, inputs, overwrite) as output:` an output directory checked (`check_out`)
     and locked (`out_lock`) from the start of the job to its end; `with output.staged() as temp:` the
@@ -188,10 +323,12 @@ class Output:
         self._held = contextlib.ExitStack()
 
     def __enter__(self) -> Output:
-        check_out(self.path, self.overwrite, self.inputs)
+        check_out(self.path, self.overwrite, self.inputs, used=False)
         with contextlib.ExitStack() as held:
             held.enter_context(out_lock(self.path, self.command))
-            # Again under the lock: a job that held it until now may have filled it.
+            if job_leader():  # the lock's holder: what a job stopped during its commit left
+                recover(self.path)
+            # Under the lock: a job that held it until now may have filled it.
             refuse_used(self.path, self.overwrite)
             self._held = held.pop_all()
         return self
@@ -203,11 +340,14 @@ class Output:
     def staged(self) -> Iterator[Path]:
         """A temporary directory next to the output to write into, committed when the block ends (an old
         output, from --overwrite, is removed only then), removed when it raises."""
-        out = Path(os.path.abspath(self.path))  # a real name and parent for paths such as `runs/..` too
+        # A real name and parent for paths such as `runs/..` too; an --out that is a symbolic link to an
+        # earlier output: that output is replaced, the link kept.
+        out = Path(os.path.realpath(self.path))
         out.parent.mkdir(parents=True, exist_ok=True)
         temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         # mkdtemp makes it 0700 whatever the umask; the finished output gets what mkdir would have given it.
         temp.chmod(0o777 & ~_umask())
+        mark(temp, self.command)
         try:
             yield temp
             commit(temp, out, self.overwrite)
@@ -257,6 +397,6 @@ def _umask() -> int:
 
 
 __all__ = [
-    "Input", "Output", "check_out", "checkpoint_inputs", "commit", "out_lock", "refuse_inputs", "refuse_used",
-    "split_lock",
+    "MARKER", "Input", "Output", "check_out", "checkpoint_inputs", "commit", "is_ours", "mark", "out_lock",
+    "recover", "refuse_inputs", "refuse_used", "split_lock",
 ]  # fmt: skip

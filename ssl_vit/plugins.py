@@ -12,7 +12,9 @@ the command, with the job's environment). Two ways to name one:
 - `SSL_VIT_PLUGINS=module[,module...]` names modules on the Python path (PYTHONPATH), e.g. one file
   `my_plugin.py` beside a recipe.
 
-A plugin that does not import stops the command with one line naming it.
+A plugin that does not import stops the command with one line naming it. `ssl-vit --help` (the list of
+commands) loads none: plugins add names within commands, never commands, and a plugin that hangs or
+fails must not hide the list; `ssl-vit COMMAND --help` loads them.
 """
 
 from __future__ import annotations

@@ -3,18 +3,20 @@ that a restarted job continues, and where the tasks' pictures go."""
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import uuid
+from argparse import Namespace
+from collections.abc import Mapping
 from pathlib import Path
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torchvision.utils import save_image
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import NO_ROOM, UserError
 from ssl_vit.internals import WandbLoggerHooks, logging_step
+from ssl_vit.redact import redacted
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -105,7 +107,7 @@ class WandbLogger(WandbLoggerHooks):
         try:
             run = super().experiment
         except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's: the CLI's line for a full disk
+            if err.errno in NO_ROOM:  # the machine's: the CLI's line for a full disk
                 raise
             folder = Path(self.init_options.get("dir") or ".") / "wandb"
             raise UserError(
@@ -144,6 +146,16 @@ class WandbLogger(WandbLoggerHooks):
         self.init_options.pop("fork_from", None)
         self.init_options.update(resume=None, resume_from=f"{self.init_options['id']}?_step={rewind}")
         self._floor = step - 1
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        """Lightning's, with every credential in the values hidden (`ssl_vit.redact`): the run's config
+        leaves the machine (a shard URL's password, a presigned checkpoint URL's signature)."""
+        if isinstance(params, Mapping):
+            params = redacted(dict(params))
+        elif isinstance(params, Namespace):
+            params = redacted(vars(params))
+        super().log_hyperparams(params, *args, **kwargs)
 
     @rank_zero_only
     def log_metrics(self, metrics, step: int | None = None) -> None:

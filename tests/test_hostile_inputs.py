@@ -404,7 +404,27 @@ MOSAIC_ROWS = [
         then=lambda i: no_outdir(i.root / "m2")),
 ]  # fmt: skip
 
-ROWS = JSON_ROWS + CLASS_ROWS + SCORE_ROWS + UNUSABLE_ROWS + TYPE_ROWS + MOSAIC_ROWS
+
+def in_chans(given: list[str]) -> Callable[[Inputs], list[str]]:
+    """A fit of the digits (one band: `channels 1`) with the backbone's in_chans given as `given`."""
+    return lambda i: one_step_fit_args(
+        i.digits, i.root / "run", "--data.init_args.channels", "1", *given, "--trainer.logger", "false"
+    )
+
+
+def no_run_dir(inputs: Inputs) -> None:
+    assert not (inputs.root / "run").exists()
+
+
+# Fifth round: values the config links (the backbone takes the data's bands) given anyway.
+LINK_ROWS = [
+    Row("in-chans-contradicts-channels", in_chans(["--model.init_args.backbone.in_chans", "3"]), 2,
+        "--model.init_args.backbone.in_chans 3 contradicts the data's channels (1)", then=no_run_dir),
+    Row("in-chans-contradicts-channels-equals", in_chans(["--model.init_args.backbone.in_chans=13"]), 2,
+        "--model.init_args.backbone.in_chans 13 contradicts the data's channels (1)", then=no_run_dir),
+]  # fmt: skip
+
+ROWS = JSON_ROWS + CLASS_ROWS + SCORE_ROWS + UNUSABLE_ROWS + TYPE_ROWS + MOSAIC_ROWS + LINK_ROWS
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from ssl_vit.internals import (
     TOUCHES,
     LightningCLIHooks,
     ModelCheckpointHooks,
+    RichProgressBarHooks,
     WandbLoggerHooks,
     accumulating,
     count_skipped,
@@ -300,6 +301,29 @@ def test_lightning_calls_the_checkpoint_hooks_and_the_helpers_reach_its_steps(fi
     # Lightning has grown no public attribute of the hooks' names, which they would shadow
     public = [n for n, v in vars(ModelCheckpointHooks).items() if not n.startswith("_")]
     assert not [n for n in public if hasattr(ModelCheckpoint, n)]
+
+
+@canary("RichProgressBarHooks")
+def test_the_rich_bar_asks_the_hook_for_its_training_description():
+    from pytorch_lightning.callbacks import RichProgressBar
+
+    # Lightning's bar calls its private step where it draws the training bar
+    assert "self._get_train_description(" in inspect.getsource(RichProgressBar)
+
+    class Described(RichProgressBarHooks):
+        def epoch_description(self, epoch: int) -> str:
+            return f"{super().epoch_description(epoch)} (described)"
+
+    bar = Described()
+    bar._trainer = SimpleNamespace(max_epochs=5)  # what Lightning's description reads of the trainer
+    assert bar._get_train_description(2).startswith(
+        "Epoch 2/4"
+    ) and "(described)" in bar._get_train_description(2)
+    assert not [
+        n
+        for n, v in vars(RichProgressBarHooks).items()
+        if not n.startswith("_") and hasattr(RichProgressBar, n)
+    ]
 
 
 @canary("wraps_checkpoint_io")

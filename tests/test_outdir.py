@@ -326,3 +326,103 @@ def test_analyze_writes_its_numbers_when_a_picture_fails(inputs, tmp_path):
     assert record["notes"] == [what] and "attention_rollout.png" not in record["pictures"]
     assert sorted(p.name for p in out.glob("*.png")) == record["pictures"]
     assert record["attention_distance"]["mean_per_layer"]  # the numbers
+
+
+# --- --overwrite replaces only our output, and a signal never loses it ----------------------------------
+
+
+@pytest.mark.parametrize("command", ["evaluate", "compare"])
+def test_overwrite_refuses_a_directory_ssl_vit_did_not_write_and_deletes_nothing(
+    command, tiny_suites, tmp_path
+):
+    thesis = tmp_path / "thesis"
+    (thesis / "figures").mkdir(parents=True)
+    files = {"chapter1.tex": "\\chapter{One}\n", "data.csv": "a,b\n1,2\n", "figures/f.pdf": "%PDF"}
+    for name, text in files.items():
+        (thesis / name).write_text(text)
+    before = tree(tmp_path)
+    proc = run_cli(*job(command, "first", thesis, tiny_suites[0]), "--overwrite", check=False)
+    error_line(proc, f"--out {thesis} holds chapter1.tex, data.csv, figures, which ssl-vit did not write",
+               "--overwrite replaces only an earlier output of ssl-vit")  # fmt: skip
+    assert tree(tmp_path) == before
+
+
+# A prelude: the signal SIG sent to the command itself at the AT-th point of its commit (before the AT-th
+# filesystem step the commit takes: the exchange, each rename, the removal of the old output; or, AT past
+# the last, once the commit returns); FALLBACK: as on a filesystem that cannot exchange two directories.
+SIGNAL_IN_COMMIT = """
+import os as _os, shutil as _shutil
+from pathlib import Path as _Path
+from ssl_vit import outdir as _outdir
+_state = {{"active": False, "n": 0}}
+def _point():
+    if _state["active"]:
+        if _state["n"] == {at}:
+            _os.kill(_os.getpid(), {sig})
+        _state["n"] += 1
+def _step(real):
+    def step(*args, **kwargs):
+        _point()
+        return real(*args, **kwargs)
+    return step
+_outdir._exchange = _step((lambda a, b: False) if {fallback} else _outdir._exchange)
+_Path.rename = _step(_Path.rename)
+_shutil.rmtree = _step(_shutil.rmtree)
+_commit = _outdir.commit
+def _in_commit(*args, **kwargs):
+    _state["active"] = True
+    try:
+        _commit(*args, **kwargs)
+        _point()
+    finally:
+        _state["active"] = False
+_outdir.commit = _in_commit
+"""
+# (fallback, at, signal, what --out holds when the command has ended, what it holds after the next command
+# on it); None: nothing at --out.
+SIGNAL_ROWS = [
+    (False, 0, "SIGTERM", "first", "first"), (False, 1, "SIGTERM", "second", "second"),
+    (False, 2, "SIGTERM", "second", "second"),
+    (False, 0, "SIGKILL", "first", "first"), (False, 1, "SIGKILL", "second", "second"),
+    (False, 2, "SIGKILL", "second", "second"),
+    # without the exchange, SIGTERM is held off between the two renames
+    (True, 1, "SIGTERM", "second", "second"), (True, 2, "SIGTERM", "second", "second"),
+    (True, 3, "SIGTERM", "second", "second"),
+    (True, 1, "SIGKILL", "first", "first"), (True, 2, "SIGKILL", None, "first"),
+    (True, 3, "SIGKILL", "second", "second"), (True, 4, "SIGKILL", "second", "second"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fallback, at, sig, now, after", SIGNAL_ROWS)
+def test_a_signal_at_any_point_of_the_commit_leaves_the_old_or_the_new_result(
+    fallback, at, sig, now, after, tiny_suites, tmp_path
+):
+    out = tmp_path / "out"
+    run_cli(*job("evaluate", "first", out, tiny_suites[0]))
+    prelude = SIGNAL_IN_COMMIT.format(at=at, sig=f"_signal.{sig}", fallback=fallback)
+    proc = run_cli(*job("evaluate", "second", out, tiny_suites[1]), "--overwrite", check=False,
+                   prelude="import signal as _signal\n" + prelude)  # fmt: skip
+    if sig == "SIGTERM":
+        assert proc.returncode == 143 and proc.stderr.splitlines()[-1] == "ssl-vit: terminated", proc.stderr
+    assert (names(out, "evaluate") if out.exists() else None) == now
+    # The next command on --out (here refused: no --overwrite) puts back or removes what was left
+    nxt = run_cli(*job("evaluate", "first", out, tiny_suites[0]), check=False)
+    *warnings, line = nxt.stderr.splitlines()
+    assert nxt.returncode == 2 and line.startswith(f"ssl-vit: error: --out {out} exists and is not empty")
+    assert all(w.startswith("ssl-vit: warning: ") for w in warnings) and len(warnings) <= 3, nxt.stderr
+    assert names(out, "evaluate") == after
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], nxt.stderr
+    assert (out / ".ssl-vit-output").is_file()
+
+
+def test_overwrite_through_a_symbolic_link_replaces_the_linked_result_and_keeps_the_link(
+    tiny_suites, tmp_path
+):
+    result, link = tmp_path / "result", tmp_path / "latest"
+    run_cli(*job("evaluate", "first", result, tiny_suites[0]))
+    link.symlink_to(result.name)
+    proc = run_cli(*job("evaluate", "second", link, tiny_suites[1]), "--overwrite", check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert link.is_symlink() and link.resolve() == result and names(link, "evaluate") == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "result"]

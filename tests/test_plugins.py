@@ -315,3 +315,14 @@ def _tiny(bands: int = 3):
     from ssl_vit.models.vit import ViTConfig
 
     return ViTConfig("S/8", 32, width=32, depth=2, heads=2, in_chans=bands)
+
+
+@pytest.mark.parametrize("source", ["import time\ntime.sleep(600)\n", "raise RuntimeError('broken')\n"],
+                         ids=["never-finishes", "raises"])  # fmt: skip
+def test_the_list_of_commands_loads_no_plugin(tmp_path, source):
+    """Issue 42: a plugin that never finished importing hung even `ssl-vit --help`. Plugins add names
+    within commands, never commands: the list of commands is shown without them."""
+    (tmp_path / "slow_plugin.py").write_text(source)
+    env = {"PYTHONPATH": str(tmp_path), "SSL_VIT_PLUGINS": "slow_plugin"}
+    proc = run_cli("--help", cwd=tmp_path, env=env, timeout=60)
+    assert "status" in proc.stdout and "evaluate" in proc.stdout and not proc.stderr

@@ -24,6 +24,7 @@ from ssl_vit import lock as run_lock
 from ssl_vit.checkpoints import integrity
 from ssl_vit.errors import UserError
 from ssl_vit.lock import HOST, LOCK_NAME, RunLock, job_leader
+from ssl_vit.run import record
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).parent
@@ -252,7 +253,10 @@ def test_two_fits_started_together_one_runs_the_other_is_refused(digits_shards, 
     for name in names:
         assert integrity.damage(run / "checkpoints" / name) is None
         assert torch.load(run / "checkpoints" / name, weights_only=True)["global_step"] == 1
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "wandb", "wandb-run-id"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoints", "config.yaml", "progress.jsonl", "wandb", "wandb-run-id"
+    ]  # fmt: skip
+    assert {r["pid"] for r in record.read(run) if r["event"] == "start"} == {procs[seed].pid}
 
 
 @pytest.mark.slow

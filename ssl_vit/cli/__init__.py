@@ -17,6 +17,7 @@ import threading
 from ssl_vit import plugins
 from ssl_vit.errors import Interrupted, resource_error_message, user_error_message
 from ssl_vit.quiet import quiet, verbose_requested
+from ssl_vit.redact import redact, redact_logs
 from ssl_vit.signals import Terminated, raises, received, recorded
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ssl_vit.cli import data as data_commands
     from ssl_vit.cli import evaluate as evaluation_commands
     from ssl_vit.cli import export as checkpoint_commands
-    from ssl_vit.cli import info
+    from ssl_vit.cli import info, status
 
     parser = argparse.ArgumentParser(prog="ssl-vit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation_commands.add_parsers(sub)
     checkpoint_commands.add_parser(sub)
     analysis_commands.add_parser(sub)
+    status.add_parser(sub)
     bench = sub.add_parser("bench", help="throughput benchmarks, as ratios against a reference run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     data_commands.add_bench_parser(bench_sub)
@@ -56,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     errors of the other commands pass through as they are (usage message, exit 2)."""
     verbose, argv = verbose_requested(sys.argv[1:] if argv is None else argv)
     quiet(verbose)
+    redact_logs()  # a credential never in a log line, whoever logs it
     try:
-        plugins.load()  # before any parser: a plugin's presets, targets, kinds and sources are valid names
+        if argv and argv[0] not in ("-h", "--help"):
+            # Before any parser: a plugin's presets, targets, kinds and sources are valid names. Not for
+            # `ssl-vit --help`: plugins add names within commands (shown by each command's --help, which
+            # loads them), never commands, and a plugin that hangs or fails must not hide the list.
+            plugins.load()
         if argv and argv[0] in LIGHTNING_COMMANDS:
             # Until the trainer's own handlers take over (a fit's from its setup on: a checkpoint at the
             # step's end, `ssl_vit.run.preemption`), SIGTERM ends the command with its one line, the run
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             # raised in or past a DataLoader (a split with no usable sample): its other workers end now,
             # not after their SIGTERM grace at the interpreter's exit
             _end_early()
-            print(f"ssl-vit: error: {message}", file=sys.stderr)
+            print(f"ssl-vit: error: {redact(message)}", file=sys.stderr)
             return 2
         message = resource_error_message(err)
         if message is None:
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             return _stopped(stop, _saved(err))
         _end_early()
         message += _saved(err)
-        print(f"ssl-vit: error: {message}", file=sys.stderr)
+        print(f"ssl-vit: error: {redact(message)}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Interrupted):
         # Ctrl-C: every command writes its outputs whole or not at all, so there is nothing to show.

@@ -47,8 +47,10 @@ from ssl_vit.run.checks import (
     check_ckpt_path,
     check_run_dir,
     checkpoint_dir,
+    follow_run_dir,
     local_ckpt_path,
     refuse_contradicting_config,
+    refuse_contradicting_in_chans,
     refuse_foreign_model,
     refuse_other_bands,
     refuse_overridden_options,
@@ -60,6 +62,7 @@ from ssl_vit.run.checks import (
 from ssl_vit.run.health import HealthMonitor
 from ssl_vit.run.nonfinite import NonFiniteGuard, check_rollback
 from ssl_vit.run.preemption import Preemption
+from ssl_vit.run.progress import ProgressLines, progress_bar
 from ssl_vit.run.resume import RandomState
 from ssl_vit.run.rollback import SafeSteps
 from ssl_vit.tasks.base import Throughput
@@ -81,7 +84,7 @@ class SaveAndLogConfig(SaveConfigCallback):
     trainer included, in the W&B run's config under `cli`."""
 
     def save_config(self, trainer, pl_module, stage) -> None:
-        if trainer.logger is not None:
+        if trainer.logger is not None:  # (W&B's logger hides the credentials in it: `ssl_vit.redact`)
             trainer.logger.log_hyperparams({"cli": self.config.as_dict()})
 
 
@@ -131,6 +134,12 @@ class SslVitCLI(LightningCLIHooks):
                 raise
             parser = self.subcommand_parser(self.argv[0])
             raise UserError(config_error(str(err), self.argv, parser, err)) from None
+        subcommand = self.config.get("subcommand")
+        if subcommand in ("fit", "validate", "test"):  # a run's own config.yaml, where the run now is
+            refuse_contradicting_in_chans(self.config[subcommand], self.argv)
+            note = follow_run_dir(self.config[subcommand], self.argv)
+            if note is not None and job_leader():
+                print(f"ssl-vit: warning: {note}", file=sys.stderr, flush=True)
 
     def subcommands(self) -> dict[str, set[str]]:
         # Only the command being run gets a parser: each is built from the signatures of the
@@ -157,6 +166,9 @@ class SslVitCLI(LightningCLIHooks):
         parser.add_lightning_class_args(HealthMonitor, "health")
         # torch.compile of the blocks or the step: `compile.enabled`, `.mode`, `.scope`, `.backend`.
         parser.add_lightning_class_args(CompileTask, "compile")
+        # Where the fit is: a line every `trainer.log_every_n_steps` steps and at least every
+        # `progress.every_minutes` when stdout is not a terminal, and the run directory's progress record.
+        parser.add_lightning_class_args(ProgressLines, "progress")
         # Values that must agree between data and model are given once, on the data side: the image size
         # and the input bands (a data module without `channels` reads RGB: the backbone keeps in_chans 3).
         parser.link_arguments("data.init_args.image_size", "model.init_args.backbone.img_size")
@@ -293,6 +305,7 @@ class SslVitCLI(LightningCLIHooks):
         # with trainer_defaults), so the checkpoint IO is (re)added here.
         plugins = self.config_init[self.subcommand].get("trainer", {}).get("plugins")
         trainer = super().instantiate_trainer(plugins=with_safe_io(plugins), **kwargs)
+        progress_bar(trainer, sys.stdout.isatty())  # a terminal's bar; elsewhere the progress lines
         if not trainer.loggers:  # --trainer.logger false: the LR monitor has nowhere to log, and raises
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]
         return trainer

@@ -58,6 +58,9 @@ from urllib.parse import urlparse
 
 from webdataset.gopen import gopen, gopen_curl, gopen_pipe, gopen_schemes
 
+from ssl_vit.errors import UserError
+from ssl_vit.redact import clean_token
+
 log = logging.getLogger("ssl_vit.data")
 
 MAX_BACKOFF_S = 30.0  # the longest wait between two tries
@@ -103,7 +106,8 @@ class _Changed(OSError):
 
 
 class _TooManyRedirects(OSError):
-    """A request redirected more than MAX_REDIRECTS times: a loop, never mended by trying again."""
+    """A request redirected more than MAX_REDIRECTS times (a loop), or to a scheme other than http(s)
+    (urllib follows `ftp://`, each try waiting out the read timeout): never mended by trying again."""
 
 
 def is_remote(url: str) -> bool:
@@ -202,6 +206,8 @@ def _tried(url: str, policy: ReadPolicy, attempt: Callable[[], object], verdict:
         tries += 1
         try:
             return attempt()
+        except UserError:  # the user's to mend (HF_TOKEN): no try mends it
+            raise
         except Exception as err:
             _after_failure(url, policy, err, verdict(err), tries)
 
@@ -248,7 +254,7 @@ def _http_verdict(err: Exception) -> str:
             return MISSING
         transient = err.code >= 500 and err.code not in PERMANENT_5XX
         return RETRY if transient or err.code in (408, 425, 429) else FATAL
-    if isinstance(err, (_Changed, _TooManyRedirects)):
+    if isinstance(err, (_Changed, _TooManyRedirects, http.client.InvalidURL)):  # no try mends them
         return FATAL
     if isinstance(err, urllib.error.URLError) and isinstance(err.reason, ssl.SSLCertVerificationError):
         return FATAL
@@ -396,9 +402,26 @@ def _http_open(url: str, timeout_s: float, method: str = "GET", headers: dict | 
 def _authorize(request: urllib.request.Request) -> None:
     """`Authorization: Bearer $HF_TOKEN` on a request to the Hub, none on any other."""
     request.remove_header("Authorization")
-    token = os.environ.get("HF_TOKEN")
-    if token and _on_hub(request.full_url):
+    token = hub_token() if _on_hub(request.full_url) else None
+    if token:
         request.add_header("Authorization", f"Bearer {token}")
+
+
+def hub_token() -> str | None:
+    """HF_TOKEN as huggingface_hub reads it (line breaks removed, spaces stripped: `echo $(cat token) >
+    .env` leaves a newline), or None; a one-line UserError, which quotes none of it, when what is left
+    holds a character no token has (a control character, a space, a letter outside ASCII): http.client
+    would refuse it with a message quoting the whole header."""
+    token = clean_token(os.environ.get("HF_TOKEN") or "")
+    wrong = [i for i, c in enumerate(token) if not 33 <= ord(c) <= 126]
+    if wrong:
+        where = ", ".join(str(i + 1) for i in wrong[:5]) + (" ..." if len(wrong) > 5 else "")
+        raise UserError(
+            f"HF_TOKEN holds {len(wrong)} character(s) no token has (a control character, a space or a "
+            f"letter outside ASCII; at character {where} of {len(token)}): set it to the token alone, as "
+            "huggingface.co/settings/tokens shows it"
+        )
+    return token or None
 
 
 def _on_hub(url: str) -> bool:
@@ -416,7 +439,8 @@ def _origin(url: str) -> tuple:
 
 
 class _Redirects(urllib.request.HTTPRedirectHandler):
-    """urllib's redirects, with three changes. A HEAD stays a HEAD: urllib's handler (Python 3.11's
+    """urllib's redirects, with four changes. Only http(s) is followed (urllib follows `ftp://` too, each
+    try waiting out the read timeout). A HEAD stays a HEAD: urllib's handler (Python 3.11's
     `redirect_request`) follows it with a GET, and a probe would start downloading the shard. The token
     is decided again for every hop (`_authorize`): urllib copies every header to the next host. More
     than MAX_REDIRECTS hops fail with `_TooManyRedirects` (urllib's own loop error has three lines)."""
@@ -424,6 +448,10 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     max_repeats = max_redirections = MAX_REDIRECTS + 1  # so that the count below decides
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
+        scheme = urlparse(newurl).scheme
+        if scheme not in ("http", "https"):
+            fp.close()
+            raise _TooManyRedirects(f"redirected to a {scheme}:// URL; only http(s) redirects are followed")
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         hops = getattr(req, "hops", 0) + 1
         if hops > MAX_REDIRECTS:

@@ -9,10 +9,11 @@ trusted input (they name the command); a manifest never supplies a URL.
 
 from __future__ import annotations
 
+import threading
 import urllib.request
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from braceexpand import UnbalancedBracesError
@@ -21,6 +22,8 @@ from webdataset.shardlists import expand_urls
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError, shown
+
+T = TypeVar("T")
 
 
 def expand(urls: str | Sequence[str] | None, what: str) -> list[str]:
@@ -84,9 +87,42 @@ def _problem(url: str, policy: ReadPolicy = DEFAULT) -> str | None:
     except ImportError as err:
         scheme = urlparse(url).scheme
         return f"needs the fsspec package for {scheme}:// ({err.name}): pip install {err.name}"
+    except UserError:  # the user's to mend, not the URL's (a malformed HF_TOKEN): its own line
+        raise
     except Exception as err:
         return f"unreachable ({err})"
     return None
+
+
+def _in_daemons(work: Callable[[str], T], items: list[str], threads: int = 16) -> list[T]:
+    """`[work(item) for item in items]`, 16 at a time, in daemon threads that a stop leaves behind: a
+    SIGTERM or Ctrl-C while servers stall ends the command at once (a ThreadPoolExecutor would be joined,
+    on the way out and again at the interpreter's exit, until every try had timed out). The first
+    exception a `work` raised is raised here."""
+    results: list = [None] * len(items)
+    failures: list[BaseException] = []
+    indices = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def run() -> None:
+        while not failures:
+            with lock:
+                i = next(indices, None)
+            if i is None:
+                return
+            try:
+                results[i] = work(items[i])
+            except BaseException as err:
+                failures.append(err)
+
+    started = [threading.Thread(target=run, daemon=True) for _ in range(min(threads, len(items)))]
+    for thread in started:
+        thread.start()
+    for thread in started:
+        thread.join()  # a signal's exception is raised here, in the main thread
+    if failures:
+        raise failures[0]
+    return results
 
 
 def without_url(err: Exception, url: str) -> str:
@@ -103,8 +139,7 @@ def check_urls(urls: Sequence[str], what: str, policy: ReadPolicy = DEFAULT) -> 
     """Fail at start-up, with one line, on a missing shard or an unreachable URL rather than hang
     or silently lose data later."""
     todo = [u for u in urls if u not in _readable]
-    with ThreadPoolExecutor(16) as pool:
-        found = list(zip(todo, pool.map(lambda url: _problem(url, policy), todo)))
+    found = list(zip(todo, _in_daemons(lambda url: _problem(url, policy), todo)))
     _readable.update(u for u, p in found if p is None)
     problems = [(u, p) for u, p in found if p]
     if problems:

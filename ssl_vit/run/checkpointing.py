@@ -42,7 +42,7 @@ from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.data import remote
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
-from ssl_vit.errors import UserError, first_line
+from ssl_vit.errors import NO_ROOM, UserError, first_line
 from ssl_vit.internals import ModelCheckpointHooks, wraps_checkpoint_io
 
 # Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
@@ -226,6 +226,11 @@ class LastLinkCheckpoint(ModelCheckpointHooks):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_in = state_dict.get("dirpath", self.dirpath)
+        if saved_in != self.dirpath and saved_in and self.dirpath and _is_local(self.dirpath):
+            # A copied or moved run directory: its checkpoints are followed where they now are, so the
+            # rotation goes on among them (Lightning keeps only best_model_path, the original's file).
+            state_dict = _rebased(state_dict, _local(saved_in), _local(self.dirpath))
         super().load_state_dict(state_dict)
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # as Lightning restores its paths
             self._previous_path = state_dict.get("previous_model_path", "")
@@ -398,7 +403,7 @@ def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
             staged.sync()
         except Exception as err:
             full = recording.error or (err if isinstance(err, OSError) else None)
-            if full is not None and full.errno in (errno.ENOSPC, errno.EDQUOT):
+            if full is not None and full.errno in NO_ROOM:
                 # torch's zip writer reports a failed write as "unexpected pos": say what it was.
                 raise OSError(full.errno, os.strerror(full.errno), target) from err
             raise
@@ -406,7 +411,7 @@ def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
 
 
 class _Recording:
-    """A file for torch.save that remembers the OSError a write raised (ENOSPC, EDQUOT), which torch's
+    """A file for torch.save that remembers the OSError a write raised (ENOSPC, EDQUOT, EFBIG), which torch's
     zip writer turns into a RuntimeError about positions."""
 
     def __init__(self, file) -> None:
@@ -421,6 +426,25 @@ class _Recording:
 
     def flush(self) -> None:
         self.file.flush()
+
+
+def _rebased(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """A ModelCheckpoint state saved in the folder `old`, its paths moved to `new`: each file of `old`
+    that `new` holds under the same name, the others dropped (never a path into `old`)."""
+
+    def moved(path: Any) -> str:
+        if not isinstance(path, str) or not path or os.path.dirname(path) != old.rstrip(os.sep):
+            return ""
+        there = os.path.join(new, os.path.basename(path))
+        return there if os.path.isfile(there) else ""
+
+    state = {**state, "dirpath": new}
+    for key in ("best_model_path", "last_model_path", "kth_best_model_path", "previous_model_path"):
+        if key in state:
+            state[key] = moved(state[key])
+    if isinstance(state.get("best_k_models"), dict):
+        state["best_k_models"] = {moved(k): v for k, v in state["best_k_models"].items() if moved(k)}
+    return state
 
 
 def _is_local(path: Path | str) -> bool:

@@ -15,10 +15,12 @@ The fit CLI (`ssl_vit.cli.fit`) calls them; they read a config as jsonargparse's
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from pathlib import Path
 
 import torch
+import yaml
 
 from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
@@ -32,6 +34,117 @@ CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
 
 
 # --- the run directory ----------------------------------------------------------------------------------
+
+
+def follow_run_dir(config, argv: list[str]) -> str | None:
+    """A run directory's own `config.yaml` given as `--config` where the directory now is (copied or
+    moved: runs move between scratch and project filesystems): the checkpoint folder it derived from its
+    run directory (`RUN/checkpoints`, written out absolute or relative) is derived again from the run
+    directory of this command, and without `--trainer.default_root_dir` on the command line the run
+    directory is the one the file lies in, not the one it names; a logger's `save_dir` that was the run
+    directory (W&B's folder and run id) follows it too. So a copy resumes from its own checkpoints and
+    never writes into the original's. Changes `config`; returns the warning line to
+    print when the run directory was followed, else None."""
+    note = None
+    for path in _config_files(argv):
+        recorded = _recorded(path)
+        root = recorded.get("trainer", {}).get("default_root_dir")
+        dirpath = recorded.get("checkpoint", {}).get("dirpath")
+        if not isinstance(root, str):
+            continue
+        if (
+            isinstance(dirpath, str)
+            and _same(dirpath, Path(root) / "checkpoints")
+            and config.checkpoint.dirpath == dirpath  # not given again on the command line
+        ):
+            config.checkpoint.dirpath = None  # derived again (`checkpoint_dir`)
+        for spec in _loggers(config):  # a logger that wrote into the run directory (W&B) goes on doing so
+            save_dir = getattr(spec.init_args, "save_dir", None)
+            if isinstance(save_dir, str) and _same(save_dir, root):
+                spec.init_args.save_dir = None  # derived again (`SslVitCLI.before_instantiate_classes`)
+        here = path.parent
+        given = any(
+            a == "--trainer.default_root_dir" or a.startswith("--trainer.default_root_dir=") for a in argv
+        )
+        moved = not _same(root, here) and (here / "checkpoints").is_dir()
+        if not given and moved and config.trainer.default_root_dir == root:
+            config.trainer.default_root_dir = str(here)
+            note = (
+                f"{path} names the run directory {root}, but lies in {here}: the run in {here} is run (give "
+                "--trainer.default_root_dir to choose another)"
+            )
+    return note
+
+
+def _loggers(config) -> list:
+    """The logger specs of `config` that have constructor arguments (`class_path` + `init_args`)."""
+    logger = config.trainer.logger
+    specs = logger if isinstance(logger, list) else [logger]
+    return [spec for spec in specs if getattr(spec, "init_args", None) is not None]
+
+
+IN_CHANS = "--model.init_args.backbone.in_chans"
+
+
+def refuse_contradicting_in_chans(config, argv: list[str]) -> None:
+    """A backbone's `in_chans` given (on the command line or in a `--config` file) that is not the data's
+    `channels`: one line. The config links the two (the backbone takes the data's bands), which would
+    drop the value given without a word and build a model of the data's band count."""
+    channels = getattr(getattr(config.get("data"), "init_args", None), "channels", None)
+    if not isinstance(channels, int):
+        return
+    for given, where in _given_in_chans(argv):
+        if str(given).strip() != str(channels):
+            raise UserError(
+                f"{IN_CHANS} {given}{where} contradicts the data's channels ({channels}): the backbone "
+                "takes the data's bands; give --data.init_args.channels instead, or leave in_chans out"
+            )
+
+
+def _given_in_chans(argv: list[str]) -> list[tuple[object, str]]:
+    """Each value of the backbone's in_chans `argv` gives, with where (` (in FILE)` for a config file)."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg == IN_CHANS and i + 1 < len(argv):
+            found.append((argv[i + 1], ""))
+        elif arg.startswith(f"{IN_CHANS}="):
+            found.append((arg.partition("=")[2], ""))
+        elif arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
+            path = Path(argv[i + 1] if arg == "--config" else arg.partition("=")[2])
+            model = _load(path).get("model")
+            backbone = model.get("init_args", {}).get("backbone") if isinstance(model, dict) else None
+            if isinstance(backbone, dict) and "in_chans" in backbone and backbone["in_chans"] is not None:
+                found.append((backbone["in_chans"], f" (in {path})"))
+    return found
+
+
+def _config_files(argv: list[str]) -> list[Path]:
+    """The `--config` files of `argv` named config.yaml (what a fit writes in its run directory)."""
+    found = []
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.partition("=")[2]
+        if (arg == "--config" or arg.startswith("--config=")) and Path(value).name == "config.yaml":
+            found.append(Path(value))
+    return found
+
+
+def _recorded(path: Path) -> dict:
+    """The `trainer` and `checkpoint` groups `path` records ({} when it cannot be read as such)."""
+    loaded = _load(path)
+    return {k: loaded[k] for k in ("trainer", "checkpoint") if isinstance(loaded.get(k), dict)}
+
+
+def _load(path: Path) -> dict:
+    """A config file's mapping ({} when it cannot be read as one: the parser has said so already)."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _same(a: str | Path, b: str | Path) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def check_run_dir(root: str) -> None:

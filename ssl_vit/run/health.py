@@ -37,7 +37,11 @@ def feature_std(features: Tensor) -> Tensor:
     """features (B, D) -> the per-dimension standard deviation across the batch of the L2-normalised
     features, averaged over the dimensions: about 1/sqrt(D) for features spread over the sphere, 0 when
     every image maps to the same direction (SimSiam's collapse check, Chen & He 2021, sec 4.1).
-    Normalised, it needs no scale of its own: one threshold serves every width and normalisation."""
+    Normalised, it needs no scale of its own: one threshold serves every width and normalisation. NaN
+    (never below a threshold) for a batch of one image, whose spread says nothing (and for which torch's
+    std warns in two lines at every look)."""
+    if features.shape[0] < 2:
+        return torch.full((), float("nan"), device=features.device)
     return F.normalize(features.float(), dim=-1).std(dim=0).mean()
 
 

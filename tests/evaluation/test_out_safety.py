@@ -10,6 +10,8 @@ import yaml
 from cli_helpers import failing_evaluation, run_cli
 from test_errors import error_line, listing
 
+from ssl_vit.outdir import MARKER
+
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 
 
@@ -29,8 +31,10 @@ def knn_suite(digits_shards, tmp_path_factory) -> Path:
 
 
 def old_results(directory: Path) -> dict[str, str]:
-    """An earlier run's files in `directory`; returns them to compare against afterwards."""
-    files = {"results.json": '{"old": true}\n', "results.csv": "old\n", "gone/results.json": "{}\n"}
+    """An earlier run's files in `directory`, with the marker of an output of ssl-vit (which --overwrite
+    may replace); returns them to compare against afterwards."""
+    files = {"results.json": '{"old": true}\n', "results.csv": "old\n", "gone/results.json": "{}\n",
+             MARKER: '{"command": "evaluate"}\n'}  # fmt: skip
     for name, text in files.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text)
@@ -119,7 +123,7 @@ def test_evaluate_overwrite_replaces_once_complete_and_a_failed_run_loses_nothin
     proc = run_cli(*out_args("evaluate", out, knn_suite), "--overwrite")
     assert proc.stdout.splitlines()[-1] == f"wrote {out}/results.json"
     assert (
-        listing(out) == ["results.json"]
+        listing(out) == [MARKER, "results.json"]
         and "knn" in json.loads((out / "results.json").read_text())["results"]
     )
 
@@ -139,7 +143,7 @@ def test_compare_overwrite_holds_the_new_comparison_only_and_names_what_it_wrote
     assert "fewshot.png" not in written and {"results.csv", "bars.png", "attention_distance.png"} <= set(
         written
     )
-    assert sorted(written) == sorted(p.name for p in out.iterdir() if p.is_file())
+    assert sorted(written) == sorted(p.name for p in out.iterdir() if p.is_file() and p.name != MARKER)
 
 
 @pytest.mark.slow

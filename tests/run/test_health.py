@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_helpers import one_step_fit_args, wandb_records
+from cli_helpers import one_step_fit_args, run_cli, wandb_records
 
 from ssl_vit.run.health import CollapseError, HealthMonitor, effective_rank, feature_std, target_variance
 
@@ -101,3 +101,16 @@ def test_a_teacher_preset_with_constant_targets_is_stopped_by_its_teacher_check(
         assert h["health/feature_std"] > 5e-3 and h["health/effective_rank"] > 2, h  # the student: spread
         assert h["health/teacher_std"] == 0 and h["health/target_var"] == 0, h
         assert h["health/teacher_effective_rank"] == pytest.approx(1, abs=1e-3), h
+
+
+def test_a_batch_of_one_image_is_looked_at_without_warnings_and_never_counts_as_collapsed(
+    digits_shards, tmp_path
+):
+    """Issue 42: torch's two-line `std(): degrees of freedom is <= 0` warning at every look with batch 1."""
+    assert feature_std(torch.randn(1, 8)).isnan()
+    args = one_step_fit_args(
+        digits_shards, tmp_path / "run", "--data.init_args.batch_size", "1", "--data.init_args.train_batches",
+        "4", "--trainer.log_every_n_steps", "1", "--trainer.logger", "false",
+    )  # fmt: skip
+    proc = run_cli(*args, cwd=tmp_path)
+    assert "degrees of freedom" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr[-3000:]
