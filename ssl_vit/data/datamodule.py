@@ -9,8 +9,9 @@
         image_size: 32
         augment: {crop_scale: [0.6, 1.0]}
 
-Training reads a resampled stream with a fixed number of batches per rank per epoch; validation and
-test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float32
+Training reads the epoch's one random order of every sample over local shards (`epoch_order`; remote
+and compressed shards: a resampled stream of segments), a fixed number of batches per rank per epoch;
+validation and test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float32
 [B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the DataLoaders give uint8 for
 8-bit images, float32 in model units for 16-bit and float ones, converted on the device by
 `prepare_batch`),
@@ -64,7 +65,8 @@ STAGE_OF = {"val": "validate", "test": "test"}  # the stage whose setup expands 
 
 
 class ShardDataModule(pl.LightningDataModule):
-    """Streams WebDataset shards: resampled training streams, exact validation/test passes.
+    """Streams WebDataset shards: training in the epoch's global order (or resampled segments of remote
+    shards), exact validation/test passes.
 
     Args:
         train_urls, val_urls, test_urls: shard URLs (brace ranges; local paths, `file://`, `http(s)://`,
@@ -79,7 +81,8 @@ class ShardDataModule(pl.LightningDataModule):
         mean, std: normalisation, one value per band, in model units (8-bit data / 255, as timm's
             IMAGENET_DEFAULT_MEAN; other dtypes as stored); `auto`: the manifest's `band_stats`
             (`ssl-vit data convert` records them, `ssl-vit data inspect --stats` adds them).
-        seed: seed of every training stream; the stream is a function of (seed, epoch, rank, worker).
+        seed: seed of every training stream: over local shards the epoch's order is a function of (seed,
+            epoch, data), over remote ones each worker's stream of (seed, epoch, rank, worker).
         classes: keep only samples with these labels (labels are not renumbered).
         train_keys: keep only the training split's samples with these `__key__`s (a labelled subset,
             drawn within `classes`); the other splits are not filtered. The stream still reads every
@@ -100,7 +103,7 @@ class ShardDataModule(pl.LightningDataModule):
             pretraining, fine-tuning, linear probing) and by evaluation's labelled passes; a
             self-supervised task reads unlabelled samples.
         augment: the training transform and the eval framing (`ssl_vit.data.options.Augment`).
-        stream: the training stream's shuffle and a resume on changed data (`options.Stream`).
+        stream: the remote training stream's shuffle and a resume on changed data (`options.Stream`).
         limits: read retries and timeouts, the largest image read (`options.Limits`).
     """
 

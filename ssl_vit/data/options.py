@@ -98,12 +98,14 @@ class Augment:
 
 @dataclass(frozen=True)
 class Stream:
-    """The training stream: its shuffle, and a resume on other data.
+    """The training stream: its shuffle, and a resume on other data. Over local uncompressed shards the
+    stream reads the epoch's one random order of every sample (`ssl_vit.data.epoch_order`), and the two
+    shuffle options do not apply; they shape the stream of remote and compressed shards.
 
     Args:
-        shuffle_buffer: samples in the raw-bytes shuffle buffer of each training worker.
-        segment_shards: a training worker draws its shards in segments of this many, each shuffled on
-            its own; a resumed run re-reads (without decoding) at most one segment per worker to get
+        shuffle_buffer: samples in the raw-bytes shuffle buffer of each training worker (remote shards).
+        segment_shards: a training worker draws its remote shards in segments of this many, each shuffled
+            on its own; a resumed run re-reads (without decoding) at most one segment per worker to get
             back to where it stopped (`ssl_vit.data.stream`).
         on_data_change: a resume whose training shards or manifest differ from the checkpoint's
             (`ssl_vit.data.identity`) cannot be exact: `warn` says so in one line and goes on, `refuse`

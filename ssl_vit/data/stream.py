@@ -3,8 +3,11 @@
 
 Two kinds of stream (every rank must run the same number of steps, or DDP hangs):
 
-- training: shards resampled per rank and worker, a shuffle buffer over raw bytes, a fixed number of
-  batches per rank per epoch so every rank steps together;
+- training, a fixed number of batches per rank per epoch so every rank steps together: over local
+  uncompressed shards, the rank's slices of the epoch's one random order of every sample, read back
+  sample by sample (`ssl_vit.data.epoch_order`: the order, the slots, the elastic resume); over remote
+  or compressed shards, which cannot be read at random, shards resampled per rank and worker through a
+  shuffle buffer over raw bytes (what the rest of this docstring describes);
 - exact pass: shards split by rank and worker so every sample is seen exactly once across ranks.
 
 Rank and world size are arguments of `ShardStream`, read by the datamodule in the main process: a
