@@ -11,8 +11,8 @@
 
 Training reads the epoch's one random order of every sample over local shards (`epoch_order`; remote
 and compressed shards: a resampled stream of segments), a fixed number of batches per rank per epoch;
-validation and test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts: `image` float32
-[B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the DataLoaders give uint8 for
+validation and test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts:
+`image` float32 [B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the DataLoaders give uint8 for
 8-bit images, float32 in model units for 16-bit and float ones, converted on the device by
 `prepare_batch`),
 `label` int64 [B] (-1 where unlabelled), `key` list[str], `mask` uint8 [B,H,W] when the samples carry
