@@ -12,9 +12,9 @@
 Training reads the epoch's one random order of every sample over local shards (`epoch_order`; remote
 and compressed shards: a resampled stream of segments), a fixed number of batches per rank per epoch;
 validation and test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts:
-`image` float32 [B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the DataLoaders give uint8 for
-8-bit images, float32 in model units for 16-bit and float ones, converted on the device by
-`prepare_batch`),
+`image` float32 [B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the
+DataLoaders give uint8 for 8-bit images, float32 in model units for 16-bit and float ones, converted
+on the device by `prepare_batch`),
 `label` int64 [B] (-1 where unlabelled), `key` list[str], `mask` uint8 [B,H,W] when the samples carry
 segmentation masks (`seg.png`: a class index per pixel of `image`, 255 ignored; cropped, flipped and
 resized with the image, nearest-neighbour; passed through untouched), `skipped` (bad samples the
