@@ -25,7 +25,7 @@ PER_CLASS = 12
 
 
 def convert(cli, source: str, out, *extra: str, split: str = "train") -> dict:
-    cli("data", "convert", source, str(out), "--split", split, "--no-progress", *extra)
+    cli("data", "convert", source, str(out), "--split", split, "--order", "source", "--no-progress", *extra)
     return json.loads((out / f"{split}.json").read_text())
 
 
@@ -61,7 +61,17 @@ def signal_set(tmp_path_factory):
         arrays.append((array, ("high", "low").index(("low", "high")[label])))  # class names sort: high, low
     (root / "tifs" / "labels.csv").write_text("\n".join(rows) + "\n")
     out = root / "shards"
-    run_cli("data", "convert", f"tiff:{root / 'tifs'}", str(out), "--shard-size", "8", "--no-progress")
+    run_cli(
+        "data",
+        "convert",
+        f"tiff:{root / 'tifs'}",
+        str(out),
+        "--shard-size",
+        "8",
+        "--order",
+        "source",
+        "--no-progress",
+    )
     manifest = json.loads((out / "train.json").read_text())
     return out, manifest, {f"tiff-train-{i:08d}": pair for i, pair in enumerate(arrays)}
 

@@ -24,7 +24,7 @@ def stored(tmp_path_factory):
         images = rng.integers(0, 256, (6, size, size, 3), dtype=np.uint8)
         np.savez(root / f"px{size}.npz", images=images, labels=np.arange(6) % 2)
         run_cli("data", "convert", f"npz:{root}/px{size}.npz", str(root / f"px{size}"), "--split", "val",
-                "--shard-size", "3", "--no-progress")  # fmt: skip
+                "--shard-size", "3", "--order", "source", "--no-progress")  # fmt: skip
         out[size] = (root / f"px{size}", images)
     return out
 

@@ -34,8 +34,8 @@ def partly_labelled(tmp_path_factory, digits_shards):
     root = tmp_path_factory.mktemp("partly")
     for split, seed in (("train", 0), ("test", 1)):
         write_npz(root / f"{split}.npz", 40, seed, unlabelled=UNLABELLED)
-        run_cli("data", "convert", f"npz:{root / f'{split}.npz'}", str(root / "mixed"), "--split", split,
-                "--shard-size", "20", "--no-progress")  # fmt: skip
+        run_cli("data", "convert", "--order", "source", f"npz:{root / f'{split}.npz'}", str(root / "mixed"),
+                "--split", split, "--shard-size", "20", "--no-progress")  # fmt: skip
         data = np.load(root / f"{split}.npz")
         keep = data["labels"] >= 0
         np.savez(root / f"{split}_labelled.npz", images=data["images"][keep], labels=data["labels"][keep])
@@ -80,7 +80,7 @@ def test_every_evaluation_kind_leaves_unlabelled_images_out_and_says_how_many(pa
     from cli_helpers import run_cli
 
     for split in ("train", "test"):
-        run_cli("data", "convert", f"npz:{partly_labelled / f'{split}_labelled.npz'}",
+        run_cli("data", "convert", "--order", "source", f"npz:{partly_labelled / f'{split}_labelled.npz'}",
                 str(partly_labelled / "labelled"), "--split", split, "--shard-size", "20",
                 "--no-progress")  # fmt: skip
     protocols = [
@@ -116,8 +116,8 @@ def test_an_image_beyond_max_image_pixels_is_skipped_without_decoding(tmp_path, 
     warning line and one skipped sample, the others are read; a limit below 1 is one line."""
     for name, size in (("small", 32), ("large", 48)):
         write_npz(tmp_path / f"{name}.npz", 4 if name == "small" else 1, 0, size)
-        cli("data", "convert", f"npz:{tmp_path / f'{name}.npz'}", str(tmp_path / name), "--split", "val",
-            "--no-progress")  # fmt: skip
+        cli("data", "convert", "--order", "source", f"npz:{tmp_path / f'{name}.npz'}", str(tmp_path / name),
+            "--split", "val", "--no-progress")  # fmt: skip
     urls = f"{tmp_path}/small/val-000000.tar,{tmp_path}/large/val-000000.tar"
     validate = ["validate", "--config", str(ROOT / "recipes/quickstart/mpp.yaml"), "--ckpt_path", "scratch",
                 "--data.init_args.val_urls", f"[{urls}]", "--data.init_args.num_workers", "0",
