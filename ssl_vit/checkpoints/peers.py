@@ -11,8 +11,9 @@ ssl-vit's, which keeps them):
   module again, under its second name) and the `MAEDecoder` under `decoder.*`.
 
 The state dict is a Lightning checkpoint's `state_dict` (`trainer.save_checkpoint`) or the model's own
-(`torch.save(model.state_dict(), ...)`). Everything outside the prefix (decoders, mask tokens) is left
-aside as the checkpoint's `rest`; the backbone's config comes from the shapes, as for any timm file.
+(`torch.save(model.state_dict(), ...)`), the MAE at its top or inside a module that wraps it.
+Everything outside the prefix (decoders, mask tokens) is left aside as the checkpoint's `rest`; the
+backbone's config comes from the shapes, as for any timm file.
 """
 
 from __future__ import annotations
@@ -31,9 +32,17 @@ MAPPINGS = (Mapping("lightly", "backbone.vit."), Mapping("stable-pretraining", "
 
 
 def match(state: dict) -> Mapping | None:
-    """The mapping whose prefix `state`'s keys carry, None when no peer's does."""
+    """The mapping whose prefix `state`'s keys carry, None when no peer's does. The prefix may sit below
+    a module that wraps the peer's MAE (stable-pretraining's Lightning example keeps it as `model`:
+    `model.encoder.vit.*`); the mapping returned strips the wrapper's path too."""
     keys = [key for key in state if isinstance(key, str)]
-    return next((m for m in MAPPINGS if any(key.startswith(m.prefix) for key in keys)), None)
+    for mapping in MAPPINGS:
+        for key in keys:
+            if key.startswith(mapping.prefix):
+                return mapping
+            if (at := key.find("." + mapping.prefix)) >= 0:
+                return mapping._replace(prefix=key[: at + 1] + mapping.prefix)
+    return None
 
 
 def split(state: dict[str, Tensor], mapping: Mapping) -> tuple[dict[str, Tensor], dict[str, Tensor]]:

@@ -59,7 +59,10 @@ LAYOUTS = {"lightly": lightly_layout, "stable-pretraining": stable_pretraining_l
 
 
 def save(state: dict, path, container: str):
-    """As `trainer.save_checkpoint` (Lightning) or `torch.save(model.state_dict())` writes it."""
+    """As `trainer.save_checkpoint` (Lightning) or `torch.save(model.state_dict())` writes it; `wrapped`:
+    a LightningModule holding the MAE as `model` (stable-pretraining's Lightning example)."""
+    if container == "wrapped":
+        state, container = {f"model.{k}": v for k, v in state.items()}, "lightning"
     if container == "lightning":
         hparams = {"model_name": "vit_small_patch16_224", "mask_ratio": 0.75}  # the peer's own, not ssl-vit's
         state = {"state_dict": state, "hyper_parameters": hparams, "epoch": 3, "global_step": 120}
@@ -68,7 +71,7 @@ def save(state: dict, path, container: str):
 
 
 @pytest.mark.parametrize("peer", LAYOUTS)
-@pytest.mark.parametrize("container", ["lightning", "state_dict"])
+@pytest.mark.parametrize("container", ["lightning", "state_dict", "wrapped"])
 def test_info_reads_the_peers_backbone(tmp_path, cli, peer, container):
     vit = timm_vit()
     path = save(LAYOUTS[peer](vit), tmp_path / f"{peer}.ckpt", container)
