@@ -89,3 +89,8 @@ METHODS = {"mae": MAE, "simmim": SimMIM}
 def build(method: str, settings: Settings) -> Impl:
     model = METHODS[method](settings)
     return Impl(model, model)
+
+
+def timm_encoder(model: nn.Module) -> nn.Module:
+    """The trained timm ViT inside lightly's model."""
+    return model.backbone.vit

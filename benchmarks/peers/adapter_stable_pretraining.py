@@ -14,6 +14,7 @@ from __future__ import annotations
 from common import Impl, Settings, mask_ratio, timm_vit
 from loguru import logger
 from stable_pretraining.methods import IJEPA, MAE, MaskFeat, SimMIM
+from torch import nn
 
 PEER = "stable-pretraining"
 logger.disable("stable_pretraining")  # its notes on every model built (no hyperparameters given ...)
@@ -59,3 +60,8 @@ METHODS = {"mae": build_mae, "simmim": build_simmim, "maskfeat": build_maskfeat,
 def build(method: str, settings: Settings) -> Impl:
     model = METHODS[method](settings).train()
     return Impl(model, lambda images: model(images).loss)
+
+
+def timm_encoder(model: nn.Module) -> nn.Module:
+    """The trained timm ViT inside stable-pretraining's MAE (`MaskedEncoder.vit`)."""
+    return model.encoder.vit

@@ -32,6 +32,12 @@ class Settings:
     decoder_depth: int = 8
     decoder_heads: int = 16
     mask_ratio: float | None = None
+    width: int | None = None  # a backbone of the variant's patch but its own size (the study's ViT)
+    depth: int | None = None
+    heads: int | None = None
+
+    def config(self) -> ViTConfig:
+        return ViTConfig(self.variant, self.img_size, width=self.width, depth=self.depth, heads=self.heads)
 
     def for_method(self, method: str) -> Settings:
         """I-JEPA's predictor is its own (ssl-vit's recipe and stable-pretraining's default agree: 384
@@ -65,7 +71,7 @@ class Impl(NamedTuple):
 def timm_vit(settings: Settings, num_classes: int = 0) -> nn.Module:
     """timm's VisionTransformer of the variant at the comparison's image size, as each peer's docs
     create it (`timm.create_model(name)`)."""
-    carrier = timm_model(ViTConfig(settings.variant, settings.img_size))
+    carrier = timm_model(settings.config())
     return timm.create_model(carrier.name, num_classes=num_classes, **carrier.kwargs)
 
 
@@ -73,7 +79,7 @@ def sslvit(method: str, settings: Settings) -> Impl:
     """ssl-vit's task as a recipe builds it (`ssl-vit bench step`'s `build_task`), with the comparison's
     decoder and mask ratio."""
     settings = settings.for_method(method)
-    config = ViTConfig(settings.variant, settings.img_size)
+    config = settings.config()
     task = MaskedPatchPretraining(
         config,
         preset=method,
