@@ -127,12 +127,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict:
+def machine(peers: dict) -> dict:
+    from importlib.metadata import version
+
     return {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "timm": version("timm"),
+        "peers": ", ".join(f"{name} {version(name)}" for name in peers),
         "python": platform.python_version(),
     }
 
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant} {method} {name}: " + " ".join(f"{t:.2f}" for t in times), flush=True)
     load.append(os.getloadavg())
     rows = summarise(rows)
-    report = {"machine": machine(), "load_average": load, "argv": sys.argv, "rows": rows}
+    report = {"machine": machine(peers), "load_average": load, "argv": sys.argv, "rows": rows}
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
@@ -204,11 +208,11 @@ def results_page(report: dict, rows_table: str) -> str:
     ]
     return f"""# ssl-vit beside its peers: speed of one training step
 
-Written by `make peers` (benchmarks/peers/speed.py); measured, never edited by hand.
+Written by benchmarks/peers/speed.py (`make peers` runs it); measured, not edited by hand.
 
 - command: `{command}`
-- machine: {m["cpu"]}, {m["cores"]} cores, torch {m["torch"]} with {m["torch_threads"]} threads,
-  Python {m["python"]}
+- machine: {m["cpu"]}, {m["cores"]} cores, torch {m["torch"]} with {m["torch_threads"]} thread(s),
+  timm {m["timm"]}, {m["peers"]}, Python {m["python"]}
 - load average (1 min) at the start and the end: {start:.2f}, {end:.2f}
 - the step: forward, loss, backward, fused AdamW, zero_grad; one untimed step each, then one step of
   every implementation per round, the order rotated each round; the median over rounds, with the
