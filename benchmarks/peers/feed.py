@@ -70,9 +70,11 @@ def sslvit_feed(samples, root: Path, workers: int):
 
     out = root / "sslvit"
     if not (out / "train.json").exists():
+        # --format jpg keeps the JPEGs' bytes (the default, png, would hand ssl-vit 5x the bytes to decode)
+        folder = samples[0][0].parents[1]
         subprocess.run(
-            [sys.executable, "-m", "ssl_vit", "data", "convert", f"imagefolder:{samples[0][0].parents[1]}",
-             str(out), "--split", "train", "--shard-size", "500", "--no-progress"], check=True,
+            [sys.executable, "-m", "ssl_vit", "data", "convert", f"imagefolder:{folder}", str(out),
+             "--split", "train", "--shard-size", "500", "--format", "jpg", "--no-progress"], check=True,
         )  # fmt: skip
     module = ShardDataModule(
         train_urls=sorted(str(p) for p in out.glob("train-*.tar")), image_size=SIZE, batch_size=BATCH,
