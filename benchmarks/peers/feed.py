@@ -165,6 +165,19 @@ def measure(loader, batches: int, classes: int) -> dict:
     }
 
 
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| feed | workers | img/s | img/s per worker | batch mix (1.00 = uniform) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        per_worker = r["img_s"] / r["workers"]
+        lines.append(
+            f"| {r['feed']} | {r['workers']} | {r['img_s']:.1f} | {per_worker:.1f} | {r['mix']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=5000)
@@ -172,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--feeds", nargs="+", default=list(FEEDS), choices=FEEDS)
     parser.add_argument("--root", type=Path, default=Path("runs/peers/feed"))
+    parser.add_argument("--results", type=Path, help="append the table to this page (RESULTS.md)")
     args = parser.parse_args(argv)
     samples = write_jpegs(args.root / "jpg", args.images)
     rows = []
@@ -182,11 +196,22 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name} workers {workers}: {result['img_s']:.1f} img/s, mix {result['mix']:.2f}", flush=True
             )
-    print("| feed | workers | img/s | img/s per worker | batch mix (1.00 = uniform) |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        per_worker = r["img_s"] / r["workers"]
-        print(f"| {r['feed']} | {r['workers']} | {r['img_s']:.1f} | {per_worker:.1f} | {r['mix']:.2f} |")
+    text = table(rows)
+    print(text)
+    if args.results:  # after speed.py's page, as `make peers` runs them
+        command = " ".join(["python", *sys.argv])
+        section = f"""
+## The data feed
+
+- command: `{command}`
+- {args.images} JPEGs, {args.batches} timed batches of {BATCH} after two untimed ones, per feed and worker
+  count, one pass each: no spread measured yet, so a difference below about 20% is not one
+- batch mix: distinct classes per batch over a uniform shuffle's expectation ({len(PHOTOS)} classes)
+
+{text}
+"""
+        with args.results.open("a") as page:
+            page.write(section)
     return 0
 
 
