@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: install constraints test quickstart study study-pretrain study-compare lint clean
+.PHONY: install constraints test quickstart study study-pretrain study-compare peers lint clean
 
 install: $(STAMP)
 
@@ -118,8 +118,37 @@ study-compare: $(STAMP)
 		$(foreach method,$(STUDY_METHODS),$(call study_group,$(method))) --scratch 2 --baseline scratch \
 		--suite $(STUDY_SUITE) $(if $(STUDY_CLAIMS),--claims $(STUDY_CLAIMS)) --out $(STUDY)/compare --overwrite
 
+# ssl-vit beside its peers (benchmarks/peers/, issue 43): .venv-peers holds the project and the peers at
+# requirements/peers*.txt's versions, under the same constraints as .venv (torch stays the tested one).
+# First the adapter tests (every adapter builds its peer's model, takes one step at a tiny size, and a
+# checkpoint the peer saved loads through ssl-vit's loader; a skip fails), then one training step of
+# every shared method, interleaved, at S/16 and B/16, 224 px, batch 8 on the CPU, written to
+# benchmarks/peers/RESULTS.md, then the same JPEGs through ssl-vit's ShardDataModule, webdataset, litdata
+# and mosaicml-streaming (feed.py, its table appended there; images under runs/peers/feed).
+# PEERS_SPEED_ARGS, PEERS_FEED_ARGS: other sizes or rounds (e.g. --variants S/16 --rounds 3).
+# Not run here yet: quality.py (each peer's MAE at the study's budget, for `ssl-vit compare`).
+PEERS_VENV := .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEERS_SPEED_ARGS ?= --variants S/16 B/16 --batch-size 8 --rounds 5
+PEERS_FEED_ARGS ?= --images 5000 --workers 1 2 --batches 30
+
+$(PEERS_STAMP): pyproject.toml $(CONSTRAINTS) requirements/peers.txt requirements/peers-no-deps.txt
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install --quiet --upgrade pip
+	$(PEERS_PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]' -r requirements/peers.txt
+	$(PEERS_PY) -m pip install --quiet -c $(CONSTRAINTS) --no-deps -r requirements/peers-no-deps.txt
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
+	cd benchmarks/peers && OMP_NUM_THREADS=1 ../../$(PEERS_PY) -m pytest -q -p no:cacheprovider -c /dev/null \
+		--rootdir . -rs test_adapters.py
+	OMP_NUM_THREADS=1 $(PEERS_PY) benchmarks/peers/speed.py $(PEERS_SPEED_ARGS) --results benchmarks/peers/RESULTS.md
+	OMP_NUM_THREADS=1 $(PEERS_PY) benchmarks/peers/feed.py $(PEERS_FEED_ARGS) --results benchmarks/peers/RESULTS.md
+	@echo "results: benchmarks/peers/RESULTS.md"
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ssl_vit tests
+	$(VENV)/bin/ruff check ssl_vit tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs data/shards
+	rm -rf $(VENV) $(PEERS_VENV) runs data/shards

@@ -1,5 +1,6 @@
 """Checkpoint I/O below the tasks: reading any checkpoint kind into a backbone (`load`), MAE's names
-(`mae`), and writing backbones (and classifiers) for timm (`export`).
+(`mae`), the peers' MAE checkpoints (`peers`: lightly, stable-pretraining), and writing backbones (and
+classifiers) for timm (`export`).
 
 The loader's names are imported on first use, so that `ssl-vit --help` and the parsers of `evaluate`,
 `compare` and `export` do not pay for importing torch and timm.

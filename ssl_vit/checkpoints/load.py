@@ -7,6 +7,8 @@
 - a folder `ssl-vit export --format hf` wrote (timm's local Hub layout: `model.safetensors`),
 - a torch file of timm-named weights (`.pth`, `.bin`): a plain state dict, or one under `model` as
   facebookresearch/mae writes them (its decoder is ignored here; `load_mae_decoder` reads it),
+- a checkpoint of a peer's MAE, lightly's or stable-pretraining's (a Lightning checkpoint or the model's
+  state dict): its timm ViT under the peer's prefix, read by that peer's key mapping (`peers`),
 - `timm:MODEL_NAME` (timm's pretrained weights, fetched by timm),
 - `scratch` (random init of the given config).
 
@@ -44,7 +46,7 @@ from timm.models import adapt_input_conv, clean_state_dict
 from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
-from ssl_vit.checkpoints import SOURCES, integrity, mae
+from ssl_vit.checkpoints import SOURCES, integrity, mae, peers
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import HYBRID_STEM_CONV, VARIANTS, ViT, ViTConfig, input_conv_key, parse_variant
 
@@ -75,6 +77,7 @@ class Weights(NamedTuple):
     rest: dict[str, Tensor]  # the other tensors under their own names (a task's heads, MAE's decoder)
     hparams: dict  # a Lightning checkpoint's hyperparameters; {} for other files
     verified: str | None = None  # the checksum that vouched for the bytes read; None: the file had none
+    peer: str | None = None  # the peer whose MAE saved it (`peers`: its key mapping read it); None: not one
 
 
 def load_backbone(
@@ -96,14 +99,15 @@ def load_backbone(
     if source.startswith("timm:"):
         return _from_timm(source.removeprefix("timm:"), config)
     found = read_weights(source, weights)
+    named = f"{source} ({found.peer}'s MAE)" if found.peer else source
     if found.config is None and config is None:
         raise UserError(
-            f"{source} carries no backbone config and its shapes match no paper variant (heads unknown); "
+            f"{named} carries no backbone config and its shapes match no paper variant (heads unknown); "
             "give the variant it was trained with"
         )
-    target = _reconcile(source, found.config, config)
+    target = _reconcile(named, found.config, config)
     vit = target.build()
-    _load_state(vit, found.backbone, source)
+    _load_state(vit, found.backbone, named)
     return vit, target
 
 
@@ -206,17 +210,27 @@ def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
         raise UserError(f"{path} holds a {type(checkpoint).__name__}, not a dict of weights; give {SOURCES}")
     lightning = checkpoint.get("state_dict")
     verified = "the CRC-32 of every record" if integrity.has_checksums(path) else None
-    if isinstance(lightning, dict) and any(str(k).startswith("backbone.") for k in lightning):
+    # A peer's Lightning checkpoint: its model under `state_dict` too, the ViT under the peer's prefix
+    # (lightly's `backbone.vit.`, which ssl-vit's own `backbone.` would otherwise claim).
+    peer = isinstance(lightning, dict) and peers.match(lightning) is not None
+    if isinstance(lightning, dict) and not peer and any(str(k).startswith("backbone.") for k in lightning):
         return _lightning_weights(path, checkpoint, weights)._replace(verified=verified)
     if weights == "teacher":
         raise _no_teacher(path)
-    state = checkpoint.get("model", checkpoint)  # facebookresearch/mae (and DeiT) nest it under `model`
+    # facebookresearch/mae (and DeiT) nest the state dict under `model`.
+    state = lightning if peer else checkpoint.get("model", checkpoint)
     if not isinstance(state, dict) or not state or not all(isinstance(v, Tensor) for v in state.values()):
         raise UserError(
             f"{path} is neither a Lightning checkpoint with backbone.* weights nor a state dict of timm "
             f"names; give {SOURCES}"
         )
-    return _timm_weights(clean_state_dict(state), None)._replace(verified=verified)
+    state = clean_state_dict(state)
+    mapping = peers.match(state)
+    if mapping is None:
+        return _timm_weights(state, None)._replace(verified=verified)
+    backbone, rest = peers.split(state, mapping)
+    found = _timm_weights(backbone, None)
+    return found._replace(rest={**found.rest, **rest}, verified=verified, peer=mapping.peer)
 
 
 def _lightning_weights(path: Path, checkpoint: dict, weights: WeightsKind = "student") -> Weights:

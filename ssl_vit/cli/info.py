@@ -67,7 +67,9 @@ def describe(source: str) -> list[str]:
     weights = read_weights(source)
     path = Path(source)
     kind = (
-        "a folder in timm's local Hub layout (model.safetensors)"
+        f"a checkpoint of {weights.peer}'s MAE (its ViT read by ssl_vit.checkpoints.peers' key mapping)"
+        if weights.peer
+        else "a folder in timm's local Hub layout (model.safetensors)"
         if path.is_dir()
         else "safetensors weights"
         if path.suffix == ".safetensors"

@@ -1,0 +1,95 @@
+"""Every adapter builds its peer's model, takes one training step at a tiny size, and a checkpoint the
+peer saved reads back through ssl-vit's loader as the same backbone (`ssl_vit.checkpoints.peers`).
+Run by `make peers` in .venv-peers, where the peers are installed; a skip there is a failure
+(conftest.py)."""
+
+import subprocess
+import sys
+
+import adapter_lightly
+import adapter_stable_pretraining
+import lightning
+import pytest
+import torch
+from common import Settings, one_step, sslvit
+from speed import optimizer
+
+from ssl_vit.checkpoints import load_backbone
+from ssl_vit.models.vit import ViTConfig
+
+TINY = Settings("Ti/16", 32, decoder_dim=32, decoder_depth=1, decoder_heads=4)
+ADAPTERS = {a.PEER: a for a in (adapter_lightly, adapter_stable_pretraining)}
+CASES = [(peer, method) for peer, adapter in ADAPTERS.items() for method in adapter.METHODS]
+
+
+def step_changes_the_model(impl) -> float:
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, TINY.img_size, TINY.img_size)
+    before = {k: v.clone() for k, v in impl.model.state_dict().items()}
+    loss = one_step(impl, optimizer(impl), images)
+    assert torch.isfinite(loss), loss
+    changed = [k for k, v in impl.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "one AdamW step changed no tensor"
+    return float(loss)
+
+
+@pytest.mark.parametrize("peer, method", CASES)
+def test_the_peer_takes_one_step(peer, method):
+    loss = step_changes_the_model(ADAPTERS[peer].build(method, TINY))
+    print(f"{peer} {method}: loss {loss:.4f}")
+
+
+@pytest.mark.parametrize("method", sorted({method for _, method in CASES}))
+def test_ssl_vit_takes_the_same_step(method):
+    step_changes_the_model(sslvit(method, TINY))
+
+
+class SptLightning(lightning.LightningModule):
+    """stable-pretraining's MAE under Lightning, as its docstring's example trains it."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = adapter_stable_pretraining.build_mae(TINY)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1.5e-4)
+
+
+def saved_by_lightly(tmp_path):
+    model = adapter_lightly.MAE(TINY)
+    step_changes_the_model(adapter_lightly.build("mae", TINY)._replace(model=model, loss=model))
+    path = tmp_path / "lightly_mae.pth"
+    torch.save(model.state_dict(), path)
+    return path, lambda images: model.backbone.encode(images)
+
+
+def saved_by_stable_pretraining(tmp_path):
+    module = SptLightning()
+    trainer = lightning.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    images = torch.randn(4, 3, TINY.img_size, TINY.img_size)
+    trainer.fit(module, torch.utils.data.DataLoader(images, batch_size=2))
+    path = tmp_path / "spt_mae.ckpt"
+    trainer.save_checkpoint(path)
+    module.model.eval()  # no masking: every token encoded
+    return path, lambda images: module.model.encoder(images).encoded
+
+
+@pytest.mark.parametrize("saved_by", [saved_by_lightly, saved_by_stable_pretraining])
+def test_a_checkpoint_the_peer_saved_loads_as_its_backbone(tmp_path, saved_by):
+    path, encode = saved_by(tmp_path)
+    vit, config = load_backbone(str(path), ViTConfig(TINY.variant, TINY.img_size))
+    images = torch.randn(2, 3, TINY.img_size, TINY.img_size)
+    with torch.no_grad():
+        theirs, ours = encode(images), vit.eval().forward_features(images)
+    torch.testing.assert_close(ours, theirs)
+    info = subprocess.run(
+        [sys.executable, "-m", "ssl_vit", "info", str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert info.returncode == 0, info.stderr
+    assert "MAE (its ViT read by" in info.stdout and "Ti/16" in info.stdout, info.stdout
