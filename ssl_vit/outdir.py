@@ -44,6 +44,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -289,13 +290,37 @@ def _exchange(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """SIGTERM and SIGINT held off (delivered when the block ends), in the main thread."""
-    held = {signal.SIGTERM, signal.SIGINT}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    """SIGTERM and SIGINT held off, and delivered when the block ends.
+
+    Blocking them in this thread alone (`pthread_sigmask`) does not hold them: the kernel hands a signal
+    sent to the process to any thread that does not block it (torch's, W&B's, a timer's), and Python
+    runs its handler in the main thread at its next instruction, between the two renames. So in the main
+    thread their Python handlers are swapped for one that only notes them, and the signals noted are
+    raised again once the handlers are back; elsewhere (no handler can be set there) they are blocked."""
+    held = (signal.SIGTERM, signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread():
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        return
+    caught: list[int] = []
+    handlers = {signum: signal.getsignal(signum) for signum in held}
+    swapped = {signum: h for signum, h in handlers.items() if h is not None}  # None: not set from Python
+    blocked = [signum for signum in held if signum not in swapped]
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if blocked else None
     try:
+        for signum in swapped:
+            signal.signal(signum, lambda received, frame: caught.append(received))
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in swapped.items():
+            signal.signal(signum, handler)
+        if previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)  # its handler runs here (raising Terminated or Interrupted)
 
 
 _LIBC: list = []

@@ -53,7 +53,7 @@ def test_a_plugin_that_exits_or_names_badly_is_one_line_naming_it(tmp_path, sour
     (tmp_path / "hostile.py").write_text(source)
     env = {"PYTHONPATH": str(tmp_path), "SSL_VIT_PLUGINS": "hostile"}
     error_line(run_cli("info", cwd=tmp_path, env=env, check=False), *words)
-    error_line(run_cli("--help", cwd=tmp_path, env=env, check=False), *words)
+    error_line(run_cli("fit", "--help", cwd=tmp_path, env=env, check=False), *words)
 
 
 @pytest.mark.parametrize("group", ["ssl_vit.plugins", "console_scripts"])

@@ -7,6 +7,8 @@ numbers are committed before the pictures and the W&B run, whose failures cost o
 import hashlib
 import json
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from cli_helpers import one_step_fit_args, run_cli, start_cli
 from PIL import Image
 from test_errors import error_line
 
+from ssl_vit import outdir
 from ssl_vit.lock import HOST
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -414,6 +417,38 @@ def test_a_signal_at_any_point_of_the_commit_leaves_the_old_or_the_new_result(
     assert names(out, "evaluate") == after
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], nxt.stderr
     assert (out / ".ssl-vit-output").is_file()
+
+
+class _Stopped(BaseException):
+    pass
+
+
+def _stop(signum, frame):
+    raise _Stopped
+
+
+def test_a_signal_another_thread_receives_is_held_off_between_the_two_renames():
+    """The kernel hands a signal sent to the process to any thread that does not block it (torch's,
+    W&B's): blocking it in the main thread alone let its Python handler run between the fallback's two
+    renames (the row above, under load, left --out holding the old result or nothing). Sent to another
+    thread here, it must still wait for the end of the block, then be delivered once."""
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    previous = signal.signal(signal.SIGTERM, _stop)
+    steps = []
+    try:
+        with pytest.raises(_Stopped):
+            with outdir._signals_held():
+                signal.pthread_kill(other.ident, signal.SIGTERM)
+                time.sleep(0.05)  # the handler would run here, where the main thread next checks
+                steps.append("second rename")
+        assert steps == ["second rename"]
+        assert signal.getsignal(signal.SIGTERM) is _stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        done.set()
+        other.join()
 
 
 def test_overwrite_through_a_symbolic_link_replaces_the_linked_result_and_keeps_the_link(

@@ -143,6 +143,11 @@ class EpochOrder:
         return shard, flat - (int(self.bounds[shard - 1]) if shard else 0)
 
 
+class UnreadableShard(BadSample):
+    """A shard that can no longer be opened; its URL is the last of `args`, as the stream's
+    `SkipCounter.shard_failed` reads it for the batch's `unreadable`."""
+
+
 class SampleReader:
     """A worker's reads of single samples: the shards it has open (a bounded number), one seek and one
     read per sample, the bytes parsed by the same tar reader as a streamed shard (`tar_files`), with
@@ -159,6 +164,9 @@ class SampleReader:
         start, end = int(self.index.starts[shard][sample]), int(self.index.ends[shard][sample])
         try:
             f = self._open(shard)
+        except OSError as err:  # gone or unreadable since it was indexed: named once, each sample counted
+            raise UnreadableShard(f"{url}: {err.strerror or err}", url) from None
+        try:
             f.seek(start)
             data = f.read(end - start)
         except OSError as err:

@@ -53,7 +53,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ssl_vit.data import samples
 from ssl_vit.data.device_decode import DeferredCrop, collate_jpegs
-from ssl_vit.data.epoch_order import EpochOrder, SampleIndex, SampleReader
+from ssl_vit.data.epoch_order import EpochOrder, SampleIndex, SampleReader, UnreadableShard
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import (
@@ -242,6 +242,9 @@ class ShardStream(IterableDataset):
                     raw = reader.read(*order.locate(later))
                     raw["__label__"] = self.label_of(raw)
                     out = self.decode(raw)
+                except UnreadableShard as err:
+                    counter.shard_failed(err)
+                    continue
                 except BadSample as err:
                     counter(err)
                     continue

@@ -15,6 +15,7 @@ from PIL import Image
 
 from ssl_vit.analysis.analyze import analyze
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.outdir import MARKER, is_ours, mark
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def test_analyze_a_masked_pretraining_checkpoint(mpp_ckpt, digits_shards, tmp_pa
         # masked_prediction_picture (inputs, true and predicted colours, 1-pixel gaps) enlarged twice
         "masked_predictions.png": tuple(2 * side for side in grid_size(24, 8, 32, 1)),
     }
-    assert sorted(p.name for p in out.iterdir()) == sorted([*expected, "analysis.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*expected, "analysis.json", MARKER])
     assert record["pictures"] == sorted(expected)
     for name, wanted in expected.items():
         assert size(out / name) == wanted, name
@@ -162,9 +163,12 @@ def test_mistakes_are_one_line_and_write_nothing(gap_ckpt, digits_shards, tmp_pa
     assert not (tmp_path / "a").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "shards", "used"]
 
-    # --overwrite replaces the directory as a whole.
+    # --overwrite replaces only an earlier output of ssl-vit (one holding the marker), as a whole.
+    refused(str(gap_ckpt), *data, "--out", str(used), "--images", "4", "--overwrite", match="did not write")
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]
+    mark(used, "analyze")  # now as an earlier output of analyze, with a file added since
     cli("analyze", str(gap_ckpt), *data, "--out", str(used), "--images", "4", "--overwrite")
-    assert not (used / "notes.txt").exists() and (used / "analysis.json").is_file()
+    assert not (used / "notes.txt").exists() and (used / "analysis.json").is_file() and is_ours(used)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.ckpt", "shards", "used"]
 
 

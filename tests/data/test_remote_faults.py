@@ -12,6 +12,8 @@ import pytest
 import yaml
 from cli_helpers import run_cli
 
+from ssl_vit.outdir import mark
+
 pytest_plugins = ["server_helpers"]  # the `faulty_http` fixture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,6 +112,7 @@ def test_evaluate_stops_with_one_line_when_a_manifest_cannot_be_read(faulty_http
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_text('{"earlier": true}\n')
+    mark(out, "evaluate")  # an earlier output of ssl-vit, which alone --overwrite may replace
 
     faulty_http.fail("val.json", "503")
     proc = evaluate(suite, out, "--overwrite")
