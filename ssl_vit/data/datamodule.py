@@ -34,7 +34,7 @@ epoch size, the class count and the eval view all come from one reading.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from functools import cached_property
 from typing import Any, Literal
 
@@ -53,7 +53,7 @@ from ssl_vit.data.identity import check_same_data, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
 from ssl_vit.data.manifest import Manifests
 from ssl_vit.data.mixing import Mixing
-from ssl_vit.data.options import DEFAULTS, MOVED, Augment, Limits, Stream
+from ssl_vit.data.options import DEFAULTS, GROUPS, MOVED, Augment, Limits, Stream
 from ssl_vit.data.position import TrainingPosition, check_step
 from ssl_vit.data.stream import DryShards, ShardStream
 from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
@@ -134,6 +134,9 @@ class ShardDataModule(pl.LightningDataModule):
         limits: Limits = DEFAULTS["limits"],
     ):
         super().__init__()
+        augment, stream, limits = (
+            _group(n, v) for n, v in (("augment", augment), ("stream", stream), ("limits", limits))
+        )
         # No save_hyperparameters: the CLI logs the whole config (data included) to W&B, and Lightning
         # refuses to log a datamodule's hparams that share a key (num_classes) with the model's.
         check_counts(
@@ -461,6 +464,17 @@ class ShardDataModule(pl.LightningDataModule):
     def _check_same_data(self, saved: dict, urls: list[str]) -> None:
         now = identity(urls, self.manifests.of(urls[0]))
         check_same_data(saved, now, self.stream.on_data_change, say=self.rank == 0)
+
+
+def _group(name: str, value: Any) -> Any:
+    """An option group given as a mapping from Python (as a recipe gives it) made its dataclass; a key
+    it does not have is one line."""
+    if not isinstance(value, Mapping):
+        return value
+    try:
+        return GROUPS[name](**value)
+    except TypeError as err:
+        raise BadValue(f"{name}: {err}: give the keys of {GROUPS[name].__name__} ({name}.help)") from None
 
 
 def _check_across_groups(decode: str, augment: Augment, channels: int) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 from webdataset.tariterators import group_by_keys
 
 from ssl_vit.data.samples import MAX_JSON_BYTES, BadSample, parse_label
-from ssl_vit.data.tar_reader import DroppedMember, sample_spans, tar_files
+from ssl_vit.data.tar_reader import DroppedMember, UnkeyedMember, sample_spans, tar_files
 from ssl_vit.data.urls import local_path
 
 log = logging.getLogger("ssl_vit.data")
@@ -102,6 +102,8 @@ def build_index(
                     if wanted is not None and _label(labels, num_classes) not in wanted:
                         continue
                     spans.append((start, end))
+        except UnkeyedMember as err:  # after every sample: said, nothing else lost
+            log.warning("shard %s: %s", url, err.args[0])
         except (OSError, tarfile.ReadError) as err:
             log.warning(
                 "skipping the rest of shard %s (%s): its %d samples before that are read",

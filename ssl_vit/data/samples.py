@@ -314,14 +314,18 @@ def pixels(opened: Opened, bands: Bands = RGB) -> np.ndarray:
         if isinstance(image, ArrayMember):
             array = image.read()
             grey_as_rgb = image.bands == 1 and layout(image, bands) == (3, "uint8")
-            return np.repeat(array, 3, axis=2) if grey_as_rgb else array
-        mode = "RGB" if bands.channels == 3 else PIL_ARRAY_MODES[image.mode]
-        array = np.asarray(image.convert(mode) if mode is not None and image.mode != mode else image)
-        return array[:, :, None] if array.ndim == 2 else array
+            array = np.repeat(array, 3, axis=2) if grey_as_rgb else array
+        else:
+            mode = "RGB" if bands.channels == 3 else PIL_ARRAY_MODES[image.mode]
+            array = np.asarray(image.convert(mode) if mode is not None and image.mode != mode else image)
+            array = array[:, :, None] if array.ndim == 2 else array
     except BadArray as err:
         raise BadSample(f"{opened.ext} {err}") from None
     except Exception as err:
         raise BadSample(f"{opened.ext} does not decode ({type(err).__name__}: {err})") from None
+    if array.dtype.kind == "f" and not np.isfinite(array).all():  # would poison statistics and losses
+        raise BadSample(f"{opened.ext} holds NaN or infinite values")
+    return array
 
 
 def decode_image(

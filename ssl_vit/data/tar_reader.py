@@ -72,10 +72,18 @@ def tar_file_members(
         stream, url = source["stream"], source["url"]
         recent: deque[str] = deque(maxlen=_RECENT)
         dropped: list[DroppedMember] = []  # members `tar_files` passed over since the last one it gave
+        unkeyed = None  # the name (less its extension) of the last member without a key, counted once
         try:
             for fname, data in tar_files(stream, dropped.append, max_member_bytes):
                 if not (yield from _dropped(dropped, handler, url)):
                     return
+                if base_plus_ext(fname)[0] is None and not _is_meta(fname):
+                    if fname.rsplit(".", 1)[0] != unkeyed and not handler(
+                        UnkeyedMember(f"member {fname!r} has", url)
+                    ):
+                        return
+                    unkeyed = fname.rsplit(".", 1)[0]
+                    continue  # group_by_keys would drop it without a word
                 recent.append(fname)
                 yield {"fname": fname, "data": data, "__url__": url}
             if not (yield from _dropped(dropped, handler, url)):
@@ -103,6 +111,14 @@ class DroppedMember(Exception):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"{name}: {message} (its sample is dropped)")
         self.name = name
+
+
+class UnkeyedMember(Exception):
+    """A member whose name gives no sample key (webdataset's: the name up to the first dot of its last
+    component, which must not be empty: `.hidden.png`, `..\\w.png`); its sample is skipped, counted once."""
+
+    def __init__(self, what: str, url: str) -> None:
+        super().__init__(f"{what} no sample key (a name starting with a dot): skipped", url)
 
 
 class LinkMember(DroppedMember):
@@ -283,6 +299,8 @@ def sample_spans(stream, size: int, label_bytes: int) -> Iterator[tuple[str, int
     if meta.waiting:
         raise _error("no member after a pax or long-name header", offset)
     yield from gathered.add(None, 0, 0, None, 0)
+    if gathered.unkeyed:
+        raise UnkeyedMember(f"{gathered.unkeyed} member(s) have", "")
 
 
 class _Gathered:
@@ -291,10 +309,12 @@ class _Gathered:
 
     def __init__(self) -> None:
         self.current: list | None = None
+        self.unkeyed = 0  # members whose name gives no sample key, passed over
 
     def add(self, name: str | None, start: int, end: int, read: Callable | None, length: int) -> Iterator:
         key, ext = base_plus_ext(name) if name is not None else (None, None)
         if name is not None and (key is None or (name.startswith("__") and _is_meta(name))):
+            self.unkeyed += key is None and not _is_meta(name)
             return
         if self.current is not None and self.current[0] != key:
             yield tuple(self.current)

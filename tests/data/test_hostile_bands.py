@@ -74,12 +74,14 @@ def test_labels_csv_rows_outside_the_folder_twice_or_beyond_every_class_are_one_
 
 
 def test_labels_that_look_like_numbers_but_are_not_are_class_names(cli, tmp_path):
-    """Before: `str.isdigit` took "²" and `lstrip("-")` took "--1" for integers, and `int` raised."""
+    """Before: `str.isdigit` took "²" and `lstrip("-")` took "--1" for integers, and `int` raised. `-1`
+    stays unlabelled beside class names."""
     root = tiff_folder(tmp_path / "tifs", ["a.tif", "b.tif", "c.tif"])
     (root / "labels.csv").write_text("filename,label\na.tif,--1\nb.tif,²\nc.tif,-1\n", encoding="utf-8")
     convert(cli, f"tiff:{root}", tmp_path / "out")
     manifest = json.loads((tmp_path / "out" / "train.json").read_text())
-    assert manifest["class_names"] == ["--1", "-1", "²"] and manifest["num_samples"] == 3
+    assert manifest["class_names"] == ["--1", "²"] and manifest["num_samples"] == 3
+    assert manifest["class_counts"]["-1"] == 1
 
 
 # Integers up to a few million only: the reader must refuse those of 1,000,000 and more, and one that did

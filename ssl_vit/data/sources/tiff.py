@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 TIFF_SUFFIXES = (".tif", ".tiff")
 LABELS_CSV = "labels.csv"
 CSV_FIX = "give a header row 'filename,label' and one row per image (see data/README.md)"
-INTEGER = re.compile(r"-?[0-9]+")
+INTEGER = re.compile(r"[+-]?[0-9]+")  # "+1" and "007" are 1 and 7
 
 
 @dataclass(frozen=True)
@@ -109,9 +109,13 @@ def _from_csv(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     path = root / LABELS_CSV
     try:  # utf-8-sig: the byte-order mark that Excel's "CSV UTF-8" writes is not part of the header
         with open(path, newline="", encoding="utf-8-sig") as f:
-            rows = list(csv.DictReader(f))
+            reader = csv.DictReader(f)
+            rows = list(reader)
     except (OSError, UnicodeDecodeError, csv.Error) as err:
         raise UserError(f"{path}: cannot be read ({err}): {CSV_FIX}") from None
+    for column in ("filename", "label"):  # DictReader would keep the last of two silently
+        if (reader.fieldnames or []).count(column) > 1:
+            raise UserError(f"{path}: the header names the column {column!r} twice: keep one; {CSV_FIX}")
     if not rows or not {"filename", "label"} <= set(rows[0]):
         raise UserError(f"{path}: no rows with the columns filename and label: {CSV_FIX}")
     class_names, indices = _csv_labels([(row["label"] or "").strip() for row in rows], path)
@@ -134,25 +138,25 @@ def _from_csv(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
 
 
 def _csv_labels(labels: list[str], path: Path) -> tuple[list[str], list[int]]:
-    """(class names, an index per row, -1 for an empty label or -1): indices when every label given is
-    a decimal integer (ASCII digits: `str.isdigit` also takes "²", which `int` refuses), else names."""
-    given = [label for label in labels if label]
+    """(class names, an index per row, -1 for an empty label or -1, unlabelled in either mode): indices
+    when every other label is a decimal integer (ASCII digits, a sign allowed: "+1" and "007" are 1 and 7;
+    `str.isdigit` also takes "²", which `int` refuses), else names."""
+    given = [label for label in labels if label and label != "-1"]
     if not all(INTEGER.fullmatch(label) for label in given):
         class_names = sorted(set(given))
         index = {name: i for i, name in enumerate(class_names)}
-        return class_names, [index[label] if label else -1 for label in labels]
+        return class_names, [index[label] if label in index else -1 for label in labels]
     # Here, not at the top: the registry imports every source for `ssl-vit --help`, which must not
     # import torch, as ssl_vit.data.samples does.
     from ssl_vit.data.samples import MAX_CLASSES
 
     for label in given:  # judged by their digits first: `int` refuses more than 4,300 of them
-        if label == "-1":  # unlabelled, as an empty label
-            continue
-        if label.startswith("-") or len(label) > len(str(MAX_CLASSES)) or int(label) >= MAX_CLASSES:
+        digits = label.lstrip("+").lstrip("0") or "0"
+        if label.startswith("-") or len(digits) > len(str(MAX_CLASSES)) or int(digits) >= MAX_CLASSES:
             raise UserError(
                 f"{path}: label {shown(label)} is not a class index in 0..{MAX_CLASSES - 1:,}: {CSV_FIX}"
             )
-    indices = [int(label) if label else -1 for label in labels]
+    indices = [int(label.lstrip("+").lstrip("0") or "0") if label in given else -1 for label in labels]
     return [str(c) for c in range(max(indices, default=-1) + 1)], indices
 
 

@@ -1,0 +1,112 @@
+"""The fifth round's hostile data, through the CLI: `labels.csv` ambiguities, NaN in a float member,
+members without a sample key, and option groups given as mappings from Python."""
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import webdataset as wds
+from bands_helpers import write_tiff
+from PIL import Image
+from test_errors import error_line
+
+from ssl_vit.data import ShardDataModule
+from ssl_vit.errors import UserError
+
+
+def tiffs(root, names):
+    rng = np.random.default_rng(0)
+    for name in names:
+        write_tiff(root / name, rng.integers(0, 60000, (8, 8, 4), dtype=np.uint16))
+    return root
+
+
+def convert(cli, root, out, check=True):
+    return cli("data", "convert", f"tiff:{root}", str(out), "--order", "source", "--no-progress", check=check)
+
+
+def test_a_labels_csv_naming_a_column_twice_is_one_line(cli, tmp_path):
+    """Before: the last `label` column was used without a word (`hf:` refuses the same ambiguity)."""
+    root = tiffs(tmp_path / "tifs", ["a.tif", "b.tif"])
+    (root / "labels.csv").write_text("filename,label,label\na.tif,x,y\nb.tif,y,x\n")
+    proc = convert(cli, root, tmp_path / "out", check=False)
+    error_line(proc, "labels.csv: the header names the column 'label' twice: keep one")
+    assert not (tmp_path / "out").exists()
+
+
+def test_minus_one_is_unlabelled_beside_names_and_signed_or_padded_integers_are_classes(cli, tmp_path):
+    """Before: `-1` beside class names became a class called "-1" (data/README.md: -1 is unlabelled),
+    and `+1` or `007` made the whole file class names."""
+    root = tiffs(tmp_path / "names", ["a.tif", "b.tif", "c.tif"])
+    (root / "labels.csv").write_text("filename,label\na.tif,water\nb.tif,-1\nc.tif,sand\n")
+    convert(cli, root, tmp_path / "out1")
+    manifest = json.loads((tmp_path / "out1" / "train.json").read_text())
+    assert manifest["class_names"] == ["sand", "water"] and manifest["class_counts"] == {
+        "-1": 1,
+        "0": 1,
+        "1": 1,
+    }
+    root = tiffs(tmp_path / "numbers", ["a.tif", "b.tif", "c.tif"])
+    (root / "labels.csv").write_text("filename,label\na.tif,+1\nb.tif,007\nc.tif,0\n")
+    convert(cli, root, tmp_path / "out2")
+    manifest = json.loads((tmp_path / "out2" / "train.json").read_text())
+    assert manifest["class_names"] == [str(c) for c in range(8)]
+    assert manifest["class_counts"] == {"0": 1, "1": 1, "7": 1}
+
+
+def npy(array) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def test_nan_in_a_float_member_is_a_bad_sample_for_inspect_and_training(cli, tmp_path):
+    """Before: `inspect --stats` wrote NaN band statistics, and training read the NaN image."""
+    rng = np.random.default_rng(0)
+    with wds.TarWriter(str(tmp_path / "train-000000.tar")) as sink:
+        for i in range(4):
+            array = rng.normal(size=(8, 8, 2)).astype(np.float32)
+            if i == 2:
+                array[3, 3, 1] = np.nan
+            sink.write({"__key__": f"s{i}", "npy": npy(array), "cls": "0"})
+    proc = cli("data", "inspect", str(tmp_path / "train-000000.tar"), check=False)
+    assert proc.returncode == 1 and "s2" in proc.stdout and "holds NaN or infinite values" in proc.stdout
+    assert "3 good samples" in proc.stdout
+    dm = ShardDataModule(val_urls=str(tmp_path / "train-000000.tar"), channels=2, mean=(0.0, 0.0),
+                         std=(1.0, 1.0), image_size=8, num_workers=0, batch_size=8)  # fmt: skip
+    dm.setup("validate")
+    (batch,) = list(dm.exact_dataloader("val"))
+    assert batch["key"] == ["s0", "s1", "s3"] and int(batch["skipped"]) == 1
+    assert torch_finite(batch["image"])
+
+
+def torch_finite(images) -> bool:
+    return bool(np.isfinite(images.numpy()).all())
+
+
+def test_members_without_a_sample_key_are_counted_not_lost(cli, tmp_path):
+    """Before: members named `..\\..\\w.png` or `.hidden.png` vanished without a count."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    with tarfile.open(tmp_path / "x-000000.tar", "w") as archive:
+        for key in ("good", "..\\..\\w", ".hidden"):
+            for ext, data in (("png", buf.getvalue()), ("cls", b"1")):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    proc = cli("data", "inspect", str(tmp_path / "x-000000.tar"), check=False)
+    assert proc.returncode == 1 and "1 good samples" in proc.stdout, proc.stdout
+    assert proc.stdout.count("has no sample key") == 2  # one per sample, not per member
+
+
+def test_option_groups_from_python_may_be_mappings(tmp_path):
+    """Before: `ShardDataModule(stream={...})` failed later with an AttributeError."""
+    dm = ShardDataModule(train_urls="x-{000000..000001}.tar", stream={"shuffle_buffer": 10},
+                         augment={"crop_scale": [0.5, 1.0]}, limits={"read_retries": 1})  # fmt: skip
+    assert (
+        dm.stream.shuffle_buffer == 10 and dm.augment.crop_scale == (0.5, 1.0) and dm.limits.read_retries == 1
+    )
+    with pytest.raises(UserError, match="stream: .*unexpected keyword argument 'nosuch'"):
+        ShardDataModule(stream={"nosuch": 1})
