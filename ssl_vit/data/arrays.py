@@ -11,8 +11,12 @@ make the parsers raise becomes `BadArray`, whose message says what is wrong.
 Where the band axis is (`band_axis`): tifffile's series axes when they name it (`S` samples or `C`
 channels: `YXS` band-last, `SYX`/`CYX` band-first); otherwise (a `.npy`, or axes such as `QYX`/`IYX`,
 which tifffile also gives a band-last array written as pages of rows) the axis whose length is the
-expected band count, the last one when both are, else the shorter of the first and the last (the last
-on a tie). A 2-D array is one band.
+expected band count when only one is; else the one beside a square image (`(8, 8, 13)`: band-last;
+`(200, 16, 16)`: band-first); else the shorter of the first and the last (the last on a tie). A TIFF
+decided by that last rule, a cube (`(32, 32, 32)`) or a rectangle whose axes do not say, is refused
+unless told (`band_axis="first"|"last"`, `data convert tiff:DIR --band-axis`): a guess there reads
+the wrong axis without a word. A `.npy` takes the guess (ssl-vit writes them band-last). A 2-D array
+is one band.
 """
 
 from __future__ import annotations
@@ -70,11 +74,16 @@ class ArrayMember:
         return f"{self.width}x{self.height} with {self.bands} band{'s' * (self.bands != 1)} of {self.dtype}"
 
 
-def band_axis(shape: tuple[int, int, int], channels: int | None = None) -> int:
-    """0 or 2: the band axis of a 3-D array whose axes are not named (module docstring)."""
-    if channels is not None and channels in (shape[0], shape[2]):
-        return 2 if shape[2] == channels else 0
-    return 0 if shape[0] < shape[2] else 2
+def band_axis(shape: tuple[int, int, int], channels: int | None = None) -> tuple[int, bool]:
+    """`(0 or 2, guessed)`: the band axis of a 3-D array whose axes are not named, and whether only the
+    last rule of the module docstring decided it."""
+    if channels is not None and (shape[0] == channels) != (shape[2] == channels):
+        return (2 if shape[2] == channels else 0), False
+    if shape[0] == shape[1] != shape[2]:
+        return 2, False
+    if shape[1] == shape[2] != shape[0]:
+        return 0, False
+    return (0 if shape[0] < shape[2] else 2), True
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -135,7 +144,7 @@ def open_npy(data: bytes, channels: int | None = None) -> ArrayMember:
         raise BadArray(f"header does not parse ({type(err).__name__}: {err})") from None
     if len(shape) not in (2, 3) or any(not isinstance(d, int) or d < 0 for d in shape):
         raise BadArray(f"shape {shape}: an image is (H, W), (H, W, C) or (C, H, W)")
-    axis = None if len(shape) == 2 else band_axis(shape, channels)
+    axis = None if len(shape) == 2 else band_axis(shape, channels)[0]
     offset, count = stream.tell(), math.prod(shape)
     member = _member(
         shape,
@@ -153,8 +162,9 @@ def open_npy(data: bytes, channels: int | None = None) -> ArrayMember:
     return member
 
 
-def open_tiff(data: bytes, channels: int | None = None) -> ArrayMember:
-    """A `.tif`/`.tiff` member: its first series (tifffile), shape, axes and dtype from the tags."""
+def open_tiff(data: bytes, channels: int | None = None, told: str | None = None) -> ArrayMember:
+    """A `.tif`/`.tiff` member: its first series (tifffile), shape, axes and dtype from the tags;
+    `told`: where the bands are when the axes do not say (`first`, `last`)."""
     import tifffile  # imported here: `ssl-vit --help` imports this module's importers
 
     try:
@@ -171,8 +181,15 @@ def open_tiff(data: bytes, channels: int | None = None) -> ArrayMember:
         axis = 2
     elif axes[0] in "SC":
         axis = 0
+    elif told is not None:
+        axis = 0 if told == "first" else 2
     else:
-        axis = band_axis(shape, channels)
+        axis, guessed = band_axis(shape, channels)
+        if guessed:
+            raise BadArray(
+                f"TIFF of shape {shape} (axes {axes}) does not say which axis holds its bands: convert it "
+                "with `ssl-vit data convert tiff:DIR --band-axis first` (or `last`)"
+            )
     return _member(shape, dtype, axis, series.asarray)
 
 

@@ -123,7 +123,7 @@ def _eight_bit(img: Image.Image) -> Image.Image:
 
 def _encode_array(payload: ArrayFile) -> tuple[bytes, tuple[int, int], BandStats]:
     """`(.npy bytes, (H, W), stats)` of an array file, its header judged first."""
-    member = open_tiff(payload.path.read_bytes())
+    member = open_tiff(payload.path.read_bytes(), payload.channels, payload.band_axis)
     if member.width * member.height > MAX_IMAGE_PIXELS or member.nbytes > 4 * MAX_IMAGE_PIXELS:
         raise ValueError(f"{member.shape_text()}: larger than {MAX_IMAGE_PIXELS:,} pixels or 4 bytes each")
     if (member.bands, member.dtype) != (payload.channels, payload.dtype):

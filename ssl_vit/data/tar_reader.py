@@ -115,10 +115,13 @@ class DroppedMember(Exception):
 
 class UnkeyedMember(Exception):
     """A member whose name gives no sample key (webdataset's: the name up to the first dot of its last
-    component, which must not be empty: `.hidden.png`, `..\\w.png`); its sample is skipped, counted once."""
+    component, which must not be empty: `.hidden.png`, `..\\w.png`, `README`); its sample is skipped, counted
+    once."""
 
     def __init__(self, what: str, url: str) -> None:
-        super().__init__(f"{what} no sample key (a name starting with a dot): skipped", url)
+        super().__init__(
+            f"{what} no sample key (webdataset names members KEY.EXT, KEY not empty): skipped", url
+        )
 
 
 class LinkMember(DroppedMember):

@@ -30,7 +30,7 @@ from ssl_vit.data.identity import identity
 from ssl_vit.data.inspect import inspect_urls
 from ssl_vit.data.manifest import read_manifest
 from ssl_vit.data.samples import MAX_CLASSES, BadSample, parse_label
-from ssl_vit.data.tar_reader import LinkMember, tar_file_members, tar_files
+from ssl_vit.data.tar_reader import LinkMember, UnkeyedMember, tar_file_members, tar_files
 from ssl_vit.errors import UserError
 
 
@@ -210,7 +210,9 @@ def check_tar(data: bytes, intact: bool) -> int:
     errors counted."""
     samples, errors = read_shard(data)
     # counted with their reasons: a broken shard, a link, a member name given twice in a sample
-    assert all(isinstance(e, tarfile.ReadError | LinkMember | ValueError) and str(e) for e in errors), errors
+    assert all(
+        isinstance(e, tarfile.ReadError | LinkMember | ValueError | UnkeyedMember) and str(e) for e in errors
+    ), errors
     assert sum(isinstance(e, tarfile.ReadError) for e in errors) <= 1 - intact, errors
     got, refused = [], False
     try:

@@ -110,3 +110,50 @@ def test_option_groups_from_python_may_be_mappings(tmp_path):
     )
     with pytest.raises(UserError, match="stream: .*unexpected keyword argument 'nosuch'"):
         ShardDataModule(stream={"nosuch": 1})
+
+
+def test_a_band_first_stack_is_read_band_first_and_a_cube_is_refused_unless_told(cli, tmp_path):
+    """Before: a 200-band 16 x 16 TIFF written band-first by tifffile (axes QYX) was stored as 16 bands of
+    200 x 16 pixels, and a 32 x 32 x 32 cube read band-last, both without a word."""
+    import tifffile
+
+    rng = np.random.default_rng(0)
+    stack = rng.integers(0, 60000, (200, 16, 16), dtype=np.uint16)  # bands first
+    (tmp_path / "stack" / "a").mkdir(parents=True)
+    tifffile.imwrite(tmp_path / "stack" / "a" / "x.tif", stack)
+    convert(cli, tmp_path / "stack", tmp_path / "out1")
+    manifest = json.loads((tmp_path / "out1" / "train.json").read_text())
+    assert manifest["channels"] == 200 and manifest["image_size"] == [16, 16]
+    sample = next(iter(wds.WebDataset(str(tmp_path / "out1" / "train-000000.tar"), shardshuffle=False)))
+    assert np.array_equal(np.load(io.BytesIO(sample["npy"])), stack.transpose(1, 2, 0))
+
+    cube = rng.integers(0, 60000, (32, 32, 32), dtype=np.uint16)
+    (tmp_path / "cube" / "a").mkdir(parents=True)
+    tifffile.imwrite(tmp_path / "cube" / "a" / "x.tif", cube)
+    proc = convert(cli, tmp_path / "cube", tmp_path / "out2", check=False)
+    error_line(proc, "does not say which axis holds its bands", "--band-axis first")
+    assert not (tmp_path / "out2").exists()
+    cli("data", "convert", f"tiff:{tmp_path / 'cube'}", str(tmp_path / "out3"), "--band-axis", "first",
+        "--no-progress")  # fmt: skip
+    sample = next(iter(wds.WebDataset(str(tmp_path / "out3" / "train-000000.tar"), shardshuffle=False)))
+    assert np.array_equal(np.load(io.BytesIO(sample["npy"])), cube.transpose(1, 2, 0))
+    cube_dir = f"tiff:{tmp_path / 'cube'}"
+    proc = cli("data", "convert", cube_dir, str(tmp_path / "out4"), "--band-axis", "middle", check=False)
+    error_line(proc, "--band-axis must be first or last")
+
+
+def test_inspect_stats_reads_band_last_arrays_as_band_last(cli, tmp_path):
+    """Before: band-last (8, 8, 13) npy members under a manifest without `channels` got channels 8 and
+    the statistics of the wrong axis."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 1000, (8, 8, 13)).astype(np.uint16) for _ in range(3)]
+    with wds.TarWriter(str(tmp_path / "train-000000.tar")) as sink:
+        for i, array in enumerate(arrays):
+            sink.write({"__key__": f"s{i}", "npy": npy(array), "cls": "0"})
+    manifest = {"num_samples": 3, "num_classes": 1, "shards": [{"url": "train-000000.tar", "num_samples": 3}]}
+    (tmp_path / "train.json").write_text(json.dumps(manifest))
+    cli("data", "inspect", str(tmp_path / "train-000000.tar"), "--stats")
+    written = json.loads((tmp_path / "train.json").read_text())
+    assert written["channels"] == 13
+    mean = np.stack(arrays).astype(np.float64).mean(axis=(0, 1, 2))
+    assert written["band_stats"]["mean"] == pytest.approx(mean.tolist(), rel=1e-9)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssl_vit.data.arrays import BadArray, open_tiff
-from ssl_vit.data.sources import register
+from ssl_vit.data.sources import Flag, register
 from ssl_vit.errors import UserError, shown
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class ArrayFile:
     channels: int
     dtype: str
     first: Path
+    band_axis: str | None = None  # where the bands are when the TIFF's axes do not say (--band-axis)
 
     @property
     def where(self) -> Path:
@@ -68,11 +69,21 @@ class ArrayRecords(list):
     help="DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, uint16, "
     "int16 or float32",
     arrays=True,
+    flags=(
+        Flag(
+            "band_axis",
+            "which axis holds the bands of TIFFs whose axes do not say (a cube, or a rectangle whose band "
+            "axis cannot be told from its shape): first or last",
+            metavar="first|last",
+        ),
+    ),
 )
-def load(arg: str, split: str) -> tuple[list[str], ArrayRecords]:
+def load(arg: str, split: str, band_axis: str | None = None) -> tuple[list[str], ArrayRecords]:
     root = Path(arg)
     if not root.is_dir():
         raise UserError(f"tiff:{arg}: no such directory")
+    if band_axis not in (None, "first", "last"):
+        raise UserError(f"--band-axis must be first or last, got {shown(band_axis)}")
     if (root / LABELS_CSV).is_file():
         class_names, labelled = _from_csv(root)
     else:
@@ -83,20 +94,24 @@ def load(arg: str, split: str) -> tuple[list[str], ArrayRecords]:
         class_names = classes
     if not labelled:
         raise UserError(f"tiff:{arg}: no TIFF files (*.tif, *.tiff) in class folders or in {LABELS_CSV}")
-    return class_names, array_records(labelled)
+    return class_names, array_records(labelled, band_axis=band_axis)
 
 
-def array_records(labelled: list[tuple[Path, int]], manifest: dict | None = None) -> ArrayRecords:
+def array_records(
+    labelled: list[tuple[Path, int]], manifest: dict | None = None, band_axis: str | None = None
+) -> ArrayRecords:
     """`(path, label)` pairs -> records whose band count and dtype are their first file's."""
     first = labelled[0][0]
     try:
-        header = open_tiff(first.read_bytes())
+        header = open_tiff(first.read_bytes(), told=band_axis)
     except (OSError, BadArray) as err:
         raise UserError(
             f"{first}: the first TIFF of the split, which sets its band count and dtype, cannot be read "
             f"({err}): fix or remove it"
         ) from None
-    records = [(ArrayFile(path, header.bands, header.dtype, first), label) for path, label in labelled]
+    records = [
+        (ArrayFile(path, header.bands, header.dtype, first, band_axis), label) for path, label in labelled
+    ]
     return ArrayRecords(records, {"dtype": header.dtype, **(manifest or {})})
 
 
