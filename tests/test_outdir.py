@@ -130,7 +130,11 @@ def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused_and_nothing_
 ):
     path = inputs[kind]
     before = tree(inputs["root"].parent)
-    for relation, out in (("is", path), ("lies inside", path / "out"), ("holds", path.parent)):
+    relations = (("is", path), ("lies inside", path / "out"), ("holds", path.parent))
+    if (command, kind) == ("data convert", "shards"):  # a re-shard reads the files its URLS name: a
+        # folder beside them cannot be read back as its input (test_hostile_round5), their own folder can
+        relations = (("holds", path), ("holds", path.parent))
+    for relation, out in relations:
         proc = run_cli(*command_args(command, out, inputs, kind), cwd=ROOT, check=False)
         line = error_line(proc, f"{out} {relation} ", "which this command reads")
         assert ROLES[kind] in line.split(f"{out} {relation} ")[1], line  # it names the input

@@ -157,3 +157,21 @@ def test_inspect_stats_reads_band_last_arrays_as_band_last(cli, tmp_path):
     assert written["channels"] == 13
     mean = np.stack(arrays).astype(np.float64).mean(axis=(0, 1, 2))
     assert written["band_stats"]["mean"] == pytest.approx(mean.tolist(), rel=1e-9)
+
+
+def test_a_reshard_may_write_into_a_folder_beside_its_shards_but_not_over_them(cli, tmp_path):
+    """Before: `data convert wds:D/x.tar D/out` was refused because D/out "lies inside the directory of
+    the source's shards", although the output cannot be read back as the input."""
+    rng = np.random.default_rng(0)
+    with wds.TarWriter(str(tmp_path / "x-000000.tar")) as sink:
+        for i in range(4):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(buf, format="PNG")
+            sink.write({"__key__": f"s{i}", "png": buf.getvalue(), "cls": "0"})
+    source = f"wds:{tmp_path / 'x-000000.tar'}"
+    cli("data", "convert", source, str(tmp_path / "out"), "--no-progress")
+    assert json.loads((tmp_path / "out" / "train.json").read_text())["num_samples"] == 4
+    before = (tmp_path / "x-000000.tar").read_bytes()
+    proc = cli("data", "convert", source, str(tmp_path), "--no-progress", check=False)
+    error_line(proc, f"OUTDIR {tmp_path} holds the source's shard {tmp_path / 'x-000000.tar'}")
+    assert (tmp_path / "x-000000.tar").read_bytes() == before

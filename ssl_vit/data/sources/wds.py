@@ -8,11 +8,13 @@ from ssl_vit.outdir import Input
 
 
 def shard_inputs(spec: str) -> list[Input]:
-    """The directories of the local shards among the URLS of `spec` (what OUTDIR must keep out of)."""
-    from ssl_vit.data.urls import shard_directories  # (see `load`)
+    """The local shards among the URLS of `spec`: OUTDIR must not be one or hold one (its shards and
+    manifest would land on or beside them); a folder beside them, or inside their directory, is fine,
+    since the URLS name their files."""
+    from ssl_vit.data.urls import expand, local_path  # (see `load`)
 
-    folders = shard_directories(spec.partition(":")[2], spec)
-    return [Input(folder, f"the directory of the source's shards {folder}") for folder in folders]
+    paths = (local_path(url) for url in expand(spec.partition(":")[2], spec))
+    return [Input(path, f"the source's shard {path}") for path in paths if path is not None]
 
 
 @register(
