@@ -28,6 +28,7 @@ its pixels are decoded, and stored losslessly as a `.npy` member, band-last `(H,
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,14 @@ def _encode_image(payload, image_format: str, quality: int, max_side: int | None
         img = Image.fromarray(np.ascontiguousarray(payload))
     else:
         data = payload.read_bytes() if isinstance(payload, Path) else payload.data
-        img = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # PIL's warning on size: the line below decides
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+        if img.width * img.height > MAX_IMAGE_PIXELS:  # judged from the header: a bomb is never decoded
+            raise ValueError(
+                f"{img.width}x{img.height} ({img.width * img.height:,} pixels), more than max_image_pixels "
+                f"{MAX_IMAGE_PIXELS:,}: skipped without decoding"
+            )
         if _keeps(img, image_format, max_side):
             size = (img.height, img.width)
             img.load()  # in full: a truncated file fails here, and the statistics need every pixel

@@ -28,7 +28,6 @@ too. A null label or -1 is unlabelled. The sample count is known from the footer
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -250,13 +249,23 @@ def _card_files(root: Path, entry: dict, what: str) -> dict[str, list[Path]]:
         files: list[Path] = []
         for pattern in patterns:
             _inside(base, pattern, root, what)
-            for match in sorted(glob.glob(pattern, root_dir=base, recursive=True)):
+            for match in _matches(base, pattern, what):
                 path = _inside(base, match, root, what)
                 if path.suffix == ".parquet" and path.is_file() and path not in files:
                     files.append(path)
         if files:
             splits[split] = files
     return splits
+
+
+def _matches(base: Path, pattern: str, what: str) -> list[str]:
+    """The names under `base` a README's glob matches, relative to it. pathlib's glob, not `glob.glob`:
+    its `**` does not follow links to folders, so two folders linked into each other end, where
+    `glob.glob(recursive=True)` walked them for ever."""
+    try:
+        return sorted(str(path.relative_to(base)) for path in base.glob(pattern))
+    except (ValueError, NotImplementedError) as err:  # an empty or absolute pattern
+        raise UserError(f"{what}: README.md: data_files glob {shown(pattern, 80)}: {err}") from None
 
 
 def _patterns(data_files: object, what: str) -> dict[str, list[str]]:

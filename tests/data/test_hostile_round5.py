@@ -175,3 +175,49 @@ def test_a_reshard_may_write_into_a_folder_beside_its_shards_but_not_over_them(c
     proc = cli("data", "convert", source, str(tmp_path), "--no-progress", check=False)
     error_line(proc, f"OUTDIR {tmp_path} holds the source's shard {tmp_path / 'x-000000.tar'}")
     assert (tmp_path / "x-000000.tar").read_bytes() == before
+
+
+def test_a_readme_glob_over_folders_linked_into_each_other_ends(cli, tmp_path):
+    """Before: `data_files: "**/*.parquet"` over two folder links in a loop printed nothing and never
+    ended (`glob.glob` follows links for `**`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    snap = tmp_path / "snap"
+    (snap / "data" / "a").mkdir(parents=True)
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    table = pa.table({"image": [{"bytes": buf.getvalue(), "path": None}] * 2, "label": [0, 1]})
+    pq.write_table(table, snap / "data" / "train-00000-of-00001.parquet")
+    (snap / "data" / "a" / "up").symlink_to("../..")
+    (snap / "data" / "loop").symlink_to(".")
+    (snap / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n"
+        '  - split: train\n    path: "**/*.parquet"\n---\n'
+    )
+    proc = cli("data", "convert", f"hf:{snap}", str(tmp_path / "out"), "--image-column", "image",
+               "--label-column", "label", "--no-progress", timeout=120)  # fmt: skip
+    assert proc.returncode == 0
+    assert json.loads((tmp_path / "out" / "train.json").read_text())["num_samples"] == 2
+
+
+def test_an_image_bomb_is_judged_from_its_header_and_never_decoded(cli, tmp_path):
+    """Before: a 12,000 x 12,000 PNG of 270 KB in a parquet row was decoded in full (about 2.1 GB) and
+    stored, where max_image_pixels judges it from its header."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bomb, small = io.BytesIO(), io.BytesIO()
+    Image.new("L", (12000, 12000)).save(bomb, format="PNG")
+    Image.new("RGB", (8, 8)).save(small, format="PNG")
+    snap = tmp_path / "snap" / "data"
+    snap.mkdir(parents=True)
+    rows = [{"bytes": small.getvalue(), "path": None}, {"bytes": bomb.getvalue(), "path": None}]
+    pq.write_table(pa.table({"image": rows, "label": [0, 1]}), snap / "train-00000-of-00001.parquet")
+    from cli_helpers import LIMITED
+
+    proc = cli("data", "convert", f"hf:{tmp_path / 'snap'}", str(tmp_path / "out"), "--image-column", "image",
+               "--label-column", "label", "--no-progress", prelude=LIMITED)  # fmt: skip
+    assert "12000x12000 (144,000,000 pixels), more than max_image_pixels" in proc.stderr
+    manifest = json.loads((tmp_path / "out" / "train.json").read_text())
+    assert manifest["num_samples"] == 1 and manifest["skipped"] == 1
