@@ -242,11 +242,8 @@ class ShardStream(IterableDataset):
                     raw = reader.read(*order.locate(later))
                     raw["__label__"] = self.label_of(raw)
                     out = self.decode(raw)
-                except UnreadableShard as err:
-                    counter.shard_failed(err)
-                    continue
-                except BadSample as err:
-                    counter(err)
+                except BadSample as err:  # a shard gone since it was indexed is also named
+                    (counter.shard_failed if isinstance(err, UnreadableShard) else counter)(err)
                     continue
                 counter.end_run()
                 return out

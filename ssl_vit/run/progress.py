@@ -38,6 +38,7 @@ from ssl_vit.internals import RichProgressBarHooks, accumulating
 from ssl_vit.progress import clock
 from ssl_vit.run import record
 from ssl_vit.run.checks import DEFAULT_ROOT
+from ssl_vit.run.nonfinite import NonFiniteGuard
 from ssl_vit.tracking import where
 
 
@@ -61,6 +62,7 @@ class ProgressLines(pl.Callback):
     def _reset(self) -> None:
         self.total: float = float("inf")
         self.first_step, self.start, self.last_time = 0, 0.0, 0.0
+        self.guard: NonFiniteGuard | None = None  # the fit's, found at the start
         self.images, self.images_at_last = 0, 0
         self.skipped: torch.Tensor | None = None  # this rank's bad samples, on the device
         self.skipped_total = 0  # over the ranks, as of the last step every rank reduced at
@@ -78,9 +80,9 @@ class ProgressLines(pl.Callback):
         self.total = _total_steps(trainer)
         self.first_step = trainer.global_step
         self.start = self.last_time = time.monotonic()
-        guard = _guard(trainer)
-        if guard is not None:
-            self.rollbacks_seen, self.skips_seen = len(guard.rollbacks), guard.skipped
+        self.guard = next((c for c in trainer.callbacks if isinstance(c, NonFiniteGuard)), None)
+        if self.guard is not None:
+            self.rollbacks_seen, self.skips_seen = len(self.guard.rollbacks), self.guard.skipped
         self._record(
             "start", step=trainer.global_step, host=socket.gethostname(), pid=os.getpid(),
             resumed=trainer.ckpt_path,
@@ -113,7 +115,7 @@ class ProgressLines(pl.Callback):
 
     def _record_decisions(self, trainer: pl.Trainer) -> None:
         """The non-finite guard's new rollbacks and skipped steps, in the record (host values: no sync)."""
-        guard = _guard(trainer)
+        guard = self.guard
         if guard is None:
             return
         for rollback in guard.rollbacks[self.rollbacks_seen :]:
@@ -134,7 +136,7 @@ class ProgressLines(pl.Callback):
             if done > 0 and self.total < float("inf")
             else None
         )
-        guard = _guard(trainer)
+        guard = self.guard
         values = {
             "step": step, "total": None if self.total == float("inf") else int(self.total),
             "epoch": trainer.current_epoch, "loss": loss, "lr": _lr(trainer), "images_per_s": round(rate, 1),
@@ -155,8 +157,8 @@ class ProgressLines(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         if isinstance(exception, SIGTERMException):
-            preemption = next((c for c in trainer.callbacks if hasattr(c, "requeue_requested")), None)
-            self._end(trainer, "preempted", requeued=bool(getattr(preemption, "requeue_requested", False)))
+            # `Preemption.on_exception` (before this callback) says whether a requeue was asked for
+            self._end(trainer, "preempted", requeued=bool(getattr(exception, "requeued", False)))
         else:
             why = str(exception).strip().splitlines()
             self._end(trainer, "failed", why=f"{type(exception).__name__}: {why[0][:300] if why else ''}")
@@ -235,19 +237,14 @@ def progress_bar(trainer: pl.Trainer, stdout_is_terminal: bool) -> None:
         trainer.callbacks = [c for c in trainer.callbacks if c not in bars]
 
 
-def _guard(trainer: pl.Trainer):
-    """The fit's NonFiniteGuard (`rollbacks`, `skipped`), or None."""
-    return next((c for c in trainer.callbacks if hasattr(c, "rollbacks") and hasattr(c, "skipped")), None)
-
-
 def _total_steps(trainer: pl.Trainer) -> float:
-    """The optimizer steps the fit runs to (inf for an unbounded one)."""
-    if trainer.max_steps is not None and trainer.max_steps > 0:
-        return trainer.max_steps
+    """The optimizer steps the fit runs to, as Lightning counts them (max_steps and max_epochs both);
+    inf for an unbounded one (Lightning's -1 or inf, or a loader whose length it cannot tell)."""
     try:
-        return float(trainer.estimated_stepping_batches)
-    except Exception:  # a loader without a length: Lightning cannot tell
+        total = float(trainer.estimated_stepping_batches)
+    except Exception:
         return float("inf")
+    return total if 0 < total < float("inf") else float("inf")
 
 
 def _loss(outputs: Any) -> float | None:
