@@ -21,7 +21,7 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from ssl_vit.internals import option_names
-from ssl_vit.run.checks import MISSING, lookup
+from ssl_vit.run.checks import MISSING, config_files, lookup
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)":?\s*(.*)')
 _CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)':?")
@@ -197,7 +197,7 @@ def _where(argv: list[str], key: str) -> str:
         option = arg.split("=", 1)[0].removesuffix("+")  # `--trainer.callbacks+=CLASS` appends
         if option[2:] in (key, short) and arg.startswith("--"):
             return option
-    for path in reversed(_config_files(argv)):
+    for path in reversed(config_files(argv)):
         try:
             tree = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError):
@@ -205,17 +205,6 @@ def _where(argv: list[str], key: str) -> str:
         if any(lookup(tree, dotted.split(".")) is not MISSING for dotted in (key, short)):
             return f"{key} (in {path})"
     return key
-
-
-def _config_files(argv: list[str]) -> list[str]:
-    """The files given as `--config FILE` / `-c FILE` / `--config=FILE`, in order."""
-    files = []
-    for arg, value in zip(argv, [*argv[1:], ""]):
-        if arg in ("--config", "-c"):
-            files.append(value)
-        elif arg.startswith("--config="):
-            files.append(arg.split("=", 1)[1])
-    return files
 
 
 def _type_error(argv: list[str], key: str, expected: list[str], given: str | None) -> str:
@@ -249,7 +238,7 @@ def _yaml_error(argv: list[str], err: BaseException) -> str:
     """`--config FILE: not YAML: line L, column C: PROBLEM`, or `--config FILE: holds a list, not a
     mapping`; the file is found by reading each `--config` file again (jsonargparse's message names
     none)."""
-    for path in _config_files(argv):
+    for path in config_files(argv):
         try:
             tree = yaml.safe_load(Path(path).read_text())
         except yaml.MarkedYAMLError as bad:

@@ -103,29 +103,30 @@ def refuse_contradicting_in_chans(config, argv: list[str]) -> None:
 
 def _given_in_chans(argv: list[str]) -> list[tuple[object, str]]:
     """Each value of the backbone's in_chans `argv` gives, with where (` (in FILE)` for a config file)."""
-    found = []
-    for i, arg in enumerate(argv):
-        if arg == IN_CHANS and i + 1 < len(argv):
-            found.append((argv[i + 1], ""))
-        elif arg.startswith(f"{IN_CHANS}="):
-            found.append((arg.partition("=")[2], ""))
-        elif arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
-            path = Path(argv[i + 1] if arg == "--config" else arg.partition("=")[2])
-            model = _load(path).get("model")
-            backbone = model.get("init_args", {}).get("backbone") if isinstance(model, dict) else None
-            if isinstance(backbone, dict) and "in_chans" in backbone and backbone["in_chans"] is not None:
-                found.append((backbone["in_chans"], f" (in {path})"))
+    found = [(value, "") for arg, value in zip(argv, [*argv[1:], ""]) if arg == IN_CHANS]
+    found += [(arg.partition("=")[2], "") for arg in argv if arg.startswith(f"{IN_CHANS}=")]
+    for path in map(Path, config_files(argv)):
+        model = _load(path).get("model")
+        backbone = model.get("init_args", {}).get("backbone") if isinstance(model, dict) else None
+        if isinstance(backbone, dict) and backbone.get("in_chans") is not None:
+            found.append((backbone["in_chans"], f" (in {path})"))
     return found
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The files given as `--config FILE` / `-c FILE` / `--config=FILE`, in order."""
+    files = []
+    for arg, value in zip(argv, [*argv[1:], ""]):
+        if arg in ("--config", "-c"):
+            files.append(value)
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
 
 
 def _config_files(argv: list[str]) -> list[Path]:
-    """The `--config` files of `argv` named config.yaml (what a fit writes in its run directory)."""
-    found = []
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.partition("=")[2]
-        if (arg == "--config" or arg.startswith("--config=")) and Path(value).name == "config.yaml":
-            found.append(Path(value))
-    return found
+    """The config files of `argv` named config.yaml (what a fit writes in its run directory)."""
+    return [Path(p) for p in config_files(argv) if Path(p).name == "config.yaml"]
 
 
 def _recorded(path: Path) -> dict:
