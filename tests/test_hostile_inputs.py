@@ -418,12 +418,23 @@ def no_run_dir(inputs: Inputs) -> None:
     assert not (inputs.root / "run").exists()
 
 
-# Fifth round: values the config links (the backbone takes the data's bands) given anyway.
+def img_size_in_a_config(inputs: Inputs) -> list[str]:
+    """A fit of the digits with a `--config` file giving the backbone an image size the data has not."""
+    config = inputs.root / "model.yaml"
+    config.write_text("model:\n  init_args:\n    backbone:\n      img_size: 64\n")
+    return in_chans(["--config", str(config)])(inputs)
+
+
+# Fifth round: values the config links (the backbone takes the data's size and bands) given anyway.
 LINK_ROWS = [
     Row("in-chans-contradicts-channels", in_chans(["--model.init_args.backbone.in_chans", "3"]), 2,
         "--model.init_args.backbone.in_chans 3 contradicts the data's channels (1)", then=no_run_dir),
     Row("in-chans-contradicts-channels-equals", in_chans(["--model.init_args.backbone.in_chans=13"]), 2,
         "--model.init_args.backbone.in_chans 13 contradicts the data's channels (1)", then=no_run_dir),
+    Row("img-size-contradicts-image-size", in_chans(["--model.init_args.backbone.img_size", "64"]), 2,
+        "--model.init_args.backbone.img_size 64 contradicts the data's image_size (32)", then=no_run_dir),
+    Row("img-size-in-a-config-contradicts-image-size", img_size_in_a_config, 2,
+        "--model.init_args.backbone.img_size 64 (in ", then=no_run_dir),
 ]  # fmt: skip
 
 ROWS = JSON_ROWS + CLASS_ROWS + SCORE_ROWS + UNUSABLE_ROWS + TYPE_ROWS + MOSAIC_ROWS + LINK_ROWS

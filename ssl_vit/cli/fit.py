@@ -42,6 +42,7 @@ from ssl_vit.internals import LightningCLIHooks
 from ssl_vit.lock import LOCK_NAME, RunLock, job_leader
 from ssl_vit.run.checkpointing import LastLinkCheckpoint, checkpoint_step, with_safe_io
 from ssl_vit.run.checks import (
+    DATA_TO_MODEL,
     DEFAULT_ROOT,
     check_ckpt_choice,
     check_ckpt_path,
@@ -50,7 +51,7 @@ from ssl_vit.run.checks import (
     follow_run_dir,
     local_ckpt_path,
     refuse_contradicting_config,
-    refuse_contradicting_in_chans,
+    refuse_contradicting_links,
     refuse_foreign_model,
     refuse_other_bands,
     refuse_overridden_options,
@@ -136,7 +137,7 @@ class SslVitCLI(LightningCLIHooks):
             raise UserError(config_error(str(err), self.argv, parser, err)) from None
         subcommand = self.config.get("subcommand")
         if subcommand in ("fit", "validate", "test"):  # a run's own config.yaml, where the run now is
-            refuse_contradicting_in_chans(self.config[subcommand], self.argv)
+            refuse_contradicting_links(self.config[subcommand], self.argv)
             note = follow_run_dir(self.config[subcommand], self.argv)
             if note is not None and job_leader():
                 print(f"ssl-vit: warning: {note}", file=sys.stderr, flush=True)
@@ -169,10 +170,9 @@ class SslVitCLI(LightningCLIHooks):
         # Where the fit is: a line every `trainer.log_every_n_steps` steps and at least every
         # `progress.every_minutes` when stdout is not a terminal, and the run directory's progress record.
         parser.add_lightning_class_args(ProgressLines, "progress")
-        # Values that must agree between data and model are given once, on the data side: the image size
-        # and the input bands (a data module without `channels` reads RGB: the backbone keeps in_chans 3).
-        parser.link_arguments("data.init_args.image_size", "model.init_args.backbone.img_size")
-        parser.link_arguments("data.init_args.channels", "model.init_args.backbone.in_chans")
+        # The image size and the input bands are given once, on the data side
+        for source, target in DATA_TO_MODEL.items():
+            parser.link_arguments(source, target)
         for source, target in FROM_DATA.items():
             parser.link_arguments(source, target, apply_on="instantiate")
 

@@ -83,33 +83,51 @@ def _loggers(config) -> list:
     return [spec for spec in specs if getattr(spec, "init_args", None) is not None]
 
 
-IN_CHANS = "--model.init_args.backbone.in_chans"
+# Values that must agree between data and model, given once on the data side: the config links each
+# into the backbone (a data module without `channels` reads RGB: the backbone keeps in_chans 3).
+DATA_TO_MODEL = {
+    "data.init_args.image_size": "model.init_args.backbone.img_size",
+    "data.init_args.channels": "model.init_args.backbone.in_chans",
+}
 
 
-def refuse_contradicting_in_chans(config, argv: list[str]) -> None:
-    """A backbone's `in_chans` given (on the command line or in a `--config` file) that is not the data's
-    `channels`: one line. The config links the two (the backbone takes the data's bands), which would
-    drop the value given without a word and build a model of the data's band count."""
-    channels = getattr(getattr(config.get("data"), "init_args", None), "channels", None)
-    if not isinstance(channels, int):
-        return
-    for given, where in _given_in_chans(argv):
-        if str(given).strip() != str(channels):
-            raise UserError(
-                f"{IN_CHANS} {given}{where} contradicts the data's channels ({channels}): the backbone "
-                "takes the data's bands; give --data.init_args.channels instead, or leave in_chans out"
-            )
+def refuse_contradicting_links(config, argv: list[str]) -> None:
+    """A backbone value of `DATA_TO_MODEL` given (on the command line or in a `--config` file) that is
+    not the data's: one line. The link would drop the value given without a word and build a model of
+    the data's size or band count."""
+    for source, target in DATA_TO_MODEL.items():
+        data_value = _get(config, source)
+        if not isinstance(data_value, int):
+            continue
+        for given, where in _given(argv, target):
+            if str(given).strip() != str(data_value):
+                name = source.rsplit(".", 1)[1]
+                raise UserError(
+                    f"--{target} {given}{where} contradicts the data's {name} ({data_value}): the backbone "
+                    f"takes the data's {name}; give --{source} instead, or leave "
+                    f"{target.rsplit('.', 1)[1]} out"
+                )
 
 
-def _given_in_chans(argv: list[str]) -> list[tuple[object, str]]:
-    """Each value of the backbone's in_chans `argv` gives, with where (` (in FILE)` for a config file)."""
-    found = [(value, "") for arg, value in zip(argv, [*argv[1:], ""]) if arg == IN_CHANS]
-    found += [(arg.partition("=")[2], "") for arg in argv if arg.startswith(f"{IN_CHANS}=")]
+def _get(config, dotted: str):
+    """The value at `dotted` in a parsed config (namespaces), None where a part is missing."""
+    value = config
+    for key in dotted.split("."):
+        value = value.get(key) if hasattr(value, "get") else None
+    return value
+
+
+def _given(argv: list[str], dotted: str) -> list[tuple[object, str]]:
+    """Each value `argv` gives the option `dotted`, with where (` (in FILE)` for a config file)."""
+    option = f"--{dotted}"
+    found = [(value, "") for arg, value in zip(argv, [*argv[1:], ""]) if arg == option]
+    found += [(arg.partition("=")[2], "") for arg in argv if arg.startswith(f"{option}=")]
     for path in map(Path, config_files(argv)):
-        model = _load(path).get("model")
-        backbone = model.get("init_args", {}).get("backbone") if isinstance(model, dict) else None
-        if isinstance(backbone, dict) and backbone.get("in_chans") is not None:
-            found.append((backbone["in_chans"], f" (in {path})"))
+        value: object = _load(path)
+        for key in dotted.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            found.append((value, f" (in {path})"))
     return found
 
 
