@@ -295,6 +295,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.position.loader = EpochLoader(
             stream,
             self._start_epoch,
+            self.position.track(stream),
             timeout=self.loader_timeout_s,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),

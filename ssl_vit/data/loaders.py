@@ -5,12 +5,12 @@ consumed). How their workers take job signals and die is `ssl_vit.data.workers`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader
 
-from ssl_vit.data.stream import OrderStart, ResumePlan, ShardStream, WorkerPosition
+from ssl_vit.data.stream import ShardStream
 from ssl_vit.data.workers import DeadWorkers, Workers
 from ssl_vit.errors import UserError
 
@@ -91,35 +91,23 @@ class EpochLoader(ShardLoader):
     fetched: Lightning fetches one batch ahead.
     """
 
-    def __init__(self, stream: ShardStream, start: Callable[[], tuple[int, Any]], **kwargs):
+    def __init__(self, stream: ShardStream, start: Callable[[], tuple[int, Any]], track: Track, **kwargs):
         super().__init__(stream, split="train", persistent_workers=False, **kwargs)
-        self.start = start
+        self.start, self.track = start, track
         self.epoch: int | None = None
-        self.consumed: dict[int, WorkerPosition] = {}  # a stream of segments: each worker's position
-        self.samples = 0  # an indexed stream: the samples of the epoch's order consumed (all ranks)
         self.recorded = False  # whether training consumed a batch of this pass
-
-    @property
-    def ordered(self) -> bool:
-        """Whether the stream reads the epoch's global order (`ssl_vit.data.epoch_order`)."""
-        return self.dataset.index is not None
 
     def __iter__(self):
         epoch, plan = self.start()
         self.dataset.epoch, self.dataset.resume = epoch, plan
         self.epoch, self.recorded = epoch, False
-        self.consumed = dict(plan.workers) if isinstance(plan, ResumePlan) else {}
-        self.samples = plan.samples if isinstance(plan, OrderStart) else 0
+        self.track.begin(plan)
         return super().__iter__()
 
     def record(self, batch: dict) -> None:
         """Note that training consumed `batch` (it carries where the stream stands after it in `stream`)."""
         self.recorded = True
-        if self.ordered:
-            self.samples = int(batch["stream"])
-            return
-        worker, batches, segment, offset = (int(v) for v in batch["stream"])
-        self.consumed[worker] = WorkerPosition(batches, segment, offset)
+        self.track.record(batch["stream"])
 
     # Lightning's Stateful-loader protocol: it warns that a resume in the middle of an epoch is not
     # exact unless the training loader has these. Where the stream stands is the data module's state
@@ -131,17 +119,17 @@ class EpochLoader(ShardLoader):
         pass
 
     def position(self) -> dict[str, Any]:
-        stream = self.dataset
-        if self.ordered:
-            return {
-                "epoch": self.epoch,
-                "order": "global",
-                "samples": self.samples,
-                "step": stream.batch_size * stream.world_size,
-                "world": [stream.world_size, self.num_workers],
-            }
-        return {
-            "epoch": self.epoch,
-            "num_workers": max(1, self.num_workers),
-            "workers": {w: [p.batches, p.segment, p.offset, p.skip] for w, p in self.consumed.items()},
-        }
+        return {"epoch": self.epoch, **self.track.position(self)}
+
+
+class Track(Protocol):
+    """What training consumed of a pass, in the terms of the stream's kind (`ssl_vit.data.position`)."""
+
+    def begin(self, plan: Any) -> None:
+        """A pass starts, afresh (`plan` None) or where `plan` says."""
+
+    def record(self, stream: torch.Tensor) -> None:
+        """Training consumed a batch whose `stream` entry says where the stream stands after it."""
+
+    def position(self, loader: EpochLoader) -> dict[str, Any]:
+        """Where the pass stands, as a checkpoint saves it."""

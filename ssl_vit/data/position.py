@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ssl_vit.data.loaders import EpochLoader
-from ssl_vit.data.stream import OrderStart, ResumePlan, WorkerPosition
+from ssl_vit.data.stream import OrderStart, ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.errors import UserError
 
 log = logging.getLogger("ssl_vit.data")
@@ -33,7 +33,12 @@ class TrainingPosition:
         self.seed, self.epoch = seed, 0
         self.loader: EpochLoader | None = None
         self._resume: dict | None = None  # a restored position, used by the next training pass
-        self._moved: tuple[int, ResumePlan] | None = None  # where `skip` restarts the pass
+        self._moved: tuple[int, ResumePlan | OrderStart] | None = None  # where `skip` restarts the pass
+
+    @staticmethod
+    def track(stream: ShardStream) -> OrderTrack | SegmentTrack:
+        """The training loader's record of what training consumed, in the terms of `stream`'s kind."""
+        return OrderTrack() if stream.index is not None else SegmentTrack()
 
     @property
     def started(self) -> bool:
@@ -56,11 +61,7 @@ class TrainingPosition:
         if moved is not None:
             epoch, plan = moved
         elif saved is not None:
-            ordered = self.loader is not None and self.loader.ordered
-            if ordered:
-                epoch, plan = order_start(saved, world_size, workers, batches, step)
-            else:
-                epoch, plan = resume_plan(saved, rank, world_size, max(1, workers), batches)
+            epoch, plan = self.loader.track.resume(saved, rank, world_size, workers, batches, step)
         else:
             epoch, plan = (self.epoch if epoch is None else epoch), None
         self.epoch = epoch + 1
@@ -88,30 +89,87 @@ class TrainingPosition:
         """Moves the stream `count` batches past the last one training consumed, up to the end of the
         epoch (`ShardDataModule.skip_batches`); `(batches skipped, where the epoch's next pass restarts
         (its batches fetched so far) or None when the epoch is over)`."""
-        if self.loader.ordered:
-            return self._skip_ordered(count, batch_size * self.loader.dataset.world_size, batches)
-        workers = max(1, workers)
-        positions = dict(self.loader.consumed)
+        step = batch_size * self.loader.dataset.world_size
+        count, plan, restart = self.loader.track.skip(count, batch_size, step, max(1, workers), batches)
+        if plan is None:
+            return count, None
+        self._moved = (self.loader.epoch, plan)
+        return count, restart
+
+
+class OrderTrack:
+    """A stream that reads the epoch's global order: the samples of the order consumed (all ranks)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def begin(self, plan: OrderStart | None) -> None:
+        self.samples = plan.samples if plan is not None else 0
+
+    def record(self, stream: torch.Tensor) -> None:
+        self.samples = int(stream)
+
+    def position(self, loader: EpochLoader) -> dict[str, Any]:
+        stream = loader.dataset
+        return {
+            "order": "global",
+            "samples": self.samples,
+            "step": stream.batch_size * stream.world_size,
+            "world": [stream.world_size, loader.num_workers],
+        }
+
+    @staticmethod
+    def resume(saved: dict, rank: int, world_size: int, workers: int, batches: int, step: int) -> tuple:
+        return order_start(saved, world_size, workers, batches, step)
+
+    def skip(self, count: int, batch_size: int, step: int, workers: int, batches: int) -> tuple:
+        """`(data steps skipped, OrderStart or None at the epoch's end, batches done)`: `count` data
+        steps further in the order."""
+        done = self.samples
+        count = max(0, min(count, (batches * step - done) // step))
+        self.samples = done + count * step
+        if self.samples + step > batches * step:
+            return count, None, None
+        return count, OrderStart(self.samples), self.samples // step
+
+
+class SegmentTrack:
+    """A stream of shard segments: per DataLoader worker, the batches consumed and where in its segment
+    they ended."""
+
+    def __init__(self) -> None:
+        self.consumed: dict[int, WorkerPosition] = {}
+
+    def begin(self, plan: ResumePlan | None) -> None:
+        self.consumed = dict(plan.workers) if plan is not None else {}
+
+    def record(self, stream: torch.Tensor) -> None:
+        worker, batches, segment, offset = (int(v) for v in stream)
+        self.consumed[worker] = WorkerPosition(batches, segment, offset)
+
+    def position(self, loader: EpochLoader) -> dict[str, Any]:
+        return {
+            "num_workers": max(1, loader.num_workers),
+            "workers": {w: [p.batches, p.segment, p.offset, p.skip] for w, p in self.consumed.items()},
+        }
+
+    @staticmethod
+    def resume(saved: dict, rank: int, world_size: int, workers: int, batches: int, step: int) -> tuple:
+        return resume_plan(saved, rank, world_size, max(1, workers), batches)
+
+    def skip(self, count: int, batch_size: int, step: int, workers: int, batches: int) -> tuple:
+        """`(batches skipped, ResumePlan or None at the epoch's end, batches done)`: each worker passes
+        over its share of the skipped batches' samples (`WorkerPosition.skip`)."""
+        positions = dict(self.consumed)
         consumed = sum(p.batches for p in positions.values())
         count = max(0, min(count, batches - consumed))
         for index in range(consumed, consumed + count):  # the DataLoader's round robin: batch i, worker i % W
             p = positions.get(index % workers, WorkerPosition())
             positions[index % workers] = replace(p, batches=p.batches + 1, skip=p.skip + batch_size)
-        self.loader.consumed = positions  # what a checkpoint saved before the next batch records
+        self.consumed = positions  # what a checkpoint saved before the next batch records
         if consumed + count >= batches:
-            return count, None
-        self._moved = (self.loader.epoch, ResumePlan(positions, first=(consumed + count) % workers))
-        return count, consumed + count
-
-    def _skip_ordered(self, count: int, step: int, batches: int) -> tuple[int, int | None]:
-        """`skip` in the epoch's global order: `count` data steps further."""
-        done = self.loader.samples
-        count = max(0, min(count, (batches * step - done) // step))
-        self.loader.samples = done + count * step
-        if self.loader.samples + step > batches * step:
-            return count, None
-        self._moved = (self.loader.epoch, OrderStart(self.loader.samples))
-        return count, self.loader.samples // step
+            return count, None, None
+        return count, ResumePlan(positions, first=(consumed + count) % workers), consumed + count
 
 
 def check_step(saved: dict, world_size: int, batch_size: int) -> None:
