@@ -126,12 +126,16 @@ study-compare: $(STAMP)
 # benchmarks/peers/RESULTS.md, then the same JPEGs through ssl-vit's ShardDataModule, webdataset, litdata
 # and mosaicml-streaming (feed.py, its table appended there; images under runs/peers/feed).
 # PEERS_SPEED_ARGS, PEERS_FEED_ARGS: other sizes or rounds (e.g. --variants S/16 --rounds 3).
-# Not run here yet: quality.py (each peer's MAE at the study's budget, for `ssl-vit compare`).
+# Then quality.py: each peer's MAE and SimMIM trained at the study's budget (one peer per core), and
+# `ssl-vit compare` of them against ssl-vit's own (make study's mae and simmim runs, trained here first
+# where missing) on the study's suite without fine-tuning, with verdicts on benchmarks/peers/claims.yaml.
 PEERS_VENV := .venv-peers
 PEERS_PY := $(PEERS_VENV)/bin/python
 PEERS_STAMP := $(PEERS_VENV)/.installed
 PEERS_SPEED_ARGS ?= --variants S/16 B/16 --batch-size 8 --rounds 5
 PEERS_FEED_ARGS ?= --images 5000 --workers 1 2 --batches 30
+PEERS_QUALITY_ARGS ?= --methods mae simmim --seeds 0 1 --out runs/peers/quality
+PEERS_QUALITY := OMP_NUM_THREADS=1 $(PEERS_PY) benchmarks/peers/quality.py $(PEERS_QUALITY_ARGS)
 
 $(PEERS_STAMP): pyproject.toml $(CONSTRAINTS) requirements/peers.txt requirements/peers-no-deps.txt
 	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
@@ -145,6 +149,10 @@ peers: $(PEERS_STAMP)
 		--rootdir . -rs test_adapters.py
 	OMP_NUM_THREADS=1 $(PEERS_PY) benchmarks/peers/speed.py $(PEERS_SPEED_ARGS) --results benchmarks/peers/RESULTS.md
 	OMP_NUM_THREADS=1 $(PEERS_PY) benchmarks/peers/feed.py $(PEERS_FEED_ARGS) --results benchmarks/peers/RESULTS.md
+	$(MAKE) --no-print-directory study-pretrain STUDY_METHODS="mae simmim"
+	$(PEERS_QUALITY) --peers adapter_lightly --no-compare & lightly=$$!; \
+	$(PEERS_QUALITY) --peers adapter_stable_pretraining --no-compare; sp=$$?; wait $$lightly && [ $$sp = 0 ]
+	$(PEERS_QUALITY) --results benchmarks/peers/RESULTS.md
 	@echo "results: benchmarks/peers/RESULTS.md"
 
 lint: $(STAMP)

@@ -1,23 +1,28 @@
-"""Each peer's MAE trained at the study's budget on the study's stream, its encoder exported for
-`ssl-vit compare` beside ssl-vit's own MAE runs (`make study`).
+"""Each peer's MAE and SimMIM trained at the study's budget on the study's stream, their encoders
+exported, and all of them evaluated beside ssl-vit's own runs of the same recipes (`make study`) with
+`ssl-vit compare`, its verdicts read on benchmarks/peers/claims.yaml.
 
-    python benchmarks/peers/quality.py --seeds 0 1 --out runs/peers/quality   # 1,200 steps of 64 each
+    python benchmarks/peers/quality.py --methods mae simmim --seeds 0 1 --out runs/peers/quality
 
-Everything the study's MAE recipe sets is read from it (recipes/study/mae.yaml, data.yaml,
-trainer.yaml): the ViT (S/4, 96 wide, 6 deep, 3 heads, 28 px), the decoder (64 wide, 2 blocks, 4
-heads), the mask ratio (0.75), AdamW and its warmup-cosine schedule, the steps and the batch; every
-implementation reads the same `ShardDataModule` stream (its seed the run's). What a peer has no option
-for is said in its adapter (lightly's MAE regresses raw pixels, not per-patch normalised ones).
+Everything a study recipe sets is read from it (recipes/study/METHOD.yaml, data.yaml, trainer.yaml):
+the ViT (S/4, 96 wide, 6 deep, 3 heads, 28 px), MAE's decoder (64 wide, 2 blocks, 4 heads), the mask
+ratio (MAE 0.75, SimMIM 0.6), AdamW with weight decay off for norms, biases, position embeddings and
+tokens (ssl-vit's groups), its warmup-cosine schedule, the steps and the batch; every implementation
+reads the same `ShardDataModule` stream (its seed the run's). What a peer has no option for is said in
+its adapter (lightly's MAE regresses raw pixels, not per-patch normalised ones).
 
-Each run writes OUT/PEER_SEED/encoder.safetensors (timm's names, ssl-vit's backbone config in the
-metadata) and its loss every 50 steps; the last line printed is the `ssl-vit compare` command over
-them and the study's own MAE checkpoints. `--steps` and `--train-urls` make a smoke run quick.
+Each run writes OUT/PEER_METHOD_SEED/encoder.safetensors (timm's names, ssl-vit's backbone config in the
+metadata) and its loss every 50 steps. Then `ssl-vit compare` runs on the study's suite without its
+fine-tune protocol (the slowest; OUT/suite.yaml), ssl-vit's rows from `--study` (run by `make study`
+first), into OUT/compare, and its results and verdicts are appended to `--results`. `--steps`,
+`--train-urls`, `--suite` and `--no-compare` make a smoke run quick.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -33,21 +38,27 @@ from ssl_vit.checkpoints import config_metadata
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Augment
 from ssl_vit.tasks import WarmupDecay
+from ssl_vit.tasks.optim import weight_decay_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "recipes/study"
 
 
-def study_recipe() -> dict:
-    """The study MAE's settings, from its recipe files."""
-    model = yaml.safe_load((STUDY / "mae.yaml").read_text())["model"]["init_args"]
+CLAIMS = Path(__file__).with_name("claims.yaml")
+# What ssl-vit's tasks leave out of weight decay beside the 1-D parameters, wherever a peer keeps them
+NO_DECAY = {"*pos_embed", "*cls_token", "*mask_token"}
+
+
+def study_recipe(method: str) -> dict:
+    """The settings of the study's recipe of `method`, from its recipe files."""
+    model = yaml.safe_load((STUDY / f"{method}.yaml").read_text())["model"]["init_args"]
     data = yaml.safe_load((STUDY / "data.yaml").read_text())["init_args"]
     trainer = yaml.safe_load((STUDY / "trainer.yaml").read_text())
     backbone = model["backbone"]
     settings = Settings(
-        backbone["variant"], data["image_size"], model["decoder_dim"], model["decoder_depth"],
-        model["decoder_heads"], width=backbone.get("width"), depth=backbone.get("depth"),
+        backbone["variant"], data["image_size"], width=backbone.get("width"), depth=backbone.get("depth"),
         heads=backbone.get("heads"),
+        **{key: model[key] for key in ("decoder_dim", "decoder_depth", "decoder_heads") if key in model},
     )  # fmt: skip
     return dict(
         settings=settings,
@@ -58,14 +69,14 @@ def study_recipe() -> dict:
     )
 
 
-def train(adapter, recipe: dict, seed: int, steps: int, train_urls: str, out: Path) -> dict:
+def train(adapter, method: str, recipe: dict, seed: int, steps: int, train_urls: str, out: Path) -> dict:
     torch.manual_seed(seed)
-    impl = adapter.build("mae", recipe["settings"])
-    params = [p for p in impl.model.parameters() if p.requires_grad]
+    impl = adapter.build(method, recipe["settings"])
     opt = recipe["optimizer"]
     optimizer = torch.optim.AdamW(
-        params, lr=opt["lr"], betas=tuple(opt["betas"]), weight_decay=opt["weight_decay"]
-    )
+        weight_decay_groups(impl.model, NO_DECAY), lr=opt["lr"], betas=tuple(opt["betas"]),
+        weight_decay=opt["weight_decay"],
+    )  # fmt: skip
     schedule = WarmupDecay(optimizer, total_steps=steps, **recipe["schedule"])
     data = recipe["data"]
     module = ShardDataModule(
@@ -81,42 +92,86 @@ def train(adapter, recipe: dict, seed: int, steps: int, train_urls: str, out: Pa
         schedule.step()
         if step % 50 == 0 or step == steps - 1:
             losses[step] = float(loss)
-            print(f"{adapter.PEER} seed {seed} step {step}: loss {losses[step]:.4f}", flush=True)
+            print(f"{adapter.PEER} {method} seed {seed} step {step}: loss {losses[step]:.4f}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in adapter.timm_encoder(impl.model).state_dict().items()}
     state = {k: v for k, v in state.items() if not k.startswith("head.")}
     save_file(state, out / "encoder.safetensors", metadata=config_metadata(recipe["settings"].config()))
-    record = dict(peer=adapter.PEER, seed=seed, steps=steps, seconds=time.perf_counter() - start, loss=losses)
+    record = dict(
+        peer=adapter.PEER, method=method, seed=seed, steps=steps, seconds=time.perf_counter() - start,
+        loss=losses,
+    )  # fmt: skip
     (out / "train.json").write_text(json.dumps(record, indent=1))
     return record
 
 
+def quick_suite(suite: Path, out: Path) -> Path:
+    """`suite` without its fine-tune protocols, written to `out`."""
+    loaded = yaml.safe_load(suite.read_text())
+    loaded["protocols"] = [p for p in loaded["protocols"] if p.get("kind") != "finetune"]
+    out.write_text(yaml.safe_dump(loaded, sort_keys=False))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["mae", "simmim"], choices=["mae", "simmim"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, help="default: the study's (trainer.yaml max_steps)")
     parser.add_argument("--train-urls", help="default: the study's shards (data.yaml)")
     parser.add_argument("--peers", nargs="+", default=list(ADAPTERS), choices=ADAPTERS)
     parser.add_argument("--out", type=Path, default=Path("runs/peers/quality"))
     parser.add_argument("--study", type=Path, default=Path("runs/study"), help="make study's runs")
+    parser.add_argument("--suite", type=Path, default=STUDY / "eval.yaml", help="less its fine-tuning")
+    parser.add_argument("--results", type=Path, help="append the comparison to this page (RESULTS.md)")
+    parser.add_argument("--no-compare", action="store_true", help="train and export only")
+    parser.add_argument("--ranks", type=int, default=2, help="processes of the comparison (torchrun)")
     args = parser.parse_args(argv)
-    recipe = study_recipe()
-    print(f"settings: {asdict(recipe['settings'])}", flush=True)
-    groups = {}
-    steps, urls = args.steps or recipe["steps"], args.train_urls or recipe["data"]["train_urls"]
-    for module in args.peers:
-        adapter = __import__(module)
-        for seed in args.seeds:
-            out = args.out / f"{adapter.PEER}_{seed}"
-            train(adapter, recipe, seed, steps, urls, out)
-            groups.setdefault(adapter.PEER, []).append(str(out / "encoder.safetensors"))
-    ours = [str(args.study / f"mae_{seed}/checkpoints/last.ckpt") for seed in args.seeds]
-    groups = {"ssl-vit": ours, **groups}
-    names = " ".join(f"{name}={','.join(paths)}" for name, paths in groups.items())
-    print(
-        f"ssl-vit compare {names} --baseline ssl-vit --suite {STUDY.relative_to(ROOT)}/eval.yaml "
-        f"--out {args.out}/compare"
-    )
+    groups: dict[str, list[str]] = {}
+    for method in args.methods:
+        recipe = study_recipe(method)
+        print(f"{method} settings: {asdict(recipe['settings'])}", flush=True)
+        steps, urls = args.steps or recipe["steps"], args.train_urls or recipe["data"]["train_urls"]
+        ours = [args.study / f"{method}_{seed}/checkpoints/last.ckpt" for seed in args.seeds]
+        groups[method] = [str(path) for path in ours]
+        for module in args.peers:
+            adapter = __import__(module)
+            for seed in args.seeds:
+                out = args.out / f"{adapter.PEER}_{method}_{seed}"
+                if not (out / "train.json").exists():  # a rerun keeps the runs done
+                    train(adapter, method, recipe, seed, steps, urls, out)
+                groups.setdefault(f"{adapter.PEER}_{method}", []).append(str(out / "encoder.safetensors"))
+    missing = [path for paths in groups.values() for path in paths if not Path(path).exists()]
+    if args.no_compare or missing:
+        if missing:
+            print(f"not compared: {', '.join(missing)} missing (make study writes ssl-vit's)", flush=True)
+        return 1 if missing and not args.no_compare else 0
+    suite = quick_suite(args.suite, args.out / "suite.yaml")
+    command = [
+        "ssl-vit", "compare", *(f"{name}={','.join(paths)}" for name, paths in groups.items()),
+        "--suite", str(suite), "--claims", str(CLAIMS), "--out", str(args.out / "compare"), "--overwrite",
+    ]  # fmt: skip
+    print(" ".join(command), flush=True)
+    bin_dir = Path(sys.executable).parent  # this environment's torchrun and ssl-vit
+    torchrun = [str(bin_dir / "torchrun"), "--nproc-per-node", str(args.ranks), "--no-python"]
+    subprocess.run([*torchrun, str(bin_dir / "ssl-vit"), *command[1:]], check=True)
+    if args.results:
+        compare = args.out / "compare"
+        with args.results.open("a") as page:
+            page.write(
+                f"""
+## Quality at the study's budget
+
+Written by benchmarks/peers/quality.py (`make peers` runs it after `make study`); measured, not edited
+by hand. Each implementation trained {steps} steps of {recipe["data"]["batch_size"]} Fashion-MNIST images from
+the seeds {args.seeds}, on one `ShardDataModule` stream, then `{" ".join(command)}`. Every value
+is the mean over the seeds with its 95% interval (seeds, few-shot draws and test images resampled);
+a verdict reads the paired interval of ssl-vit's row against each peer's. No fine-tune columns.
+
+{(compare / "results.md").read_text()}
+{(compare / "verdicts.md").read_text()}
+"""
+            )
     return 0
 
 
