@@ -111,9 +111,9 @@ RESOURCE_FIXES = {
     "memory": "lower the batch size (data.init_args.batch_size, a suite's batch_size, bench's "
     "--batch-size) or the number of DataLoader workers, or turn on "
     "--model.init_args.backbone.grad_checkpointing",
-    "space": "free space there, or give a --trainer.default_root_dir / --out on a disk with room",
-    "size": "raise the limit (ulimit -f), or give a --trainer.default_root_dir / --out on a filesystem that "
-    "takes files this large",
+    "space": "free space there, or give a --trainer.default_root_dir / --out / OUTDIR on a disk with room",
+    "size": "raise the limit (ulimit -f), or give a --trainer.default_root_dir / --out / OUTDIR on a "
+    "filesystem that takes files this large",
     "worker": "it is usually the kernel's out-of-memory killer: use fewer data.init_args.num_workers or a "
     "smaller shuffle_buffer, or give the job more memory",
 }

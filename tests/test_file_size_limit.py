@@ -1,5 +1,6 @@
-"""A file size limit (`ulimit -f`, EFBIG) while a command writes is one line, as a full disk is (issue 42:
-18-75-line tracebacks), and nothing half-written is left. Through the CLI."""
+"""A file size limit (`ulimit -f`, EFBIG) while a command writes is one line, as a full disk is (it was an
+18-75-line traceback), and nothing half-written is left. Through the CLI; `data convert`'s case is a row
+of tests/test_hostile_inputs.py."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import webdataset as wds
 import yaml
 from cli_helpers import one_step_fit_args, run_cli
 from PIL import Image
+from test_file_size_limit import LIMITED as FILE_SIZE_LIMIT
 
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 KNN = {"name": "knn", "kind": "knn", "k": 5}
@@ -127,8 +128,8 @@ def png(array: np.ndarray) -> bytes:
 @dataclass(frozen=True)
 class Row:
     """A command on hostile input: `args` writes the input and gives the command line; the command exits
-    `status`, its output holds `says` (the error line itself when `status` is 2) in at most `lines`
-    lines, and `then` checks what it wrote."""
+    `status`, its output holds `says` (the error line itself when `status` is 2 or `says` is one) in at
+    most `lines` lines, and `then` checks what it wrote."""
 
     id: str
     args: Callable[[Inputs], list[str]]
@@ -136,6 +137,8 @@ class Row:
     says: str
     lines: int | None = None
     then: Callable[[Inputs], None] | None = None
+    once: bool = False  # `says` is said exactly once
+    prelude: str = ""  # run in the command's process first (`cli_helpers.start_cli`): a resource limit
 
 
 # --- 1. json members and labels -------------------------------------------------------------------------
@@ -437,7 +440,196 @@ LINK_ROWS = [
         "--model.init_args.backbone.img_size 64 (in ", then=no_run_dir),
 ]  # fmt: skip
 
-ROWS = JSON_ROWS + CLASS_ROWS + SCORE_ROWS + UNUSABLE_ROWS + TYPE_ROWS + MOSAIC_ROWS + LINK_ROWS
+
+# --- 7. damaged members, files and disks: each said in one line, or counted once ----------------------
+
+
+def npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def npy_shard(inputs: Inputs, name: str, arrays: dict[str, bytes]) -> Path:
+    """`name/train-000000.tar` of one `npy` member a sample (`arrays`: key -> bytes), with the manifest of
+    a set written before manifests recorded `channels`."""
+    folder = inputs.root / name
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "train-000000.tar")) as sink:
+        for key, data in arrays.items():
+            sink.write({"__key__": key, "npy": data, "cls": "0"})
+    shards = [{"url": "train-000000.tar", "num_samples": len(arrays)}]
+    (folder / "train.json").write_text(
+        json.dumps({"num_samples": len(arrays), "num_classes": 1, "shards": shards})
+    )
+    return folder / "train-000000.tar"
+
+
+def band_counts(inputs: Inputs) -> list[str]:
+    """Members of 4 bands, then of 13."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        f"s{i}": npy(rng.integers(0, 1000, (8, 8, 4 if i < 2 else 13), dtype=np.uint16)) for i in range(4)
+    }
+    return ["data", "inspect", str(npy_shard(inputs, "bands", arrays)), "--stats"]
+
+
+def manifest_untouched(inputs: Inputs) -> None:
+    assert "band_stats" not in json.loads((inputs.root / "bands" / "train.json").read_text())
+
+
+def damaged_header(inputs: Inputs) -> list[str]:
+    """Its header's length field says 60,000 bytes: numpy refuses it in three lines."""
+    rng = np.random.default_rng(0)
+    good = npy(rng.normal(size=(8, 8, 2)).astype(np.float32))
+    damaged = bytearray(npy(rng.normal(size=(64, 64, 4)).astype(np.float32)))
+    damaged[8:10] = (60_000).to_bytes(2, "little")
+    return [
+        "data",
+        "inspect",
+        str(npy_shard(inputs, "header", {"s0": good, "s1": bytes(damaged), "s2": good})),
+    ]
+
+
+def looped_tiff() -> bytes:
+    """Two pages, the second's next-IFD offset pointing back to the first."""
+    import tifffile
+
+    buf = io.BytesIO()
+    with tifffile.TiffWriter(buf) as tif:
+        for value in (1, 2):
+            tif.write(np.full((8, 8), value, dtype=np.uint16), contiguous=False)
+    data = bytearray(buf.getvalue())
+    with tifffile.TiffFile(io.BytesIO(bytes(data))) as tif:
+        second = tif.pages[1].offset
+    tags = int.from_bytes(data[second : second + 2], "little")
+    data[second + 2 + 12 * tags : second + 6 + 12 * tags] = data[4:8]  # the first IFD's offset
+    return bytes(data)
+
+
+def tiffs_with_a_loop(inputs: Inputs) -> list[str]:
+    import tifffile
+
+    folder = inputs.root / "tifs" / "a"
+    folder.mkdir(parents=True)
+    tifffile.imwrite(folder / "0.tif", np.full((8, 8), 3, dtype=np.uint16))
+    (folder / "1.tif").write_bytes(looped_tiff())
+    return ["data", "convert", f"tiff:{inputs.root / 'tifs'}", str(inputs.root / "out"), "--no-progress"]
+
+
+def one_written_one_skipped(inputs: Inputs) -> None:
+    manifest = json.loads((inputs.root / "out" / "train.json").read_text())
+    assert manifest["num_samples"] == 1 and manifest["skipped"] == 1
+
+
+def tiff_member_with_a_loop(inputs: Inputs) -> list[str]:
+    shard = inputs.root / "loop-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        sink.write({"__key__": "looped", "tif": looped_tiff(), "cls": "0"})
+    return ["data", "inspect", str(shard)]
+
+
+PARQUET_ROWS = 200  # a row group
+
+
+def damaged_row_group(inputs: Inputs) -> list[str]:
+    """Two row groups of 200 PNGs in a Hub-style snapshot, the data page of the second's overwritten."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    images = [png(rng.integers(0, 256, (8, 8), dtype=np.uint8)) for _ in range(2 * PARQUET_ROWS)]
+    path = inputs.root / "snap" / "data" / "train-00000-of-00001.parquet"
+    path.parent.mkdir(parents=True)
+    table = pa.table({"image": images, "label": [i % 2 for i in range(len(images))]})
+    pq.write_table(table, path, row_group_size=PARQUET_ROWS, use_dictionary=False)
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    raw = bytearray(path.read_bytes())
+    raw[column.data_page_offset : column.data_page_offset + 16] = b"\xff" * 16
+    path.write_bytes(bytes(raw))
+    (inputs.root / "images.json").write_text(json.dumps([image.hex() for image in images[:PARQUET_ROWS]]))
+    return ["data", "convert", f"hf:{inputs.root / 'snap'}", str(inputs.root / "out"), "--image-column",
+            "image", "--label-column", "label", "--no-progress"]  # fmt: skip
+
+
+def first_row_group_written(inputs: Inputs) -> None:
+    manifest = json.loads((inputs.root / "out" / "train.json").read_text())
+    assert manifest["num_samples"] == PARQUET_ROWS and manifest["skipped"] == PARQUET_ROWS
+    urls = [str(inputs.root / "out" / s["url"]) for s in manifest["shards"]]
+    written = [s["png"].hex() for s in wds.WebDataset(urls, shardshuffle=False)]
+    assert written == json.loads((inputs.root / "images.json").read_text())  # in order, bytes as stored
+
+
+def constant_band(inputs: Inputs) -> list[str]:
+    """`compare` of two checkpoints on bands whose middle one is constant, normalised by band_stats."""
+    import tifffile
+
+    rng = np.random.default_rng(0)
+    folder = inputs.root / "bands"
+    for split, n in (("train", 8), ("test", 4)):
+        for label in range(2):
+            (inputs.root / split / str(label)).mkdir(parents=True)
+            for i in range(n):
+                image = rng.integers(0, 1000, (32, 32, 3), dtype=np.uint16)
+                image[..., 1] = 7
+                tifffile.imwrite(
+                    inputs.root / split / str(label) / f"{i}.tif", image, photometric="minisblack"
+                )
+        run_cli(
+            "data", "convert", f"tiff:{inputs.root / split}", str(folder), "--split", split, "--no-progress"
+        )
+    suite = inputs.suite("constant", folder, [KNN], data_channels=3, data_mean="auto", data_std="auto")
+    return ["compare", "a=scratch", "b=scratch", "--suite", str(suite), "--out", str(inputs.root / "out")]
+
+
+def convert_digits(inputs: Inputs) -> list[str]:
+    """The digits' 4 validation shards into shards of 20 (61-71 KB each, in the digits' order)."""
+    source = f"wds:{inputs.digits}/val-{{000000..000003}}.tar"
+    return ["data", "convert", source, str(inputs.root / "out"), "--shard-size", "20", "--no-progress"]
+
+
+def resumes_where_the_limit_stopped(inputs: Inputs) -> None:
+    """No manifest; the progress record names exactly the finished shards, which the same command
+    continues from without the limit."""
+    out = inputs.root / "out"
+    assert not (out / "train.json").exists()
+    record = json.loads((out / ".train.partial" / "progress.json").read_text())
+    finished = {s["url"]: s["bytes"] for s in record["shards"]}
+    assert finished and {p.name: p.stat().st_size for p in (out / ".train.partial").glob("*.tar")} == finished
+    proc = run_cli(*convert_digits(inputs))
+    assert f"continuing the interrupted conversion after its {len(finished)} finished shards" in proc.stderr
+    expected = json.loads((inputs.digits / "val.json").read_text())["num_samples"]
+    assert json.loads((out / "train.json").read_text())["num_samples"] == expected
+
+
+TOO_LARGE = (
+    "ssl-vit: error: file too large (File too large: the file size limit): raise the limit (ulimit -f)"
+)
+DAMAGED_ROWS = [
+    Row("bands-mixed-inspect-stats", band_counts, 2,
+        "train-000000.tar: sample s2 has 13 bands where the images before it have 4: band_stats are of one "
+        "band count", then=manifest_untouched),
+    Row("npy-header-damaged-inspect", damaged_header, 1,
+        "s1: npy header does not parse (ValueError: Header info length (60000) is large and may not be safe "
+        "to load securely.)", lines=5),
+    Row("tiff-ifd-loop-convert", tiffs_with_a_loop, 0,
+        "1.tif: is a damaged TIFF (tifffile: invalid circular reference to IFD 1 at offset=", lines=3,
+        once=True, then=one_written_one_skipped),
+    Row("tiff-ifd-loop-inspect", tiff_member_with_a_loop, 1,
+        "looped: tif is a damaged TIFF (tifffile: invalid circular reference to IFD 1", lines=5, once=True),
+    Row("parquet-row-group-damaged-convert", damaged_row_group, 0,
+        f"data/train-00000-of-00001.parquet row group 1 ({PARQUET_ROWS} rows): ", lines=3, once=True,
+        then=first_row_group_written),
+    Row("constant-band-compare", constant_band, 0,
+        "band(s) 1 are constant over the manifest's band_stats (std 0): normalised with std 1", once=True),
+    Row("file-size-limit-convert", convert_digits, 1,
+        f"{TOO_LARGE}, or give a --trainer.default_root_dir / --out / OUTDIR on a filesystem",
+        lines=2, prelude=FILE_SIZE_LIMIT, then=resumes_where_the_limit_stopped),
+]  # fmt: skip
+
+ROWS = (
+    JSON_ROWS + CLASS_ROWS + SCORE_ROWS + UNUSABLE_ROWS + TYPE_ROWS + MOSAIC_ROWS + LINK_ROWS + DAMAGED_ROWS
+)
 
 
 @pytest.fixture(scope="module")
@@ -450,16 +642,18 @@ def test_hostile_input(row: Row, root: Path, digits_shards: Path):
     folder = root / row.id
     folder.mkdir()
     inputs = Inputs(folder, digits_shards)
-    proc = run_cli(*row.args(inputs), cwd=folder, check=False)
+    proc = run_cli(*row.args(inputs), cwd=folder, check=False, prelude=row.prelude)
     output = proc.stdout + proc.stderr
     assert "Traceback" not in output and proc.returncode == row.status, output[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ssl-vit: error:")]
-    if row.status == 2:
+    if row.status == 2 or row.says.startswith("ssl-vit: error:"):
         assert errors == [proc.stderr.splitlines()[-1]] and row.says in errors[0], output[-3000:]
     else:
         assert not errors and row.says in output, output[-3000:]
     if row.lines is not None:
         assert output.count("\n") <= row.lines, output[-3000:]
+    if row.once:
+        assert output.count(row.says) == 1, output[-3000:]
     assert not (folder / "pwned").exists()
     if row.then is not None:
         row.then(inputs)

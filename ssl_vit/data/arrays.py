@@ -21,11 +21,16 @@ is one band.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
+
+from ssl_vit.errors import first_line
 
 ARRAY_DTYPES = ("uint8", "uint16", "int16", "float32")
 ARRAY_MEMBERS = ("npy", "tif", "tiff")  # members that are always arrays (a PNG is one when 16-bit)
@@ -59,7 +64,7 @@ class ArrayMember:
         try:
             array = self._read()
         except Exception as err:
-            raise BadArray(f"does not decode ({type(err).__name__}: {err})") from None
+            raise BadArray(f"does not decode ({first_line(err)})") from None
         if array.shape != (self.height, self.width, self.bands):
             raise BadArray(f"decodes to shape {array.shape}, its header says {self.shape_text()}")
         if array.dtype.kind == "f" and not np.isfinite(array).all():
@@ -141,7 +146,7 @@ def open_npy(data: bytes, channels: int | None = None) -> ArrayMember:
     except BadArray:
         raise
     except Exception as err:
-        raise BadArray(f"header does not parse ({type(err).__name__}: {err})") from None
+        raise BadArray(f"header does not parse ({first_line(err)})") from None
     if len(shape) not in (2, 3) or any(not isinstance(d, int) or d < 0 for d in shape):
         raise BadArray(f"shape {shape}: an image is (H, W), (H, W, C) or (C, H, W)")
     axis = None if len(shape) == 2 else band_axis(shape, channels)[0]
@@ -168,11 +173,14 @@ def open_tiff(data: bytes, channels: int | None = None, told: str | None = None)
     import tifffile  # imported here: `ssl-vit --help` imports this module's importers
 
     try:
-        tif = tifffile.TiffFile(io.BytesIO(data))
-        series = tif.series[0]
-        shape, axes, dtype = tuple(series.shape), series.axes, np.dtype(series.dtype)
+        with _tifffile_complaints():
+            tif = tifffile.TiffFile(io.BytesIO(data))
+            series = tif.series[0]
+            shape, axes, dtype = tuple(series.shape), series.axes, np.dtype(series.dtype)
+    except BadArray:
+        raise
     except Exception as err:
-        raise BadArray(f"does not parse as TIFF ({type(err).__name__}: {err})") from None
+        raise BadArray(f"does not parse as TIFF ({first_line(err)})") from None
     if len(shape) not in (2, 3):
         raise BadArray(f"TIFF series of shape {shape} (axes {axes}): an image is 2-D or 3-D")
     if len(shape) == 2:
@@ -190,7 +198,40 @@ def open_tiff(data: bytes, channels: int | None = None, told: str | None = None)
                 f"TIFF of shape {shape} (axes {axes}) does not say which axis holds its bands: convert it "
                 "with `ssl-vit data convert tiff:DIR --band-axis first` (or `last`)"
             )
-    return _member(shape, dtype, axis, series.asarray)
+    return _member(shape, dtype, axis, _tifffile_complaints()(series.asarray))
+
+
+class _Kept(logging.Handler):
+    """Keeps the records logged to it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _tifffile_complaints():
+    """tifffile logs what it works around in a damaged file (an IFD chain that loops back, a tag of the
+    wrong size) and goes on: its records are kept from the terminal while the block (or the function it
+    decorates) parses or reads a TIFF, and the first one becomes the file's BadArray, one line, so that
+    the file is skipped and counted as any bad sample is."""
+    logger, kept = logging.getLogger("tifffile"), _Kept()
+    logger.addHandler(kept)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(kept)
+        logger.propagate = propagate
+    if kept.records:
+        said = " ".join(kept.records[0].getMessage().split())
+        raise BadArray(f"is a damaged TIFF (tifffile: {_OBJECT.sub('', said)})")
+
+
+_OBJECT = re.compile(r"^<[^>]*> ")  # tifffile's messages start with the repr of the object they are of
 
 
 def png_bit_depth(data: bytes) -> int | None:

@@ -169,9 +169,15 @@ def _auto(name: str, channels: int, manifest: dict | None, urls: str) -> tuple[f
             f"data.init_args.channels is {channels}: set channels to {len(values)}, the shards' band count"
         )
     if name == "std" and 0 in values:
-        log.warning(
-            "band(s) %s are constant over the manifest's band_stats (std 0): normalised with std 1",
-            ", ".join(str(i) for i, v in enumerate(values) if v == 0),
-        )
+        constant = ", ".join(str(i) for i, v in enumerate(values) if v == 0)
+        if constant not in _CONSTANT_SAID:  # evaluate and compare build a data module per checkpoint
+            log.warning(
+                "band(s) %s are constant over the manifest's band_stats (std 0): normalised with std 1",
+                constant,
+            )
+        _CONSTANT_SAID.add(constant)
         values = [v or 1.0 for v in values]
     return tuple(values)
+
+
+_CONSTANT_SAID: set[str] = set()  # the constant bands this command has said

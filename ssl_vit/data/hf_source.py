@@ -21,9 +21,10 @@ Every file's footer (schema, row groups, row counts) is read before anything is 
 file, a missing column or one of the wrong type is a one-line error naming the file. The rows are then
 read one row group at a time (pyarrow's `ParquetFile.read_row_group`, only the two columns), never a
 whole file. A row without image bytes (null, or only a `path` to a file outside the parquet), a label
-below -1 or outside the ClassLabel's names, and every row of a row group that cannot be read are
-`Broken` records, skipped and counted by the writer; an image that does not decode is skipped there
-too. A null label or -1 is unlabelled. The sample count is known from the footers (progress, resume).
+below -1 or outside the ClassLabel's names, and every row of a row group that cannot be read are `Broken`
+records, skipped and counted by the writer (a row group's in one line); an image that does not decode is
+skipped there too. A null label or -1 is unlabelled. The sample count is known from the footers
+(progress, resume).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ssl_vit.data.wds_source import Broken, ShardImage
-from ssl_vit.errors import UserError, shown
+from ssl_vit.errors import UserError, first_line, shown
 
 log = logging.getLogger("ssl_vit.data")
 LAYOUTS = (
@@ -88,7 +89,7 @@ class ParquetRecords:
             try:
                 reader = pq.ParquetFile(file.path)
             except READ_ERRORS as err:
-                yield from _broken_rows(f"{file.name}: {_why(err)}", sum(file.row_groups))
+                yield from _broken_rows(file.name, sum(file.row_groups), err)
                 continue
             with reader:
                 metadata = reader.metadata
@@ -103,7 +104,7 @@ class ParquetRecords:
                     try:
                         table = reader.read_row_group(group, columns=columns)
                     except READ_ERRORS as err:
-                        yield from _broken_rows(f"{file.name} row group {group}: {_why(err)}", rows)
+                        yield from _broken_rows(f"{file.name} row group {group}", rows, err)
                     else:
                         yield from self._rows(table, file.name, row)
                     row += rows
@@ -134,14 +135,12 @@ class ParquetRecords:
         return None
 
 
-def _broken_rows(reason: str, rows: int) -> Iterator[tuple[Broken, int]]:
+def _broken_rows(where: str, rows: int, err: BaseException) -> Iterator[tuple[Broken, int]]:
+    """A Broken record for each of the `rows` rows of `where`, which could not be read: one reason for
+    all of them, which the writer says once."""
+    broken = Broken(f"{where} ({rows} row{'s' * (rows != 1)}): {first_line(err)}")
     for _ in range(rows):
-        yield Broken(reason), -1
-
-
-def _why(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+        yield broken, -1
 
 
 def load(
@@ -222,7 +221,8 @@ def _card_configs(root: Path, what: str) -> tuple[dict[str, dict[str, list[Path]
         metadata = metadata_load(card) or {}
     except Exception as err:  # yaml's errors, a front matter that is not a mapping, undecodable text
         raise UserError(
-            f"{what}: the front matter of {card} does not parse ({_why(err)}): fix it or download it again"
+            f"{what}: the front matter of {card} does not parse ({first_line(err)}): fix it or download it "
+            "again"
         ) from None
     entries = metadata.get("configs")
     if entries is None:
@@ -340,7 +340,7 @@ def _footer(path: Path, root: Path) -> ParquetFile:
             schema = reader.schema_arrow
     except READ_ERRORS as err:
         raise UserError(
-            f"{path}: not a readable parquet file ({_why(err)}): download it again (`{DOWNLOAD}`)"
+            f"{path}: not a readable parquet file ({first_line(err)}): download it again (`{DOWNLOAD}`)"
         ) from None
     return ParquetFile(path, path.relative_to(root).as_posix(), schema, groups)
 
@@ -358,7 +358,7 @@ def _features(file: ParquetFile) -> dict[str, dict]:
     except (ValueError, KeyError, TypeError, IndexError, RecursionError) as err:
         log.warning(
             "%s: its schema metadata 'huggingface' holds no `datasets` features (%s): they are not used",
-            file.path, _why(err),
+            file.path, first_line(err),
         )  # fmt: skip
         return {}
     return {column: feature for column, feature in features.items() if isinstance(feature, dict)}

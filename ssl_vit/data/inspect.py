@@ -95,7 +95,7 @@ def inspect_shard(
             report.bad.append(f"{sample_['__key__']}: {err}")
             continue
         if sample is not None and report.samples % sample.every == 0 and report.stats_images() < sample.quota:
-            report.stats = merged([report.stats, BandStats.of(array)])
+            report.stats = _merged(report.stats, BandStats.of(array), f"{url}: sample {sample_['__key__']}")
             report.dtypes.add(layout(opened.image, bands)[1])
         report.samples += 1
         report.classes[label] += 1
@@ -181,7 +181,9 @@ def add_band_stats(reports: list[ShardReport]) -> list[str]:
         if r.stats is not None:
             groups.setdefault(manifest_url(r.url), []).append(r)
     for url, group in groups.items():
-        stats = merged(r.stats for r in group)
+        stats = None
+        for r in group:
+            stats = _merged(stats, r.stats, f"shard {r.url}")
         dtypes = set().union(*(r.dtypes for r in group))
         if len(dtypes) > 1:
             lines.append(
@@ -205,6 +207,19 @@ def add_band_stats(reports: list[ShardReport]) -> list[str]:
             f"{url}: band_stats added, over {stats.images} images ({stats.channels} bands of {dtype})"
         )
     return lines
+
+
+def _merged(stats: BandStats | None, more: BandStats, what: str) -> BandStats:
+    """`stats` and `more` merged (a grey image beside colour ones stands for its bands, as training reads
+    it); one line naming `what` (`more`'s images) when their band counts differ otherwise."""
+    try:
+        return merged([stats, more])
+    except ValueError:
+        raise UserError(
+            f"--stats: {what} has {more.channels} bands where the images before it have {stats.channels}: "
+            "band_stats are of one band count: convert the set with one (`ssl-vit data convert`), or add "
+            "the manifest's `channels`, which reads the images of another count as bad samples"
+        ) from None
 
 
 def _rewrite(path: Path, manifest: dict, images: int) -> None:

@@ -36,7 +36,7 @@ from ssl_vit.data.manifest import manifest_url
 from ssl_vit.data.masks import IGNORE_INDEX
 from ssl_vit.data.urls import expand
 from ssl_vit.data.wds_source import Broken, ShardImage
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 BACKGROUND = "background"
@@ -66,7 +66,7 @@ class Tiles:
                 img = Image.open(io.BytesIO(tile.data))
                 img.load()
             except Exception as err:
-                raise ValueError(f"tile {tile.where} does not decode ({type(err).__name__}: {err})") from None
+                raise ValueError(f"tile {tile.where} does not decode ({first_line(err)})") from None
             images.append(img)
         mode = "L" if all(img.mode == "L" for img in images) else "RGB"
         width, height = images[0].size

@@ -30,7 +30,7 @@ from ssl_vit.data.masks import (
     size_mismatch,
 )
 from ssl_vit.data.tar_reader import IMAGE_MEMBERS
-from ssl_vit.errors import NoUsableData, UserError, shown
+from ssl_vit.errors import NoUsableData, UserError, first_line, shown
 
 log = logging.getLogger("ssl_vit.data")
 MAX_SKIPS_IN_A_ROW = 1000
@@ -137,7 +137,7 @@ def read_mask(
     except MaskSizeError as err:
         raise BadSample(f"{MASK_MEMBER} {err}") from None
     except Exception as err:
-        raise BadSample(f"{MASK_MEMBER} does not decode ({type(err).__name__}: {err})") from None
+        raise BadSample(f"{MASK_MEMBER} does not decode ({first_line(err)})") from None
     if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
         raise BadSample(f"{MASK_MEMBER} {beyond_message(beyond, num_classes)}")
     return mask
@@ -224,7 +224,7 @@ def open_image(sample: dict, bands: Bands = RGB, max_pixels: int | None = MAX_IM
     except BadArray as err:
         raise BadSample(f"{ext} {err}") from None
     except Exception as err:
-        raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
+        raise BadSample(f"{ext} does not decode ({first_line(err)})") from None
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise BadSample(
@@ -295,7 +295,7 @@ def transform_image(
     except BadArray as err:
         raise BadSample(f"{ext} {err}") from None
     except Exception as err:
-        raise BadSample(f"{ext} does not decode ({type(err).__name__}: {err})") from None
+        raise BadSample(f"{ext} does not decode ({first_line(err)})") from None
 
 
 def _transform_array(array: np.ndarray, array_transform, mask: np.ndarray | None, refusal: str):
@@ -322,7 +322,7 @@ def pixels(opened: Opened, bands: Bands = RGB) -> np.ndarray:
     except BadArray as err:
         raise BadSample(f"{opened.ext} {err}") from None
     except Exception as err:
-        raise BadSample(f"{opened.ext} does not decode ({type(err).__name__}: {err})") from None
+        raise BadSample(f"{opened.ext} does not decode ({first_line(err)})") from None
     if array.dtype.kind == "f" and not np.isfinite(array).all():  # would poison statistics and losses
         raise BadSample(f"{opened.ext} holds NaN or infinite values")
     return array

@@ -432,6 +432,7 @@ def _write_shards(
     pool = multiprocessing.get_context("fork").Pool(workers, _worker_start) if workers > 1 else None
     encoded = pool.imap(encode_star, jobs, chunksize=16) if pool else map(encode_star, jobs)
     shard, skipped = None, 0  # skipped: unreadable records since the last shard closed
+    said = None  # the last reason a skipped record gave
     try:
         with progress.count(f"writing {split}", source.total, consumed, enabled=show) as shown:
             for data, size, label, key, mask, stats in encoded:
@@ -439,7 +440,9 @@ def _write_shards(
                 shown.advance()
                 if data is None:
                     skipped += 1
-                    log.warning("skipping unreadable image %s", size)
+                    if size != said:  # the rows of an unreadable parquet row group share theirs: said once
+                        log.warning("skipping unreadable image %s", size)
+                    said = size
                     continue
                 if shard is None:
                     shard = _Shard(partial, f"{split}-{len(shards):06d}.tar")

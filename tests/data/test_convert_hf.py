@@ -191,23 +191,6 @@ def test_the_readmes_configs_choose_the_files_and_subset_picks_one(cli, tmp_path
     assert not (tmp_path / "x").exists()
 
 
-def test_a_row_group_that_cannot_be_read_is_skipped_row_by_row(cli, tmp_path):
-    """The footer reads, but a row group's image pages do not (their page header is garbage): its rows
-    are skipped and counted, each naming the file and row group; the other row groups are written."""
-    rng = np.random.default_rng(6)
-    path = tmp_path / "snap/data/train-00000-of-00001.parquet"
-    pngs = [encoded(rng, 8) for _ in range(9)]
-    write_datasets(path, pngs, [0, 1, 2] * 3, row_group=3)
-    column = pq.ParquetFile(path).metadata.row_group(1).column(0)  # the image bytes of rows 3-5
-    raw = bytearray(path.read_bytes())
-    raw[column.data_page_offset : column.data_page_offset + 16] = b"\xff" * 16
-    path.write_bytes(bytes(raw))
-    proc = convert(cli, f"hf:{tmp_path / 'snap'}", tmp_path / "out")
-    assert [s["png"] for s in samples(tmp_path / "out")] == pngs[:3] + pngs[6:]
-    assert json.loads((tmp_path / "out/train.json").read_text())["skipped"] == 3
-    assert proc.stderr.count("data/train-00000-of-00001.parquet row group 1: ") == 3
-
-
 def test_a_file_that_changes_during_a_conversion_stops_it(tmp_path):
     """The records were counted from the footers (what a resumed conversion skips): a file whose row
     groups differ when it is read is a one-line error, not records shifted against that count."""
