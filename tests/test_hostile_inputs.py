@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -602,6 +603,25 @@ def resumes_where_the_limit_stopped(inputs: Inputs) -> None:
     assert json.loads((out / "train.json").read_text())["num_samples"] == expected
 
 
+def wds_without_class_names(inputs: Inputs) -> list[str]:
+    """The digits' validation shards beside a manifest without the optional `class_names`, converted."""
+    folder = inputs.root / "no-names"
+    folder.mkdir()
+    for shard in inputs.digits.glob("val-*.tar"):
+        shutil.copy(shard, folder / shard.name)
+    manifest = json.loads((inputs.digits / "val.json").read_text())
+    del manifest["class_names"]
+    (folder / "val.json").write_text(json.dumps(manifest))
+    return ["data", "convert", f"wds:{folder}/val-{{000000..000003}}.tar", str(inputs.root / "no-names-out"),
+            "--no-progress"]  # fmt: skip
+
+
+def converted_with_the_labels(inputs: Inputs) -> None:
+    written = json.loads((inputs.root / "no-names-out" / "train.json").read_text())
+    expected = json.loads((inputs.digits / "val.json").read_text())
+    assert written["num_samples"] == expected["num_samples"] and written["num_classes"] == 10
+
+
 TOO_LARGE = (
     "ssl-vit: error: file too large (File too large: the file size limit): raise the limit (ulimit -f)"
 )
@@ -625,6 +645,8 @@ DAMAGED_ROWS = [
     Row("file-size-limit-convert", convert_digits, 1,
         f"{TOO_LARGE}, or give a --trainer.default_root_dir / --out / OUTDIR on a filesystem",
         lines=2, prelude=FILE_SIZE_LIMIT, then=resumes_where_the_limit_stopped),
+    Row("wds-manifest-without-class-names-convert", wds_without_class_names, 0, "", lines=3,
+        then=converted_with_the_labels),
 ]  # fmt: skip
 
 ROWS = (

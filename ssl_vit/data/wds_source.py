@@ -121,5 +121,5 @@ def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None
     labelled = None
     if total is not None and total == manifest["num_samples"]:  # the whole split: its class counts
         labelled = sum(n for label, n in manifest.get("class_counts", {}).items() if int(label) >= 0)
-    names = manifest["class_names"] or None
+    names = manifest.get("class_names") or None  # optional: labels without names
     return names, ShardRecords(urls, total, len(names) if names else None, labelled)
