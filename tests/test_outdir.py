@@ -400,13 +400,21 @@ SIGNAL_ROWS = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def first_result(tiny_suites, tmp_path_factory) -> Path:
+    """An earlier `evaluate` result (the first suite's), computed once and copied for each row."""
+    out = tmp_path_factory.mktemp("first") / "out"
+    run_cli(*job("evaluate", "first", out, tiny_suites[0]))
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fallback, at, sig, now, after", SIGNAL_ROWS)
 def test_a_signal_at_any_point_of_the_commit_leaves_the_old_or_the_new_result(
-    fallback, at, sig, now, after, tiny_suites, tmp_path
+    fallback, at, sig, now, after, tiny_suites, first_result, tmp_path
 ):
     out = tmp_path / "out"
-    run_cli(*job("evaluate", "first", out, tiny_suites[0]))
+    shutil.copytree(first_result, out)
     prelude = SIGNAL_IN_COMMIT.format(at=at, sig=f"_signal.{sig}", fallback=fallback)
     proc = run_cli(*job("evaluate", "second", out, tiny_suites[1]), "--overwrite", check=False,
                    prelude="import signal as _signal\n" + prelude)  # fmt: skip
