@@ -93,3 +93,39 @@ def test_a_checkpoint_the_peer_saved_loads_as_its_backbone(tmp_path, saved_by):
     )
     assert info.returncode == 0, info.stderr
     assert "MAE (its ViT read by" in info.stdout and "Ti/16" in info.stdout, info.stdout
+
+
+def test_quality_trains_each_peer_on_the_study_recipe_and_exports_a_loadable_encoder(tmp_path):
+    """quality.py's training and export, 2 steps of each peer's MAE and SimMIM on shards written here;
+    its comparison runs `ssl-vit compare` on the study's suite less fine-tuning (`quick_suite`)."""
+    import json
+
+    import numpy as np
+    import quality
+    import yaml
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    rng = np.random.default_rng(0)
+    for label in range(2):
+        (folder / str(label)).mkdir(parents=True)
+        for i in range(40):
+            image = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+            Image.fromarray(image).save(folder / str(label) / f"{i}.png")
+    shards = tmp_path / "shards"
+    convert = [sys.executable, "-m", "ssl_vit", "data", "convert", f"imagefolder:{folder}", str(shards)]
+    assert subprocess.run([*convert, "--no-progress"], capture_output=True, timeout=300).returncode == 0
+    out = tmp_path / "quality"
+    train = ["--seeds", "0", "--steps", "2", "--train-urls", str(shards / "train-000000.tar"), "--no-compare"]
+    assert quality.main([*train, "--out", str(out)]) == 0
+    for peer in ADAPTERS:
+        for method in ("mae", "simmim"):
+            run = out / f"{peer}_{method}_0"
+            assert json.loads((run / "train.json").read_text())["steps"] == 2
+            recipe = quality.study_recipe(method)["settings"]
+            vit, _ = load_backbone(str(run / "encoder.safetensors"), recipe.config())
+            assert vit.embed_dim == 96 and len(vit.blocks) == 6
+    written = quality.quick_suite(quality.STUDY / "eval.yaml", tmp_path / "suite.yaml")
+    suite = yaml.safe_load(written.read_text())
+    kinds = {p["kind"] for p in suite["protocols"]}
+    assert "finetune" not in kinds and {"fewshot", "knn", "linear_probe", "attentive_probe"} <= kinds
