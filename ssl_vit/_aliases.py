@@ -1,7 +1,12 @@
 """Where modules lived before the package took its present layout, so that what names them by their old
 paths keeps working: run configs (`config.yaml` of a run names `ssl_vit.tasks.checkpointing.
 SafeCheckpointIO`), users' recipes and scripts. One table, and a finder that answers an old name with the
-module now at the new one (the same module object, not a copy)."""
+module now at the new one (the same module object, not a copy). A grep for an old path lands here.
+
+Importing an old path warns (`DeprecationWarning`, naming the new path), attributed to the line that
+imported it: Python's default filters show it where that line is a script's (`__main__`), not where
+a library imports it for a config or a checkpoint. A module that was split answers at its old path with
+the part that kept its main names; a name that left it is found only at its new home."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 MOVED = {
     "ssl_vit.tasks.checkpointing": "ssl_vit.run.checkpointing",
@@ -18,7 +24,7 @@ MOVED = {
     "ssl_vit.tasks.health": "ssl_vit.run.health",
     "ssl_vit.tasks.resume": "ssl_vit.run.resume",
     "ssl_vit.tasks.spikes": "ssl_vit.run.spikes",
-    "ssl_vit.run_lock": "ssl_vit.lock",
+    "ssl_vit.run_lock": "ssl_vit.storage.lock",
     "ssl_vit.evaluation.report": "ssl_vit.report.writer",
     "ssl_vit.evaluation.tables": "ssl_vit.report.tables",
     "ssl_vit.evaluation.plots": "ssl_vit.report.plots",
@@ -42,6 +48,10 @@ MOVED = {
     "ssl_vit.data.imagenet": "ssl_vit.data.sources.imagenet",
     "ssl_vit.data.eurosat": "ssl_vit.data.sources.eurosat",
     "ssl_vit.data.arrays_source": "ssl_vit.data.sources.tiff",
+    "ssl_vit.atomic": "ssl_vit.storage.atomic",
+    "ssl_vit.lock": "ssl_vit.storage.lock",
+    "ssl_vit.outdir": "ssl_vit.storage.outdir",
+    "ssl_vit.data.remote": "ssl_vit.storage.remote",
 }
 
 
@@ -57,7 +67,10 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None  # the default module, replaced in exec_module
 
     def exec_module(self, module) -> None:
-        sys.modules[module.__name__] = importlib.import_module(MOVED[module.__name__])
+        old, new = module.__name__, MOVED[module.__name__]
+        # stacklevel 2: the warnings module passes over the import system's frames to the importing line
+        warnings.warn(f"{old} moved to {new}: import {new}", DeprecationWarning, stacklevel=2)
+        sys.modules[old] = importlib.import_module(new)
 
 
 def install() -> None:

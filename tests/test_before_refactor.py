@@ -67,3 +67,20 @@ def test_every_old_module_path_is_the_new_module(old):
     assert module is importlib.import_module(MOVED[old])
     public = [name for name in vars(module) if not name.startswith("_")]
     exec(f"from {old} import {public[0]}", {})
+
+
+@pytest.mark.parametrize("old", ["ssl_vit.outdir", "ssl_vit.lock", "ssl_vit.data.remote", "ssl_vit.run_lock"])
+def test_an_old_path_imported_from_code_warns_naming_the_new_one(old, monkeypatch):
+    """Code that imports a module by its old path is told where it went (a `DeprecationWarning` naming
+    the new path, attributed to the importing line), and still gets the module."""
+    import importlib
+    import sys
+
+    from ssl_vit._aliases import MOVED
+
+    monkeypatch.delitem(sys.modules, old, raising=False)  # imported once already: no second import
+    script: dict = {}
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}: import {MOVED[old]}") as seen:
+        exec(compile(f"import {old} as module", "script.py", "exec"), script)
+    assert script["module"] is importlib.import_module(MOVED[old])
+    assert [(w.filename, w.lineno) for w in seen if w.category is DeprecationWarning] == [("script.py", 1)]

@@ -400,7 +400,7 @@ def test_a_signal_during_a_trained_protocol_of_evaluate_is_one_line_and_nothing_
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750)])
 def test_out_directories_get_the_permissions_the_umask_gives(umask, mode, tmp_path):
-    from ssl_vit.outdir import Output
+    from ssl_vit.storage.outdir import Output
 
     previous = os.umask(umask)
     try:

@@ -1,7 +1,7 @@
 """The rules of every command that writes an output for the user (`evaluate`, `compare`, `analyze`,
-`export`, `data convert`; `ssl_vit.outdir`), through the CLI: an output that is, holds or lies inside an
-input is refused in one line, with --overwrite too, and nothing is written or deleted; a second job on
-the same output is refused while the first holds it; a commit never replaces another job's result; the
+`export`, `data convert`; `ssl_vit.storage.outdir`), through the CLI: an output that is, holds or lies
+inside an input is refused in one line, with --overwrite too, and nothing is written or deleted; a second
+job on the same output is refused while the first holds it; a commit never replaces another job's result; the
 numbers are committed before the pictures and the W&B run, whose failures cost only themselves."""
 
 import hashlib
@@ -18,8 +18,8 @@ from cli_helpers import one_step_fit_args, run_cli, start_cli
 from PIL import Image
 from test_errors import error_line
 
-from ssl_vit import outdir
-from ssl_vit.lock import HOST
+from ssl_vit.storage import outdir
+from ssl_vit.storage.lock import HOST
 
 ROOT = Path(__file__).resolve().parents[1]
 # The quickstart MPP recipe's backbone, which the run below trains.
@@ -162,7 +162,7 @@ def hold_before_commit(release: Path) -> str:
     return f"""
 import time as _time
 from pathlib import Path as _Path
-from ssl_vit import outdir as _outdir
+from ssl_vit.storage import outdir as _outdir
 _staged = _outdir.Output.staged
 def _held(self):
     _Path({str(release) + ".reached"!r}).touch()
@@ -177,7 +177,7 @@ _outdir.Output.staged = _held
 # job of a version that took none. Only the commit's own rule is left between them.
 NO_LOCK = """
 import contextlib as _contextlib
-from ssl_vit import outdir as _outdir
+from ssl_vit.storage import outdir as _outdir
 _outdir.out_lock = lambda *args, **kwargs: _contextlib.nullcontext()
 """
 
@@ -360,7 +360,7 @@ def test_overwrite_refuses_a_directory_ssl_vit_did_not_write_and_deletes_nothing
 SIGNAL_IN_COMMIT = """
 import os as _os, shutil as _shutil
 from pathlib import Path as _Path
-from ssl_vit import outdir as _outdir
+from ssl_vit.storage import outdir as _outdir
 _state = {{"active": False, "n": 0}}
 def _point():
     if _state["active"]:

@@ -20,11 +20,11 @@ from cli_helpers import one_step_fit_args, run_cli, start_cli
 from test_errors import error_line, listing
 from test_run_dir_safety import stamps
 
-from ssl_vit import lock as run_lock
 from ssl_vit.checkpoints import integrity
 from ssl_vit.errors import UserError
-from ssl_vit.lock import HOST, LOCK_NAME, RunLock, job_leader
 from ssl_vit.run import record
+from ssl_vit.storage import lock as run_lock
+from ssl_vit.storage.lock import HOST, LOCK_NAME, RunLock, job_leader
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).parent
@@ -33,7 +33,7 @@ ENV = {"PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
 # Holds RUN/fit.lock in a process of its own until its stdin closes; prints "held" once it does.
 HOLDER = """
 import sys
-from ssl_vit.lock import RunLock
+from ssl_vit.storage.lock import RunLock
 with RunLock(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()

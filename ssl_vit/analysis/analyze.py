@@ -17,7 +17,7 @@ filter components are computed over all bands and drawn in those three (`embeddi
 
 Everything is computed first; analysis.json is written into a temporary directory next to OUT and
 renamed into place, then the pictures are drawn into it, each of which may fail without costing the
-numbers (one warning line, and a note in analysis.json: `ssl_vit.outdir`).
+numbers (one warning line, and a note in analysis.json: `ssl_vit.storage.outdir`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ssl_vit.data.urls import shard_directories
 from ssl_vit.errors import UserError
 from ssl_vit.internals import CLASS_PATH_KEY
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.outdir import Input, Output, checkpoint_inputs
+from ssl_vit.storage.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.masked import check_display_bands
 from ssl_vit.tasks.pictures import false_colour, masked_prediction_picture

@@ -38,7 +38,7 @@ from ssl_vit.checkpoints.load import (
 )
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig, parse_variant
-from ssl_vit.outdir import checkpoint_inputs, commit, out_lock, refuse_inputs
+from ssl_vit.storage.outdir import checkpoint_inputs, commit, out_lock, refuse_inputs
 
 Format = Literal["timm", "hf"]
 TIMM_SIZES = {"Ti": "tiny", "S": "small", "M": "medium", "B": "base", "L": "large", "H": "huge"}

@@ -18,8 +18,8 @@ from ssl_vit.errors import UserError
 
 if TYPE_CHECKING:  # the command imports what it runs (`--help` stays light)
     from ssl_vit.evaluation.suite import Suite
-    from ssl_vit.outdir import Input
     from ssl_vit.report.verdicts import Claim
+    from ssl_vit.storage.outdir import Input
 
 CHECKPOINT_HELP = SOURCES
 OVERWRITE_HELP = "replace a non-empty --out directory (once the new results are complete)"
@@ -156,8 +156,8 @@ def compare(
     checks out_dir alike."""
     from ssl_vit.evaluation.ranks import evaluate_checkpoints
     from ssl_vit.evaluation.suite import check_inputs, evaluation_inputs
-    from ssl_vit.outdir import Output
     from ssl_vit.report.writer import write_report
+    from ssl_vit.storage.outdir import Output
 
     check_inputs(checkpoints, suite)
     inputs = [*evaluation_inputs(checkpoints, suite), *inputs]
@@ -172,9 +172,9 @@ def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ssl_vit.evaluation.suite import load_suite
-    from ssl_vit.outdir import Input
     from ssl_vit.report.verdicts import load_claims
     from ssl_vit.report.writer import OUTPUTS
+    from ssl_vit.storage.outdir import Input
 
     checkpoints = parse_checkpoints(args.checkpoints, args.scratch, args.baseline)
     for line in repeated_checkpoints(checkpoints):

@@ -5,7 +5,7 @@ Lightning's parsing and run:
 
 - one run directory per job (`trainer.default_root_dir`): config.yaml, checkpoints/, wandb/ and
   pictures/ all land there, a restarted job finds them again, and a fit holds its lock
-  (`ssl_vit.lock`) from before it reads anything there to its end;
+  (`ssl_vit.storage.lock`) from before it reads anything there to its end;
 - `--ckpt_path` resolved (`last`: the newest intact checkpoint) and checked before Lightning reads it,
   and a checkpoint's model never replaced silently by the config's or the command line's (the checks:
   `ssl_vit.run.checks`);
@@ -39,7 +39,6 @@ from ssl_vit.data.options import check_groups
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
 from ssl_vit.internals import LightningCLIHooks
-from ssl_vit.lock import LOCK_NAME, RunLock, job_leader
 from ssl_vit.run.checkpointing import LastLinkCheckpoint, checkpoint_step, with_safe_io
 from ssl_vit.run.checks import (
     DATA_TO_MODEL,
@@ -66,6 +65,7 @@ from ssl_vit.run.preemption import Preemption
 from ssl_vit.run.progress import ProgressLines, progress_bar
 from ssl_vit.run.resume import RandomState
 from ssl_vit.run.rollback import SafeSteps
+from ssl_vit.storage.lock import LOCK_NAME, RunLock, job_leader
 from ssl_vit.tasks.base import Throughput
 from ssl_vit.tasks.compile import CompileTask, check_compile
 

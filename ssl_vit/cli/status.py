@@ -4,9 +4,9 @@ For a run that is going, has ended or was killed, here or on another machine (a 
 shared filesystem): its step and epoch, the loss over the last progress records as a text sparkline
 (`--plot PNG` draws it), throughput and ETA, its checkpoints and whether each is intact (their CRC-32s,
 `ssl_vit.checkpoints.integrity`), skipped samples, rollbacks and preemptions with their times, and whether
-its lock (`ssl_vit.lock`) is held by a live process. It reads the progress record (`ssl_vit.run.record`),
-the checkpoints' names and bytes and the lock file, and writes nothing in the run directory: no lock is
-taken (the kernel is asked who holds it), and `--plot` may not point inside it.
+its lock (`ssl_vit.storage.lock`) is held by a live process. It reads the progress record
+(`ssl_vit.run.record`), the checkpoints' names and bytes and the lock file, and writes nothing in the run
+directory: no lock is taken (the kernel is asked who holds it), and `--plot` may not point inside it.
 
 Light to import (`ssl-vit --help` registers its parser): stdlib only, matplotlib for `--plot`.
 """
@@ -24,10 +24,10 @@ from typing import Any
 
 from ssl_vit.checkpoints import integrity
 from ssl_vit.errors import UserError
-from ssl_vit.lock import LOCK_NAME, lock_state
-from ssl_vit.outdir import Input, refuse_inputs
 from ssl_vit.progress import clock
 from ssl_vit.run import record
+from ssl_vit.storage.lock import LOCK_NAME, lock_state
+from ssl_vit.storage.outdir import Input, refuse_inputs
 
 SPARKS = "▁▂▃▄▅▆▇█"
 STEP_FILE = re.compile(r"step(\d+)\.ckpt$")

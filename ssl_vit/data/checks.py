@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.urls import check_urls, expand
 from ssl_vit.errors import BadValue, UserError, shown
+from ssl_vit.storage.remote import ReadPolicy
 
 SPLITS = ("train", "val", "test")
 # The split each stage cannot run without.

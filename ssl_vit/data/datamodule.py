@@ -26,7 +26,7 @@ Its options come flat (the everyday ones) and in groups (`ssl_vit.data.options`:
 `limits`). The class's other jobs are each a module of their own: the manifests and what is decided
 from them (`ssl_vit.data.manifest`), the normalisation (`band_stats.normalisation`), the training
 stream's position (`position`), the device-side mixing (`mixing`), the DataLoaders (`loaders`). Remote
-shards and manifests are read with retries and a read timeout (`limits`: `ssl_vit.data.remote`); a
+shards and manifests are read with retries and a read timeout (`limits`: `ssl_vit.storage.remote`); a
 DataLoader whose workers deliver no batch for `limits.loader_timeout_s` ends the run with one line
 naming the split's shards. Each split's manifest is read once per data module (`manifests`), so the
 epoch size, the class count and the eval view all come from one reading.

@@ -38,7 +38,7 @@ from webdataset.tariterators import group_by_keys
 
 from ssl_vit.data.samples import MAX_JSON_BYTES, BadSample, parse_label
 from ssl_vit.data.tar_reader import DroppedMember, UnkeyedMember, sample_spans, tar_files
-from ssl_vit.data.urls import local_path
+from ssl_vit.storage.remote import local_path
 
 log = logging.getLogger("ssl_vit.data")
 

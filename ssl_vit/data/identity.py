@@ -22,8 +22,8 @@ import logging
 import os
 from pathlib import Path
 
-from ssl_vit.data.urls import local_path
 from ssl_vit.errors import UserError
+from ssl_vit.storage.remote import local_path
 
 log = logging.getLogger("ssl_vit.data")
 

@@ -23,7 +23,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ssl_vit.atomic import write_text
 from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.class_mix import uniform_distinct
 from ssl_vit.data.manifest import channel_choices, manifest_url, read_manifest
@@ -40,8 +39,10 @@ from ssl_vit.data.samples import (
     read_mask,
 )
 from ssl_vit.data.stream import iter_samples
-from ssl_vit.data.urls import check_urls, expand, local_path
+from ssl_vit.data.urls import check_urls, expand
 from ssl_vit.errors import UserError
+from ssl_vit.storage.atomic import write_text
+from ssl_vit.storage.remote import local_path
 
 
 @dataclass

@@ -15,14 +15,13 @@ import re
 from collections.abc import Callable
 from urllib.parse import urlparse
 
-from ssl_vit.data import remote
 from ssl_vit.data.arrays import ARRAY_DTYPES
 from ssl_vit.data.masks import IGNORE_INDEX
-from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import MAX_CLASSES, Bands
 from ssl_vit.data.transforms import EvalView
-from ssl_vit.data.urls import local_path, without_url
 from ssl_vit.errors import UserError, shown
+from ssl_vit.storage import remote
+from ssl_vit.storage.remote import DEFAULT, ReadPolicy, local_path, without_url
 
 BAND_STATS_KEYS = ("mean", "std", "min", "max")
 _FIX = "fix the file or re-run `ssl-vit data convert`"

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from ssl_vit.data.checks import check_counts, check_seconds, read_policy
-from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.samples import MAX_IMAGE_PIXELS
 from ssl_vit.data.transforms import Preset
 from ssl_vit.errors import BadValue, shown
+from ssl_vit.storage.remote import ReadPolicy
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class Limits:
 
     @property
     def policy(self) -> ReadPolicy:
-        """What remote reads retry and wait (`ssl_vit.data.remote`)."""
+        """What remote reads retry and wait (`ssl_vit.storage.remote`)."""
         return read_policy(asdict(self))
 
     def loader_timeout(self) -> float:

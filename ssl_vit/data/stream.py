@@ -55,7 +55,6 @@ from ssl_vit.data import samples
 from ssl_vit.data.device_decode import DeferredCrop, collate_jpegs
 from ssl_vit.data.epoch_order import EpochOrder, SampleIndex, SampleReader, UnreadableShard
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
-from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.data.samples import (
     MAX_IMAGE_PIXELS,
     RGB,
@@ -70,6 +69,7 @@ from ssl_vit.data.samples import (
 )
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.errors import NoUsableData
+from ssl_vit.storage.remote import DEFAULT, ReadPolicy
 
 log = logging.getLogger("ssl_vit.data")
 
@@ -118,7 +118,7 @@ class ShardStream(IterableDataset):
     `epoch` and `resume` are set from the main process before each pass (see
     `ssl_vit.data.loaders.EpochLoader`).
     `classes` and `keys` keep only the samples with these labels and these `__key__`s. Remote shards
-    are read with `read_policy` (`ssl_vit.data.remote`: retries, read timeout). A sample's `seg.png`
+    are read with `read_policy` (`ssl_vit.storage.remote`: retries, read timeout). A sample's `seg.png`
     is read whenever it has one; with `masks` (its split's manifest says `"masks": true`) a sample
     without one is a bad sample. With `require_labels` (a task that trains or scores on labels) so is a
     sample without a label (-1). An image of more than `max_image_pixels` is one too, from its header.

@@ -1,6 +1,6 @@
-"""Tar members of a shard: an opener (`ssl_vit.data.remote`: retries and a read timeout for remote
-URLs) and webdataset's key grouping around a tar header parser of our own (`tar_files`; the docstring
-there says why it is not `tarfile`)."""
+"""Tar members of a shard: an opener (`ssl_vit.storage.remote`: retries and a read timeout for remote
+URLs, also installed as webdataset's `gopen` for those schemes) and webdataset's key grouping around a
+tar header parser of our own (`tar_files`; the docstring there says why it is not `tarfile`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
+from urllib.parse import urlparse
 
+from webdataset.gopen import gopen, gopen_curl, gopen_pipe, gopen_schemes
 from webdataset.tariterators import base_plus_ext, group_by_keys
 
-from ssl_vit.data.remote import DEFAULT, ReadPolicy, url_opener
+from ssl_vit.storage.remote import DEFAULT, ReadPolicy, open_url
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
@@ -43,7 +45,7 @@ def tar_samples(
 ) -> list:
     """Stages: shard URLs -> samples `{"__key__", "__url__", ext: bytes ...}`, as webdataset's
     `tarfile_to_samples` (a URL opener and its grouping of members by key), with remote shards read
-    with `policy` (`ssl_vit.data.remote`) and the tar headers parsed by `tar_files` instead of Python's
+    with `policy` (`ssl_vit.storage.remote`) and the tar headers parsed by `tar_files` instead of Python's
     `tarfile`. A member larger than `max_member_bytes` (None: no limit) is passed over unread, and its
     sample skipped and counted (`OversizeMember`)."""
     return [
@@ -52,6 +54,59 @@ def tar_samples(
         partial(tar_file_members, handler=handler, max_member_bytes=max_member_bytes),
         partial(group_by_keys, handler=handler),
     ]
+
+
+def url_opener(
+    sources: Iterable[dict], handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT
+) -> Iterator[dict]:
+    """Stage: `{"url"}` -> `{"url", "stream"}`, as webdataset's `url_opener`, remote URLs opened with
+    `policy`; an error (after the tries) goes to `handler` with the URL, as there. Not webdataset's own:
+    it passes its keyword arguments to every scheme's opener, and its own (`ais:`, `hf:`, ...) take
+    none; the other schemes are opened by webdataset's `gopen`."""
+    for source in sources:
+        url = source["url"]
+        try:
+            stream = open_url(url, policy) if _ours(url) else gopen(url)
+        except Exception as exn:
+            exn.args = (*exn.args, url)
+            if handler(exn):
+                continue
+            break
+        yield {**source, "stream": stream}
+
+
+def _ours(url: str) -> bool:
+    scheme = urlparse(url).scheme
+    return scheme in ("http", "https", "pipe") or gopen_schemes.get(scheme) is _gopen_fsspec
+
+
+def _gopen_fsspec(url, mode="rb", bufsize=8192, **kw):
+    """Open `s3://`, `gs://`, ... through fsspec (webdataset 1.0's gopen has no fsspec fallback),
+    with retries."""
+    if mode != "rb":
+        import fsspec
+
+        return fsspec.open(url, mode).open()
+    return open_url(url)
+
+
+def _gopen(url, mode="rb", bufsize=8192, **kw):
+    """webdataset's opener for `http(s)://` and `pipe:` reads: ours, with the default policy."""
+    if mode != "rb":
+        return (gopen_pipe if url.startswith("pipe:") else gopen_curl)(url, mode, bufsize)
+    return open_url(url)
+
+
+def install_openers() -> None:
+    """Make webdataset's `gopen` (anything in this process that opens a URL through webdataset) read
+    http(s), `pipe:` and fsspec URLs as `ssl_vit.storage.remote` does, with the default policy."""
+    import fsspec
+
+    for proto in fsspec.available_protocols():
+        if proto not in gopen_schemes or proto == "gs":  # gs: fsspec (gcsfs), not the gsutil CLI
+            gopen_schemes[proto] = _gopen_fsspec
+    for scheme in ("http", "https", "pipe"):
+        gopen_schemes[scheme] = _gopen
 
 
 def tar_file_members(
@@ -551,3 +606,6 @@ class _Rewound:
             return head + self.stream.read()
         out, self.head = self.head[:size], self.head[size:]
         return out
+
+
+install_openers()  # on import: every reader of shards imports this module before it opens one

@@ -3,14 +3,13 @@ URLs (`s3://`, `gs://`, ...) for webdataset's opener (the manifest beside them: 
 
 URLs accept brace ranges (`train-{000000..000127}.tar`), local paths, `file://`, `http(s)://`,
 `pipe:CMD` and fsspec URLs when the matching fsspec package is installed, remote ones read with
-retries and a read timeout (`ssl_vit.data.remote`). `pipe:` runs a command: recipes and suites are
+retries and a read timeout (`ssl_vit.storage.remote`). `pipe:` runs a command: recipes and suites are
 trusted input (they name the command); a manifest never supplies a URL.
 """
 
 from __future__ import annotations
 
 import threading
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -19,9 +18,9 @@ from urllib.parse import urlparse
 from braceexpand import UnbalancedBracesError
 from webdataset.shardlists import expand_urls
 
-from ssl_vit.data import remote
-from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import UserError, shown
+from ssl_vit.storage import remote
+from ssl_vit.storage.remote import DEFAULT, ReadPolicy, local_path, without_url
 
 T = TypeVar("T")
 
@@ -55,19 +54,9 @@ def local(urls: str | Sequence[str]) -> bool:
     return listed and all(isinstance(url, str) and local_path(url) is not None for url in urls)
 
 
-def local_path(url: str) -> Path | None:
-    """The file a local URL (a path or `file://`) names; None for any other scheme."""
-    parsed = urlparse(url)
-    if parsed.scheme == "":
-        return Path(url)
-    if parsed.scheme == "file":
-        return Path(urllib.request.url2pathname(parsed.path))
-    return None
-
-
 def shard_directories(urls: str | Sequence[str], what: str) -> list[Path]:
     """The directories holding the local files among `urls` (brace-expanded), each once: what a command
-    that reads them must not write into (`ssl_vit.outdir`)."""
+    that reads them must not write into (`ssl_vit.storage.outdir`)."""
     paths = (local_path(url) for url in expand(urls, what))
     return list(dict.fromkeys(path.parent for path in paths if path is not None))
 
@@ -123,11 +112,6 @@ def _in_daemons(work: Callable[[str], T], items: list[str], threads: int = 16) -
     if failures:
         raise failures[0]
     return results
-
-
-def without_url(err: Exception, url: str) -> str:
-    """A `remote` error's message without the URL it starts with (the caller names it)."""
-    return str(err).removeprefix(f"{url}: ")
 
 
 # Shards found readable in this process: the CLI checks a run's shards before its logger starts, the

@@ -38,13 +38,13 @@ import numpy as np
 import webdataset as wds
 
 from ssl_vit import progress
-from ssl_vit.atomic import write_text
 from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.encode import encode_star
 from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.sources import SOURCES, Source, open_source, source_inputs
 from ssl_vit.errors import UserError
-from ssl_vit.outdir import refuse_inputs, split_lock
+from ssl_vit.storage.atomic import write_text
+from ssl_vit.storage.outdir import refuse_inputs, split_lock
 
 log = logging.getLogger(__name__)
 MANIFEST_VERSION = 1

@@ -63,7 +63,7 @@ from ssl_vit.evaluation.scorable import check_classes, check_classes_seen, check
 from ssl_vit.evaluation.stats import Score, finite, interval, scored
 from ssl_vit.evaluation.suite_file import SuiteFile, file_problem, read_yaml
 from ssl_vit.models.vit import ViTConfig, parse_variant
-from ssl_vit.outdir import Input, Output, checkpoint_inputs
+from ssl_vit.storage.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.tasks.base import COST_KEY
 
 IMAGE_SIZE = 224  # ShardDataModule's default image_size, which a data block without one is read at

@@ -18,7 +18,7 @@ curve per checkpoint, as each run's record holds it: measured on its rank while 
 (a group's runs under NAME/1, NAME/2, ...), and an offline W&B run with the table and the pictures. A
 checkpoint that fails gets its error in its row; the others' results are never lost. The numbers are
 written beside the output directory and moved into place before the pictures and the W&B run, which
-may fail without costing them (`ssl_vit.outdir`): it holds one comparison.
+may fail without costing them (`ssl_vit.storage.outdir`): it holds one comparison.
 
 Everything here reads the ranks' records and per-image statistics: intervals over a group's runs and
 paired differences need every rank's, and nothing here loads a checkpoint or reads a shard.
@@ -37,7 +37,6 @@ from ssl_vit.analysis.pictures import attention_distance_curves
 from ssl_vit.evaluation.ranks import Failed
 from ssl_vit.evaluation.stats import Difference, Score, finite, interval, paired_difference, scored
 from ssl_vit.evaluation.suite import Evaluation, Suite, write_record
-from ssl_vit.outdir import Output
 from ssl_vit.report.plots import (
     plot_bars,
     plot_compute,
@@ -57,6 +56,7 @@ from ssl_vit.report.tables import (
     write_label_efficiency,
 )
 from ssl_vit.report.verdicts import Claim, baseline_text, claims_text
+from ssl_vit.storage.outdir import Output
 
 # What `compare` writes at the top of its output directory beside one folder per row: no row is named so.
 OUTPUTS = (

@@ -9,7 +9,7 @@
 - Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
   refused in one line, and `--ckpt_path last` resumes from the newest checkpoint that verifies.
 - A remote checkpoint (http(s), fsspec) is downloaded with retries and a read timeout
-  (`ssl_vit.data.remote`; `read_retries`, `read_timeout_s` of the plugin).
+  (`ssl_vit.storage.remote`; `read_retries`, `read_timeout_s` of the plugin).
 
 Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so neither Lightning's
 `ckpt_path="last"` search nor a `*.ckpt` glob takes a half-written one for a checkpoint.
@@ -37,13 +37,13 @@ from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fabric.utilities.rank_zero import rank_zero_only
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
-from ssl_vit.atomic import TEMP_NAME, Staged
 from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
-from ssl_vit.data import remote
-from ssl_vit.data.remote import DEFAULT, ReadPolicy
 from ssl_vit.errors import NO_ROOM, UserError, first_line
 from ssl_vit.internals import ModelCheckpointHooks, wraps_checkpoint_io
+from ssl_vit.storage import remote
+from ssl_vit.storage.atomic import TEMP_NAME, Staged
+from ssl_vit.storage.remote import DEFAULT, ReadPolicy
 
 # Where os.link cannot make a hard link but a copy works: another filesystem (EXDEV), one without hard
 # links (EPERM on FAT/some FUSE, ENOTSUP), a file at the link limit (EMLINK).

@@ -2,7 +2,7 @@
 reads either and before anything is written, each a one-line UserError naming the problem and the fix:
 
 - the run directory (`--trainer.default_root_dir`): not a file, and for a fresh start not one that holds
-  an earlier run's checkpoints, which it would overwrite (its lock, `ssl_vit.lock`, keeps a second fit
+  an earlier run's checkpoints, which it would overwrite (its lock, `ssl_vit.storage.lock`, keeps a second fit
   out);
 - `--ckpt_path`: a choice Lightning would refuse from deep inside (`best`, empty, none for validate/test),
   `last` resolved to the newest intact checkpoint, and a local file that is a Lightning checkpoint that

@@ -38,8 +38,8 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from ssl_vit.data.workers import stop_all_workers
 from ssl_vit.errors import worker_died
 from ssl_vit.internals import stop_as_on_sigterm
-from ssl_vit.lock import release_all
 from ssl_vit.signals import received
+from ssl_vit.storage.lock import release_all
 
 log = logging.getLogger("ssl_vit")
 REQUEUE_SIGNAL = signal.SIGUSR1  # Lightning's SLURMEnvironment default

@@ -15,7 +15,7 @@ from PIL import Image
 
 from ssl_vit.analysis.analyze import analyze
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.outdir import MARKER, is_ours, mark
+from ssl_vit.storage.outdir import MARKER, is_ours, mark
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Remote reads (`ssl_vit.data.remote`) against a server that fails on purpose (`faulty_http`), `pipe:`
+"""Remote reads (`ssl_vit.storage.remote`) against a server that fails on purpose (`faulty_http`), `pipe:`
 commands and an fsspec filesystem that fail: a fault a retry can mend gives the file's exact bytes,
 resumed where it broke off; one it cannot is one error after the tries; a missing file is not an error
 of the server. And what the data module builds on them: manifests read once and never taken for absent
@@ -17,14 +17,15 @@ import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 from webdataset.gopen import gopen_pipe
 
-from ssl_vit.data import ShardDataModule, remote
+from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Limits
-from ssl_vit.data.remote import ReadPolicy
 from ssl_vit.data.samples import SkipCounter
 from ssl_vit.data.tar_reader import tar_file_members
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.suite import load_suite
 from ssl_vit.run.checkpointing import SafeCheckpointIO
+from ssl_vit.storage import remote
+from ssl_vit.storage.remote import ReadPolicy
 
 pytest_plugins = ["server_helpers"]  # the `faulty_http` fixture
 
@@ -232,5 +233,6 @@ def test_the_default_loader_timeout_outlasts_a_shards_tries():
     assert dm.loader_timeout_s == 2 * (6 * 60 + 1 + 2 + 4 + 8 + 16) == 782
     assert ShardDataModule(limits=Limits(read_retries=0, read_timeout_s=5)).loader_timeout_s == 10
     assert (
-        sys.modules["webdataset.gopen"].gopen_schemes["https"] is remote._gopen
+        sys.modules["webdataset.gopen"].gopen_schemes["https"]
+        is sys.modules["ssl_vit.data.tar_reader"]._gopen
     )  # webdataset reads as we do

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from cli_helpers import run_cli
 
-from ssl_vit.outdir import mark
+from ssl_vit.storage.outdir import mark
 
 pytest_plugins = ["server_helpers"]  # the `faulty_http` fixture
 

@@ -12,8 +12,8 @@ import pytest
 from cli_helpers import run_cli
 from test_remote_faults import checkpoints, fit_args, one_line_failure
 
-from ssl_vit.data import remote
-from ssl_vit.data.remote import MAX_REDIRECTS, ReadPolicy
+from ssl_vit.storage import remote
+from ssl_vit.storage.remote import MAX_REDIRECTS, ReadPolicy
 
 pytest_plugins = ["server_helpers"]  # the `faulty_http` and `hub_http` fixtures
 

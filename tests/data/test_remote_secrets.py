@@ -64,7 +64,7 @@ def test_a_token_no_token_can_be_is_one_line_naming_hf_token_and_never_shown(nam
 
 QUOTING_FAILURE = """
 import os
-from ssl_vit.data import remote
+from ssl_vit.storage import remote
 def probe(url, policy=None):
     raise RuntimeError(f"the server said: token {os.environ['HF_TOKEN']!r} (Authorization: Bearer "
                        f"{os.environ['HF_TOKEN']}) for https://me:{os.environ['HF_TOKEN'].strip()}@host/")

@@ -10,7 +10,7 @@ import yaml
 from cli_helpers import failing_evaluation, run_cli
 from test_errors import error_line, listing
 
-from ssl_vit.outdir import MARKER
+from ssl_vit.storage.outdir import MARKER
 
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 

@@ -23,11 +23,11 @@ from pytorch_lightning import Trainer
 from pytorch_lightning.demos.boring_classes import BoringModel
 from test_fit_cli import quickstart_overrides
 
-from ssl_vit.atomic import TEMP_NAME
 from ssl_vit.cli import main
 from ssl_vit.errors import UserError
 from ssl_vit.run import checkpointing
 from ssl_vit.run.checkpointing import LastLinkCheckpoint, SafeCheckpointIO
+from ssl_vit.storage.atomic import TEMP_NAME
 
 pytest_plugins = ["server_helpers"]  # the `nginx` fixture
 

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.errors import BadValue, UserError
-from ssl_vit.outdir import Input
 from ssl_vit.registry import Registry
+from ssl_vit.storage.outdir import Input
 
 # `data convert`'s own options (argparse destinations): no source's flag may take one of these names.
 CONVERT_OPTIONS = (
@@ -243,7 +243,7 @@ def _owner(option: str) -> SourceKind:
 
 def source_inputs(spec: str) -> list[Input]:
     """The local files and folders a SOURCE string reads, which OUTDIR must keep out of
-    (`ssl_vit.outdir`): as its source says, by default the paths of its argument split at commas."""
+    (`ssl_vit.storage.outdir`): as its source says, by default the paths of its argument split at commas."""
     kind = SOURCES.get(spec.partition(":")[0])
     arg = spec.partition(":")[2]
     if kind is None or kind.argument is None or not arg:

@@ -4,14 +4,15 @@ with the training stream's tar reader, which imports torch: it is imported when 
 from __future__ import annotations
 
 from ssl_vit.data.sources import register
-from ssl_vit.outdir import Input
+from ssl_vit.storage.outdir import Input
 
 
 def shard_inputs(spec: str) -> list[Input]:
     """The local shards among the URLS of `spec`: OUTDIR must not be one or hold one (its shards and
     manifest would land on or beside them); a folder beside them, or inside their directory, is fine,
     since the URLS name their files."""
-    from ssl_vit.data.urls import expand, local_path  # (see `load`)
+    from ssl_vit.data.urls import expand  # (see `load`)
+    from ssl_vit.storage.remote import local_path
 
     paths = (local_path(url) for url in expand(spec.partition(":")[2], spec))
     return [Input(path, f"the source's shard {path}") for path in paths if path is not None]

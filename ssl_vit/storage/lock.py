@@ -1,5 +1,5 @@
 """One job at a time on what it writes: one `ssl-vit fit` per run directory (`RUN/fit.lock`), one
-`evaluate`, `compare`, `analyze`, `export` or `data convert` per output (`ssl_vit.outdir`).
+`evaluate`, `compare`, `analyze`, `export` or `data convert` per output (`ssl_vit.storage.outdir`).
 
 Two fits in one run directory (a job requeued while its previous allocation is still draining, a command
 started twice) would both see it empty or both resume it, and write config.yaml, checkpoints under the
@@ -48,8 +48,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ssl_vit.atomic import Staged
 from ssl_vit.errors import UserError
+from ssl_vit.storage.atomic import Staged
 
 LOCK_NAME = "fit.lock"
 HOST = socket.gethostname()

@@ -7,7 +7,7 @@
   Input and output trees are disjoint. `check_out` also refuses a file, a path under a file, a place that
   cannot be written, the current directory or one above it, and a non-empty directory without
   `--overwrite`.
-- A job holds a lock on its output while it writes (`ssl_vit.lock`, the lock `fit` holds on its run
+- A job holds a lock on its output while it writes (`ssl_vit.storage.lock`, the lock `fit` holds on its run
   directory: `.NAME.lock` beside the output, `OUTDIR/.SPLIT.lock` for a conversion), so a second job is
   refused in one line naming the holder, before it computes anything.
 - Everything is written beside the output and renamed into place at the end (`Output.staged`). The
@@ -50,9 +50,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
-from ssl_vit.atomic import write_text
 from ssl_vit.errors import UserError
-from ssl_vit.lock import HOST, RunLock, alive, job_leader
+from ssl_vit.storage.atomic import write_text
+from ssl_vit.storage.lock import HOST, RunLock, alive, job_leader
 
 T = TypeVar("T")
 MARKER = ".ssl-vit-output"  # in every output committed here: what `--overwrite` may replace

@@ -11,7 +11,7 @@ each try, gives up on a read that gets no byte for a while, and continues where 
   is `ReadFailed`, whose message names the URL, what went wrong and how many tries were made; any other
   status (403, 501, ...) is `ReadFailed` at once. `probe` asks with HEAD, and where HEAD is refused
   (403, 405, 501: presigned URLs, servers without HEAD) with a one-byte ranged GET.
-- `url_opener`: the stage that opens shards in a stream, webdataset's `url_opener` with a policy.
+- `local_path` / `without_url`: the file a local URL names; an error's message without its URL.
 
 http(s) redirects (the Hugging Face Hub answers a `resolve/` URL with a redirect to its CDN) are
 followed, at most MAX_REDIRECTS of them per request: a longer chain or a loop fails at once with one
@@ -52,11 +52,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
-
-from webdataset.gopen import gopen, gopen_curl, gopen_pipe, gopen_schemes
 
 from ssl_vit.errors import UserError
 from ssl_vit.redact import clean_token
@@ -115,6 +114,21 @@ def is_remote(url: str) -> bool:
     return urlparse(url).scheme not in ("", "file")
 
 
+def local_path(url: str) -> Path | None:
+    """The file a local URL (a path or `file://`) names; None for any other scheme."""
+    parsed = urlparse(url)
+    if parsed.scheme == "":
+        return Path(url)
+    if parsed.scheme == "file":
+        return Path(urllib.request.url2pathname(parsed.path))
+    return None
+
+
+def without_url(err: Exception, url: str) -> str:
+    """An error's message of this module without the URL it starts with (the caller names it)."""
+    return str(err).removeprefix(f"{url}: ")
+
+
 def open_url(url: str, policy: ReadPolicy = DEFAULT) -> io.BufferedReader:
     """A stream of the remote file `url`, read with `policy` (see the module's docstring). Opening
     raises `Missing` or `ReadFailed`; reading raises `ReadFailed` once the tries are spent."""
@@ -166,25 +180,6 @@ def probe(url: str, policy: ReadPolicy = DEFAULT) -> None:
             raise Missing(f"{url}: no such object")
 
     _tried(url, policy, exists, _fsspec_verdict)
-
-
-def url_opener(
-    sources: Iterable[dict], handler: Callable[[Exception], bool], policy: ReadPolicy = DEFAULT
-) -> Iterator[dict]:
-    """Stage: `{"url"}` -> `{"url", "stream"}`, as webdataset's `url_opener`, remote URLs opened with
-    `policy`; an error (after the tries) goes to `handler` with the URL, as there. Not webdataset's own:
-    it passes its keyword arguments to every scheme's opener, and its own (`ais:`, `hf:`, ...) take
-    none; the other schemes are opened by webdataset's `gopen`."""
-    for source in sources:
-        url = source["url"]
-        try:
-            stream = open_url(url, policy) if _ours(url) else gopen(url)
-        except Exception as exn:
-            exn.args = (*exn.args, url)
-            if handler(exn):
-                continue
-            break
-        yield {**source, "stream": stream}
 
 
 # --- retrying -------------------------------------------------------------------------------------
@@ -323,11 +318,6 @@ class _Resumable(io.RawIOBase):
     def close(self) -> None:
         self._drop_body()
         super().close()
-
-
-def _ours(url: str) -> bool:
-    scheme = urlparse(url).scheme
-    return scheme in ("http", "https", "pipe") or gopen_schemes.get(scheme) is _gopen_fsspec
 
 
 def _source(url: str, timeout_s: float):
@@ -584,35 +574,3 @@ class _FileBody(_HttpBody):
                 raise ConnectionError(f"the data ended {self.remaining} bytes before its size")
             self.remaining -= len(data)
         return len(data)
-
-
-def _gopen_fsspec(url, mode="rb", bufsize=8192, **kw):
-    """Open `s3://`, `gs://`, ... through fsspec (webdataset 1.0's gopen has no fsspec fallback),
-    with retries."""
-    if mode != "rb":
-        import fsspec
-
-        return fsspec.open(url, mode).open()
-    return open_url(url)
-
-
-def _gopen(url, mode="rb", bufsize=8192, **kw):
-    """webdataset's opener for `http(s)://` and `pipe:` reads: ours, with the default policy."""
-    if mode != "rb":
-        return (gopen_pipe if url.startswith("pipe:") else gopen_curl)(url, mode, bufsize)
-    return open_url(url)
-
-
-def register() -> None:
-    """Make webdataset's `gopen` (anything in this process that opens a URL through webdataset) read
-    http(s), `pipe:` and fsspec URLs as here, with the default policy."""
-    import fsspec
-
-    for proto in fsspec.available_protocols():
-        if proto not in gopen_schemes or proto == "gs":  # gs: fsspec (gcsfs), not the gsutil CLI
-            gopen_schemes[proto] = _gopen_fsspec
-    for scheme in ("http", "https", "pipe"):
-        gopen_schemes[scheme] = _gopen
-
-
-register()
