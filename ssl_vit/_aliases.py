@@ -52,6 +52,10 @@ MOVED = {
     "ssl_vit.lock": "ssl_vit.storage.lock",
     "ssl_vit.outdir": "ssl_vit.storage.outdir",
     "ssl_vit.data.remote": "ssl_vit.storage.remote",
+    "ssl_vit.data.manifest": "ssl_vit.data.format.manifest",
+    "ssl_vit.data.arrays": "ssl_vit.data.format.arrays",
+    "ssl_vit.data.band_stats": "ssl_vit.data.format.band_stats",
+    "ssl_vit.data.masks": "ssl_vit.data.format.masks",
 }
 
 

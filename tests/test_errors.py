@@ -17,7 +17,7 @@ from cli_helpers import one_step_fit_args, run_cli
 from safetensors.torch import save_file
 
 from ssl_vit.checkpoints import config_metadata, load_backbone
-from ssl_vit.data.manifest import check_manifest
+from ssl_vit.data.format.manifest import check_manifest
 from ssl_vit.errors import BadValue, UserError, user_error_message
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.run.checks import check_ckpt_path, local_ckpt_path

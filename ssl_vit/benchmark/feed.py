@@ -40,7 +40,7 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 from ssl_vit.benchmark.data import make_jpegs, write_shards
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.class_mix import batch_mix, format_mix
-from ssl_vit.data.manifest import channel_choices, read_manifest
+from ssl_vit.data.format.manifest import channel_choices, read_manifest
 from ssl_vit.data.options import Augment
 from ssl_vit.data.urls import expand
 

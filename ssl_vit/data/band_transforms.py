@@ -21,7 +21,7 @@ import torch
 import torchvision.transforms.v2.functional as F
 from torchvision.transforms.v2 import InterpolationMode
 
-from ssl_vit.data.masks import IGNORE_INDEX
+from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.data.transforms import HorizontalFlip, Preset, RandomResizedCrop, eval_resize
 
 

@@ -24,7 +24,7 @@ mixup/cutmix/label smoothing also `target` float [B,K] (timm's soft targets, `ss
 
 Its options come flat (the everyday ones) and in groups (`ssl_vit.data.options`: `augment`, `stream`,
 `limits`). The class's other jobs are each a module of their own: the manifests and what is decided
-from them (`ssl_vit.data.manifest`), the normalisation (`band_stats.normalisation`), the training
+from them (`ssl_vit.data.format.manifest`), the normalisation (`band_stats.normalisation`), the training
 stream's position (`position`), the device-side mixing (`mixing`), the DataLoaders (`loaders`). Remote
 shards and manifests are read with retries and a read timeout (`limits`: `ssl_vit.storage.remote`); a
 DataLoader whose workers deliver no batch for `limits.loader_timeout_s` ends the run with one line
@@ -43,20 +43,20 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader
 
-from ssl_vit.data import manifest as manifests
-from ssl_vit.data.band_stats import normalisation
 from ssl_vit.data.band_transforms import build_array_transform
 from ssl_vit.data.checks import SPLITS, STAGE_SPLITS, check_counts, check_shard_urls
 from ssl_vit.data.device_decode import device_transform, place_jpegs
 from ssl_vit.data.epoch_order import SampleIndex, build_index, indexable
+from ssl_vit.data.format import manifest as manifests
+from ssl_vit.data.format.band_stats import normalisation
+from ssl_vit.data.format.manifest import EvalView, Manifests
 from ssl_vit.data.identity import check_same_data, identity
 from ssl_vit.data.loaders import EpochLoader, ShardLoader
-from ssl_vit.data.manifest import Manifests
 from ssl_vit.data.mixing import Mixing
 from ssl_vit.data.options import DEFAULTS, GROUPS, MOVED, Augment, Limits, Stream
 from ssl_vit.data.position import TrainingPosition, check_step
 from ssl_vit.data.stream import DryShards, ShardStream
-from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, EvalView, Preset, build_transform, normalize
+from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, Preset, build_transform, normalize
 from ssl_vit.data.urls import expand
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.internals import restart_fetcher

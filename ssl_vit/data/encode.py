@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ssl_vit.data.arrays import npy_bytes, open_tiff
-from ssl_vit.data.band_stats import BandStats
-from ssl_vit.data.masks import (
+from ssl_vit.data.format.arrays import npy_bytes, open_tiff
+from ssl_vit.data.format.band_stats import BandStats
+from ssl_vit.data.format.masks import (
     MaskFile,
     array_size,
     beyond_message,
@@ -44,8 +44,8 @@ from ssl_vit.data.masks import (
     pixel_counts,
     size_mismatch,
 )
+from ssl_vit.data.format.members import MAX_IMAGE_PIXELS
 from ssl_vit.data.mosaic import Tiles
-from ssl_vit.data.samples import MAX_IMAGE_PIXELS
 from ssl_vit.data.sources.tiff import ArrayFile
 from ssl_vit.data.wds_source import Broken, ShardImage
 

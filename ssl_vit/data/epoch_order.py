@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from webdataset.tariterators import group_by_keys
 
-from ssl_vit.data.samples import MAX_JSON_BYTES, BadSample, parse_label
+from ssl_vit.data.format.members import MAX_JSON_BYTES, BadSample, parse_label
 from ssl_vit.data.tar_reader import DroppedMember, UnkeyedMember, sample_spans, tar_files
 from ssl_vit.storage.remote import local_path
 

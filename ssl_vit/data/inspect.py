@@ -10,7 +10,7 @@ where the manifest says every sample has one, or when shard counts disagree with
 shard is checked against the manifest of its own directory and split, so one command can inspect
 several splits or directories.
 
-`--stats` adds the per-band statistics (`ssl_vit.data.band_stats`) to each manifest that has none,
+`--stats` adds the per-band statistics (`ssl_vit.data.format.band_stats`) to each manifest that has none,
 over a bounded, deterministic sample of the inspected images (`plan_stats`).
 """
 
@@ -23,21 +23,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.class_mix import uniform_distinct
-from ssl_vit.data.manifest import channel_choices, manifest_url, read_manifest
-from ssl_vit.data.masks import IGNORE_INDEX, pixel_counts
-from ssl_vit.data.samples import (
-    MAX_IMAGE_PIXELS,
-    RGB,
-    BadSample,
-    Bands,
-    layout,
-    open_image,
-    parse_label,
-    pixels,
-    read_mask,
-)
+from ssl_vit.data.format.band_stats import BandStats, merged
+from ssl_vit.data.format.manifest import channel_choices, manifest_url, read_manifest
+from ssl_vit.data.format.masks import IGNORE_INDEX, pixel_counts, read_mask
+from ssl_vit.data.format.members import MAX_IMAGE_PIXELS, RGB, BadSample, Bands, parse_label
+from ssl_vit.data.samples import layout, open_image, pixels
 from ssl_vit.data.stream import iter_samples
 from ssl_vit.data.urls import check_urls, expand
 from ssl_vit.errors import UserError

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from ssl_vit.data.checks import check_counts, check_seconds, read_policy
-from ssl_vit.data.samples import MAX_IMAGE_PIXELS
+from ssl_vit.data.format.members import MAX_IMAGE_PIXELS
 from ssl_vit.data.transforms import Preset
 from ssl_vit.errors import BadValue, shown
 from ssl_vit.storage.remote import ReadPolicy

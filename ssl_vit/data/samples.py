@@ -1,14 +1,12 @@
-"""Raw samples -> what training uses: the label, the image, its segmentation mask (`seg.png`, see
-`ssl_vit.data.masks`), and the count of samples that are skipped because they cannot be used (never
-fatal, never silent)."""
+"""Raw samples -> what training uses: the image, opened from its header, judged and decoded (the label
+and the segmentation mask are read by `ssl_vit.data.format.members.parse_label` and
+`ssl_vit.data.format.masks.read_mask`), and the count of samples that are skipped because they cannot
+be used (never fatal, never silent)."""
 
 from __future__ import annotations
 
 import io
-import json
 import logging
-import math
-import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -18,19 +16,18 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ssl_vit.data.arrays import ARRAY_MEMBERS, ArrayMember, BadArray, open_array, open_png16, png_bit_depth
 from ssl_vit.data.device_decode import JpegCrop
-from ssl_vit.data.masks import (
-    MASK_MEMBER,
-    MaskSizeError,
-    array_size,
-    beyond_message,
-    classes_beyond,
-    decode_mask,
-    size_mismatch,
+from ssl_vit.data.format.arrays import (
+    ARRAY_MEMBERS,
+    ArrayMember,
+    BadArray,
+    open_array,
+    open_png16,
+    png_bit_depth,
 )
-from ssl_vit.data.tar_reader import IMAGE_MEMBERS
-from ssl_vit.errors import NoUsableData, UserError, first_line, shown
+from ssl_vit.data.format.masks import check_mask_size
+from ssl_vit.data.format.members import IMAGE_MEMBERS, MAX_IMAGE_PIXELS, RGB, BadSample, Bands
+from ssl_vit.errors import NoUsableData, UserError, first_line
 
 log = logging.getLogger("ssl_vit.data")
 MAX_SKIPS_IN_A_ROW = 1000
@@ -40,144 +37,6 @@ LISTED_IN_A_ROW = 10
 T = TypeVar("T")
 
 
-class BadSample(Exception):
-    """A sample that cannot be used; the message names its key, shard and what is wrong."""
-
-
-# The most classes a label may index where no class count is known (`data inspect` and `data convert
-# wds:` of shards without a manifest): ImageNet-21k has 21,841, the largest face-identity sets about
-# 10^5. A label beyond it is a corrupt sample, not a class (`wds:` would name every class up to it).
-MAX_CLASSES = 1_000_000
-# A `json` member is a sample's metadata (a label, a caption, EXIF; SA-1B's mask annotations, a few
-# MB): one larger than this is skipped before parsing, since Python's objects for a JSON array take up
-# to 16x its bytes.
-MAX_JSON_BYTES = 16 << 20
-_INTEGER = re.compile(r"\s*([+-]?[0-9]+)\s*", re.ASCII)
-
-
-def parse_label(sample: dict, num_classes: int | None = None) -> int:
-    """The label from a `cls` member (ASCII integer) or a `json` member (its `label` or `cls` field:
-    an integer or a string of one); -1 when there is neither, or the field is absent or null.
-
-    Every reader of labels (the training stream, `data inspect`, `data convert wds:` and `mosaic:`)
-    calls this one function. A label is -1 (unlabelled) or a class index below `num_classes` (None:
-    below MAX_CLASSES); anything else is a BadSample saying why: a `json` member that does not parse
-    (too large, not UTF-8, not JSON, nested too deeply), a label that is not an integer (`true`, `3.9`,
-    `1e400`, NaN, an object) or out of range."""
-    if "cls" in sample:
-        label = _integer(_text(sample["cls"], "cls"), "cls")
-    elif "json" in sample:
-        meta = read_json(sample["json"])
-        field = next((f for f in ("label", "cls") if isinstance(meta, dict) and f in meta), None)
-        label = -1 if field is None or meta[field] is None else _integer(meta[field], f"json {field}")
-    else:
-        return -1
-    if label < -1:
-        raise BadSample(f"label {shown(label)} is negative")
-    if num_classes is not None and label >= num_classes:
-        raise BadSample(f"label {shown(label)} is beyond num_classes {num_classes}")
-    if label >= MAX_CLASSES:
-        raise BadSample(f"label {shown(label)} is beyond {MAX_CLASSES:,}, the most classes ssl-vit reads")
-    return label
-
-
-def read_json(data: bytes) -> object:
-    """A sample's `json` member parsed; BadSample when it cannot be, for any reason."""
-    if len(data) > MAX_JSON_BYTES:
-        raise BadSample(f"json member of {len(data):,} bytes, more than {MAX_JSON_BYTES:,}: not parsed")
-    try:
-        return json.loads(data)
-    except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8/16/32
-        raise BadSample(f"json does not parse ({str(err)[:80]})") from None
-    except RecursionError:
-        # CPython's JSON scanner (C or Python) counts every nested array or object against the
-        # interpreter's recursion limit and raises RecursionError there: 200 KB of `[` cannot overflow the
-        # C stack, and fail only the sample. Nesting that deep is no metadata.
-        raise BadSample("json nests arrays or objects too deeply to parse") from None
-
-
-def _text(data: bytes, member: str) -> str:
-    try:
-        return data.decode("ascii")
-    except UnicodeDecodeError:
-        raise BadSample(f"label does not parse: {member} {shown(data)} is not ASCII") from None
-
-
-def _integer(value: object, where: str) -> int:
-    """`value` as a label: an int (not a bool), or a string of decimal digits."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = _INTEGER.fullmatch(value) if isinstance(value, str) else None
-    if match is None:
-        raise BadSample(f"label does not parse: {where} is {shown(value)}, not an integer or a string of one")
-    if len(match[1]) > 20:  # int() of thousands of digits is slow, and refused past 4,300
-        raise BadSample(f"label does not parse: {where} has {len(match[1]):,} digits, no class index has")
-    return int(match[1])
-
-
-def read_mask(
-    sample: dict,
-    num_classes: int | None,
-    required: bool,
-    image_size: tuple[int, int] | None = None,
-    max_pixels: int | None = None,
-) -> np.ndarray | None:
-    """The sample's `seg.png` as uint8 [H, W] class indices, or None when it has none and none is
-    `required` (its split's manifest says `"masks": true`). BadSample for a missing required mask, one
-    that does not decode or is not single-channel 8-bit, one of more than `max_pixels` pixels or whose
-    size is not `image_size` (W, H) (both judged from its header, before it is decoded), and one holding
-    a class of `num_classes` or more other than 255 (ignored)."""
-    data = sample.get(MASK_MEMBER)
-    if data is None:
-        if required:
-            raise BadSample(f"no {MASK_MEMBER} member, and its split's manifest says every sample has a mask")
-        return None
-    try:
-        mask = decode_mask(data, image_size, max_pixels)
-    except MaskSizeError as err:
-        raise BadSample(f"{MASK_MEMBER} {err}") from None
-    except Exception as err:
-        raise BadSample(f"{MASK_MEMBER} does not decode ({first_line(err)})") from None
-    if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
-        raise BadSample(f"{MASK_MEMBER} {beyond_message(beyond, num_classes)}")
-    return mask
-
-
-def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
-    """BadSample when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
-    if wrong := size_mismatch(image_size, array_size(mask)):
-        raise BadSample(f"{MASK_MEMBER} {wrong}")
-
-
-# PIL's own limit (`Image.MAX_IMAGE_PIXELS`, 1024^3 / 4 / 3): beyond it PIL warns and decodes, and
-# refuses only at twice as many. `max_image_pixels` of the data module skips an image above its limit from
-# the header, before any pixel is decoded: one 144 Mpx image would otherwise take 0.5 GB in a worker.
-# An array is also held to 4 bytes per pixel of that limit (an 8-bit RGBA image at the limit), however
-# its bytes are spread over bands.
-MAX_IMAGE_PIXELS = 89_478_485
-
-
-def max_member_bytes(max_pixels: int | None) -> int | None:
-    """The largest tar member a sample within `max_pixels` can need (None: no limit), which the tar
-    reader judges from each member's header and reads past, unheld, when exceeded: an array is held to 4
-    bytes per pixel of the limit, an 8-bit image file takes at most as many (an RGBA PNG of
-    incompressible pixels adds a filter byte per row and deflate's block headers, under 1%), and a
-    label, a mask or a json member far less. Without it a 400 MB member of a 389 KB `.tar.gz` is
-    read into memory before its header says it is too large."""
-    return None if max_pixels is None else math.ceil(4 * max_pixels * 1.01) + (1 << 20)
-
-
-@dataclass(frozen=True)
-class Bands:
-    """The images a data module reads: `channels` bands (None: as stored, for `ssl-vit data inspect`),
-    of `dtype` where its split's manifest records one (None: any of `arrays.ARRAY_DTYPES`, each in its
-    own model units)."""
-
-    channels: int | None = 3
-    dtype: str | None = None
-
-
-RGB = Bands()
 # PIL modes read as arrays (`channels` other than 3) -> the mode they are read in (None: as they are)
 PIL_ARRAY_MODES = {
     "1": "L", "L": "L", "LA": "LA", "P": "RGB", "RGB": "RGB", "RGBA": "RGBA", "CMYK": "RGB", "YCbCr": "RGB",
@@ -207,7 +66,7 @@ def open_image(sample: dict, bands: Bands = RGB, max_pixels: int | None = MAX_IM
     """The sample's first image member, opened from its header: BadSample for one that does not parse,
     one of more than `max_pixels` pixels (None: no limit), and one whose band count or dtype is not
     what `bands` reads (`layout`), all before a pixel is decoded. `npy`, `tif` and `tiff` members and
-    16-bit PNGs are arrays (`ssl_vit.data.arrays`); the rest PIL images."""
+    16-bit PNGs are arrays (`ssl_vit.data.format.arrays`); the rest PIL images."""
     ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
     if ext is None:
         raise BadSample(f"no image member (one of {', '.join(IMAGE_MEMBERS)}); members: {_members(sample)}")

@@ -54,19 +54,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ssl_vit.data import samples
 from ssl_vit.data.device_decode import DeferredCrop, collate_jpegs
 from ssl_vit.data.epoch_order import EpochOrder, SampleIndex, SampleReader, UnreadableShard
-from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
-from ssl_vit.data.samples import (
-    MAX_IMAGE_PIXELS,
-    RGB,
-    BadSample,
-    Bands,
-    SkipCounter,
-    max_member_bytes,
-    open_image,
-    parse_label,
-    read_mask,
-    transform_image,
-)
+from ssl_vit.data.format.masks import IGNORE_INDEX, MASK_MEMBER, read_mask
+from ssl_vit.data.format.members import MAX_IMAGE_PIXELS, RGB, BadSample, Bands, max_member_bytes, parse_label
+from ssl_vit.data.samples import SkipCounter, open_image, transform_image
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.errors import NoUsableData
 from ssl_vit.storage.remote import DEFAULT, ReadPolicy

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 from webdataset.gopen import gopen, gopen_curl, gopen_pipe, gopen_schemes
 from webdataset.tariterators import base_plus_ext, group_by_keys
 
+from ssl_vit.data.format.members import IMAGE_MEMBERS, LABEL_MEMBERS
 from ssl_vit.storage.remote import DEFAULT, ReadPolicy, open_url
 
 _BLOCK = 512
@@ -28,11 +29,6 @@ _LINKS = (b"1", b"2")  # hard, symbolic
 _PAX = (b"x", b"X", b"g")  # X: Solaris' name for x
 _META = (*_PAX, b"L", b"K")  # headers that describe the member after them
 _RECENT = 256  # member names kept to judge the sample in progress at a break: far more than a sample has
-
-# The members a sample's image may be, in the order `samples.decode_image` looks for them, and those
-# `samples.parse_label` reads its label from.
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "npy", "tif", "tiff")
-LABEL_MEMBERS = ("cls", "json")
 
 
 class GzipTarError(tarfile.ReadError):

@@ -38,9 +38,6 @@ from timm.data.auto_augment import rand_augment_transform
 from ssl_vit.errors import BadValue, UserError, shown
 
 Preset = Literal["pretrain", "supervised", "eval"]
-# How `eval` frames an image (`ShardDataModule.eval_view` chooses from the data): `whole` for images stored
-# at the model's resolution, `crop` (resize to image_size / crop_pct, centre crop) for larger ones.
-EvalView = Literal["whole", "crop"]
 DRAFT_SCALES = (8, 4, 2)  # the reductions a JPEG decoder does in the DCT (PIL `Image.draft`)
 RANDAUGMENT_AND_MASKS = (
     "timm's RandAugment moves pixels with draws a segmentation mask (seg.png) cannot follow: for shards "

@@ -1,5 +1,6 @@
 """Shard URLs: brace expansion, a check that every shard can be read before anything starts, and fsspec
-URLs (`s3://`, `gs://`, ...) for webdataset's opener (the manifest beside them: `ssl_vit.data.manifest`).
+URLs (`s3://`, `gs://`, ...) for webdataset's opener (the manifest beside them:
+`ssl_vit.data.format.manifest`).
 
 URLs accept brace ranges (`train-{000000..000127}.tar`), local paths, `file://`, `http(s)://`,
 `pipe:CMD` and fsspec URLs when the matching fsspec package is installed, remote ones read with

@@ -4,7 +4,7 @@ URLS are what the training stream reads (brace ranges, local paths, `file://`, `
 fsspec URLs), read with the same tar reader and retries (`ssl_vit.data.tar_reader`). Of each sample the
 first image member among `jpg`, `jpeg`, `png`, `webp` is kept, its bytes unchanged unless the output
 format or `--max-side` asks for a new encoding, under the sample's own key; the label is read as
-training reads it (`samples.parse_label`: `cls`, ASCII digits, or a `json` member's `label` or `cls`
+training reads it (`members.parse_label`: `cls`, ASCII digits, or a `json` member's `label` or `cls`
 field; neither: unlabelled, -1). A sample without an image member or with a label that does not parse
 or is beyond the manifest's classes, and a shard that cannot be read or breaks off, become `Broken`
 records, which the writer skips and counts.
@@ -25,13 +25,18 @@ from dataclasses import dataclass
 
 import webdataset as wds
 
-from ssl_vit.data.manifest import read_manifest, samples_in
-from ssl_vit.data.samples import MAX_IMAGE_PIXELS, BadSample, max_member_bytes, parse_label
+from ssl_vit.data.format.manifest import read_manifest, samples_in
+from ssl_vit.data.format.members import (
+    CONVERTIBLE_IMAGES,
+    MAX_IMAGE_PIXELS,
+    BadSample,
+    max_member_bytes,
+    parse_label,
+)
 from ssl_vit.data.tar_reader import tar_samples
 from ssl_vit.data.urls import check_urls, expand
 
 log = logging.getLogger("ssl_vit.data")
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 
 
 @dataclass(frozen=True)
@@ -99,9 +104,9 @@ def member_key(key: str) -> str:
 
 def _record(sample: dict, num_classes: int | None) -> tuple[ShardImage | Broken, int]:
     where = f"{sample['__url__']}: {sample['__key__']}"
-    ext = next((e for e in IMAGE_MEMBERS if e in sample), None)
+    ext = next((e for e in CONVERTIBLE_IMAGES if e in sample), None)
     if ext is None:
-        return Broken(f"{where}: no image member ({', '.join(IMAGE_MEMBERS)})"), -1
+        return Broken(f"{where}: no image member ({', '.join(CONVERTIBLE_IMAGES)})"), -1
     try:
         label = parse_label(sample, num_classes)
     except BadSample as err:

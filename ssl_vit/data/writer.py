@@ -2,7 +2,7 @@
 
 Shards are `OUTDIR/{split}-000000.tar ...`, each sample `KEY.png` or `KEY.jpg` (from an array source,
 `KEY.npy`) plus `KEY.cls` (the label as ASCII digits, absent when unlabelled) and, from a source with
-masks, `KEY.seg.png` (its segmentation mask, `ssl_vit.data.masks`), written by `webdataset.TarWriter`
+masks, `KEY.seg.png` (its segmentation mask, `ssl_vit.data.format.masks`), written by `webdataset.TarWriter`
 with a fixed mtime so the same source gives byte-identical shards. Keys are
 `{source}-{split}-{index:08d}`, or for `wds:` the samples' own keys. Records are encoded by
 `--workers` processes (`ssl_vit.data.encode`). The manifest `OUTDIR/{split}.json` is described in
@@ -38,9 +38,9 @@ import numpy as np
 import webdataset as wds
 
 from ssl_vit import progress
-from ssl_vit.data.band_stats import BandStats, merged
 from ssl_vit.data.encode import encode_star
-from ssl_vit.data.masks import IGNORE_INDEX, MASK_MEMBER
+from ssl_vit.data.format.band_stats import BandStats, merged
+from ssl_vit.data.format.masks import IGNORE_INDEX, MASK_MEMBER
 from ssl_vit.data.sources import SOURCES, Source, open_source, source_inputs
 from ssl_vit.errors import UserError
 from ssl_vit.storage.atomic import write_text

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from ssl_vit.data.samples import MAX_CLASSES
+from ssl_vit.data.format.members import MAX_CLASSES
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
 from ssl_vit.models.feature import FEATURES

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.masks import IGNORE_INDEX
+from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.data.urls import local
 from ssl_vit.errors import NoUsableData, UserError
 from ssl_vit.evaluation.cache import FeatureCache

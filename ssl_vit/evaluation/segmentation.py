@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ssl_vit.data.masks import IGNORE_INDEX
+from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.evaluation.stats import Metric
 
 

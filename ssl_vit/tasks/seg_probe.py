@@ -19,7 +19,7 @@ from pytorch_lightning.cli import OptimizerCallable
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 
-from ssl_vit.data.masks import IGNORE_INDEX
+from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.models.feature import FEATURES, names
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import LAST_K, ViTConfig

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from ssl_vit.data.band_transforms import build_array_transform
-from ssl_vit.data.samples import RGB, BadSample, Bands, open_image, read_mask, transform_image
+from ssl_vit.data.format.masks import read_mask
+from ssl_vit.data.format.members import RGB, BadSample, Bands
+from ssl_vit.data.samples import open_image, transform_image
 from ssl_vit.data.transforms import build_transform
 
 LIMIT = 1_000_000  # max_image_pixels for these tests

@@ -753,7 +753,7 @@ def indexed(data: bytes, path) -> list[dict | str]:
     """Every sample `build_index` finds in `data` (written to `path`), read back alone: its dict, or the
     BadSample's reason; the spans checked to lie inside the file, in order."""
     from ssl_vit.data.epoch_order import SampleReader, build_index
-    from ssl_vit.data.samples import BadSample
+    from ssl_vit.data.format.members import BadSample
 
     path.write_bytes(data)
     index = build_index([str(path)])

@@ -22,7 +22,7 @@ held in memory); such an iterable says its length, where known, as `total`, and 
 manifest as `manifest`.
 
 Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`) give each record a third element, its
-mask (`ssl_vit.data.masks.MaskFile`), or a payload that composes image and mask
+mask (`ssl_vit.data.format.masks.MaskFile`), or a payload that composes image and mask
 (`ssl_vit.data.mosaic.Tiles`); their class names are the mask's classes.
 
 Each loader validates what it reads and raises `UserError` with a one-line message naming the file

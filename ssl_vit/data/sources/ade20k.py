@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.masks import IGNORE_INDEX, MaskFile
+from ssl_vit.data.format.masks import IGNORE_INDEX, MaskFile
 from ssl_vit.data.sources import register
 from ssl_vit.errors import UserError
 

@@ -1,5 +1,5 @@
-"""`tiff:DIR` for `ssl-vit data convert`: TIFF images of any band count and dtype (`ssl_vit.data.arrays`),
-stored losslessly as `.npy` members, band-last `(H, W, C)`.
+"""`tiff:DIR` for `ssl-vit data convert`: TIFF images of any band count and dtype
+(`ssl_vit.data.format.arrays`), stored losslessly as `.npy` members, band-last `(H, W, C)`.
 
 - class folders: `DIR/CLASS/**/*.tif` (or `.tiff`), classes the sorted sub-folders, as `imagefolder:`;
   images directly in DIR are unlabelled;
@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ssl_vit.data.arrays import BadArray, open_tiff
+from ssl_vit.data.format.arrays import BadArray, open_tiff
+from ssl_vit.data.format.members import MAX_CLASSES
 from ssl_vit.data.sources import Flag, register
 from ssl_vit.errors import UserError, shown
 
@@ -161,10 +162,6 @@ def _csv_labels(labels: list[str], path: Path) -> tuple[list[str], list[int]]:
         class_names = sorted(set(given))
         index = {name: i for i, name in enumerate(class_names)}
         return class_names, [index[label] if label in index else -1 for label in labels]
-    # Here, not at the top: the registry imports every source for `ssl-vit --help`, which must not
-    # import torch, as ssl_vit.data.samples does.
-    from ssl_vit.data.samples import MAX_CLASSES
-
     for label in given:  # judged by their digits first: `int` refuses more than 4,300 of them
         digits = label.lstrip("+").lstrip("0") or "0"
         if label.startswith("-") or len(digits) > len(str(MAX_CLASSES)) or int(digits) >= MAX_CLASSES:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ssl_vit.data.masks import MaskFile
+from ssl_vit.data.format.masks import MaskFile
 from ssl_vit.data.sources import register
 from ssl_vit.errors import UserError
 

@@ -15,6 +15,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ssl_vit.data.format.members import BadSample
+from ssl_vit.errors import first_line
+
 MASK_MEMBER = "seg.png"
 IGNORE_INDEX = 255
 MASK_MODES = ("L", "P")
@@ -80,6 +83,40 @@ def pixel_counts(mask: np.ndarray) -> dict[int, int]:
     """Class (or IGNORE_INDEX) -> pixels of that value in `mask`, the values present only."""
     counts = np.bincount(mask.ravel(), minlength=256)
     return {int(c): int(counts[c]) for c in np.flatnonzero(counts)}
+
+
+def read_mask(
+    sample: dict,
+    num_classes: int | None,
+    required: bool,
+    image_size: tuple[int, int] | None = None,
+    max_pixels: int | None = None,
+) -> np.ndarray | None:
+    """The sample's `seg.png` as uint8 [H, W] class indices, or None when it has none and none is
+    `required` (its split's manifest says `"masks": true`). BadSample for a missing required mask, one
+    that does not decode or is not single-channel 8-bit, one of more than `max_pixels` pixels or whose
+    size is not `image_size` (W, H) (both judged from its header, before it is decoded), and one holding
+    a class of `num_classes` or more other than 255 (ignored)."""
+    data = sample.get(MASK_MEMBER)
+    if data is None:
+        if required:
+            raise BadSample(f"no {MASK_MEMBER} member, and its split's manifest says every sample has a mask")
+        return None
+    try:
+        mask = decode_mask(data, image_size, max_pixels)
+    except MaskSizeError as err:
+        raise BadSample(f"{MASK_MEMBER} {err}") from None
+    except Exception as err:
+        raise BadSample(f"{MASK_MEMBER} does not decode ({first_line(err)})") from None
+    if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
+        raise BadSample(f"{MASK_MEMBER} {beyond_message(beyond, num_classes)}")
+    return mask
+
+
+def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
+    """BadSample when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
+    if wrong := size_mismatch(image_size, array_size(mask)):
+        raise BadSample(f"{MASK_MEMBER} {wrong}")
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ import json
 import math
 import re
 from collections.abc import Callable
+from typing import Literal
 from urllib.parse import urlparse
 
-from ssl_vit.data.arrays import ARRAY_DTYPES
-from ssl_vit.data.masks import IGNORE_INDEX
-from ssl_vit.data.samples import MAX_CLASSES, Bands
-from ssl_vit.data.transforms import EvalView
+from ssl_vit.data.format.arrays import ARRAY_DTYPES
+from ssl_vit.data.format.masks import IGNORE_INDEX
+from ssl_vit.data.format.members import MAX_CLASSES, Bands
 from ssl_vit.errors import UserError, shown
 from ssl_vit.storage import remote
 from ssl_vit.storage.remote import DEFAULT, ReadPolicy, local_path, without_url
@@ -26,6 +26,9 @@ from ssl_vit.storage.remote import DEFAULT, ReadPolicy, local_path, without_url
 BAND_STATS_KEYS = ("mean", "std", "min", "max")
 _FIX = "fix the file or re-run `ssl-vit data convert`"
 _MISSING = object()
+# How `eval` frames an image (`ShardDataModule.eval_view` chooses from the data): `whole` for images stored
+# at the model's resolution, `crop` (resize to image_size / crop_pct, centre crop) for larger ones.
+EvalView = Literal["whole", "crop"]
 
 
 def manifest_url(shard_url: str) -> str | None:
