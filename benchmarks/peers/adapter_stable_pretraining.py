@@ -63,5 +63,6 @@ def build(method: str, settings: Settings) -> Impl:
 
 
 def timm_encoder(model: nn.Module) -> nn.Module:
-    """The trained timm ViT inside stable-pretraining's MAE (`MaskedEncoder.vit`)."""
-    return model.encoder.vit
+    """The trained timm ViT inside stable-pretraining's model: its MAE wraps it (`MaskedEncoder.vit`),
+    its SimMIM holds it as `encoder`."""
+    return getattr(model.encoder, "vit", model.encoder)
