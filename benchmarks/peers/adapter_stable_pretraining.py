@@ -7,6 +7,16 @@ cells in ssl-vit) and its MaskFeat draws its own masks; its I-JEPA's EMA teacher
 Lightning callback (`TeacherStudentCallback`), outside the step timed here, as is ssl-vit's (in
 `optimizer_step`). Its `Data2Vec` is data2vec (2022), not data2vec 2.0, so it is not compared with
 ssl-vit's data2vec2.
+
+Its I-JEPA does less work per step than the paper's, which ssl-vit follows (`src/train.py` and
+`src/models/vision_transformer.py` of facebookresearch/ijepa), and no option of it changes that: its
+predictor runs once per image on the context and the union of the four target blocks together (S/16:
+about 190 tokens, 8 sequences), where the paper's runs once per block on the context and that block
+alone (about 100 tokens, 4 x 8 sequences), so a target token also attends to the other blocks' mask
+tokens; its blocks are placed once per batch and never overlap, and its context is a random subset of
+the tokens outside them, not a block. At S/16 that is about 260 GFLOP per step against ssl-vit's 280 to
+350 (the masks' sizes vary; speed.py's GFLOP column), the rest of the step alike. Its predictor has one
+head per 64 channels, no option (`Settings.for_method` gives ssl-vit's the same).
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ loop around every implementation (`common.one_step`); each side is its own model
 ViT, with the same decoder (or predictor) size and mask ratio where it has the option (`Settings`).
 One untimed step each, then rounds: every round times one step of each implementation, in an order
 rotated every round, so that a slow moment of the machine falls on all of them alike; the median
-over rounds is reported with its spread (the fastest and slowest round). Parameters are the trained
-ones (a teacher's EMA copy excluded); peak memory is the resident memory one step adds over the
-process that holds no model, measured in a forked child per implementation before any timing
-(`/proc/self/status` VmHWM, reset by `/proc/self/clear_refs`).
+over rounds is reported with its spread (the fastest and slowest round). The untimed step counts the
+work too (GFLOP of its forward and backward, torch's `FlopCounterMode`): where two implementations of
+one method differ in it, they compute different things (masks of random size move it from step to
+step). Parameters are the trained ones (a teacher's EMA copy excluded); peak memory is the resident
+memory one step adds over the process that holds no model, measured in a forked child per
+implementation before any timing (`/proc/self/status` VmHWM, reset by `/proc/self/clear_refs`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 from common import Impl, Settings, one_step, sslvit, trainable
+from torch.utils.flop_counter import FlopCounterMode
 
 ADAPTERS = ("adapter_lightly", "adapter_stable_pretraining")
 METHODS = ("mae", "simmim", "maskfeat", "ijepa")
@@ -79,13 +82,16 @@ def peak_memory(build, images: torch.Tensor) -> int | None:
 
 
 def time_method(builders: dict, images: torch.Tensor, rounds: int) -> dict:
-    """name -> step times (s), one per round, the implementations interleaved."""
-    built = {}
+    """name -> step times (s), one per round, the implementations interleaved, and the FLOPs of the
+    untimed first step."""
+    built, flops = {}, {}
     for name, build in builders.items():
         torch.manual_seed(0)
         impl = build()
         built[name] = (impl, optimizer(impl))
-        one_step(impl, built[name][1], images)  # untimed: first-call allocations, lazy inits
+        with FlopCounterMode(display=False) as counter:  # untimed: first-call allocations, lazy inits
+            one_step(impl, built[name][1], images)
+        flops[name] = counter.get_total_flops()
     names = list(built)
     times = {name: [] for name in names}
     for r in range(rounds):
@@ -97,7 +103,7 @@ def time_method(builders: dict, images: torch.Tensor, rounds: int) -> dict:
     params = {name: trainable(impl.model) for name, (impl, _) in built.items()}
     del built
     gc.collect()
-    return {"times": times, "params": params}
+    return {"times": times, "params": params, "flops": flops}
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -114,14 +120,14 @@ def summarise(rows: list[dict]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     lines = [
         "| variant | method | implementation | img/s | ratio to fastest "
-        "| step s: median (fastest, slowest round) | params (M) | peak memory (MiB) |",
-        "|---|---|---|---:|---:|---|---:|---:|",
+        "| step s: median (fastest, slowest round) | GFLOP per step | params (M) | peak memory (MiB) |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         memory = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] else "n/a"
         lines.append(
             f"| {r['variant']} | {r['method']} | {r['implementation']} | {r['img_s']:.2f} | {r['ratio']:.2f} "
-            f"| {r['median_s']:.2f} ({min(r['times']):.2f}, {max(r['times']):.2f}) "
+            f"| {r['median_s']:.2f} ({min(r['times']):.2f}, {max(r['times']):.2f}) | {r['flops'] / 1e9:.0f} "
             f"| {r['params'] / 1e6:.1f} | {memory} |"
         )
     return "\n".join(lines)
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, times in measured["times"].items():
             rows.append(dict(
                 variant=variant, method=method, implementation=name, batch_size=args.batch_size,
-                times=times, params=measured["params"][name], peak_bytes=memory.get((variant, method, name)),
+                times=times, params=measured["params"][name], flops=measured["flops"][name],
+                peak_bytes=memory.get((variant, method, name)),
             ))  # fmt: skip
             print(f"{variant} {method} {name}: " + " ".join(f"{t:.2f}" for t in times), flush=True)
     load.append(os.getloadavg())
@@ -217,6 +224,8 @@ Written by benchmarks/peers/speed.py (`make peers` runs it); measured, not edite
 - the step: forward, loss, backward, fused AdamW, zero_grad; one untimed step each, then one step of
   every implementation per round, the order rotated each round; the median over rounds, with the
   fastest and slowest round as its spread (the noise)
+- GFLOP per step: forward and backward of the untimed step (one draw of the masks); a method whose
+  implementations differ here does different work in each (the adapters' docstrings say what differs)
 - peak memory: what building the model and one step add to the resident memory, in a forked child
 
 {rows_table}

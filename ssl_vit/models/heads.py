@@ -105,14 +105,18 @@ class MAEDecoder(nn.Module):
         return self.pred(x[:, -num_patches:])
 
     def predict_at(self, encoded: Tokens, idx_keep: Tensor, idx_predict: Tensor) -> Tensor:
-        """Predictions at the positions `idx_predict` (B, M) only -> (B, M, out_dim), in that order: mask
-        tokens there, after the visible tokens at `idx_keep` (B, K); the other masked positions take no
-        part. I-JEPA's predictor, conditioned on where its targets are (sec 3 "Prediction")."""
-        visible = self.embed(encoded.patches)  # (B, K, E)
-        pos = self.pos_embed.expand(visible.shape[0], -1, -1)  # (B, N, E)
-        queries = self.mask_token.to(visible.dtype) + masking.gather_tokens(pos, idx_predict)  # (B, M, E)
-        x = torch.cat([visible + masking.gather_tokens(pos, idx_keep), queries], dim=1)  # (B, K+M, E)
+        """Predictions at each of T groups of positions `idx_predict` (B, T, M) -> (B, T, M, out_dim), in
+        that order: for each group, one sequence of the visible tokens at `idx_keep` (B, K) and mask
+        tokens at the group's positions; the other masked positions take no part. I-JEPA's predictor,
+        run once per target block, conditioned on where its targets are (sec 3 "Prediction")."""
+        batch, groups = idx_predict.shape[:2]
+        visible = self.embed(encoded.patches)  # (B, K, E), once per image, then copied per group
+        pos = self.pos_embed.expand(batch, -1, -1)  # (B, N, E)
+        context = visible + masking.gather_tokens(pos, idx_keep)
         if encoded.cls is not None:
-            x = torch.cat([self.embed(encoded.cls).unsqueeze(1), x], dim=1)
+            context = torch.cat([self.embed(encoded.cls).unsqueeze(1), context], dim=1)  # cls position 0
+        queries = self.mask_token.to(visible.dtype) + masking.gather_tokens(pos, idx_predict.flatten(1))
+        queries = queries.unflatten(1, (groups, -1)).flatten(0, 1)  # (B*T, M, E), sample-major
+        x = torch.cat([context.repeat_interleave(groups, 0), queries], dim=1)  # (B*T, [1+]K+M, E)
         x = self.norm(self.blocks(x))
-        return self.pred(x[:, -idx_predict.shape[1] :])
+        return self.pred(x[:, -idx_predict.shape[2] :]).unflatten(0, (batch, groups))

@@ -20,7 +20,7 @@ from ssl_vit import masking
 from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import MAEDecoder, PatchHead
-from ssl_vit.models.vit import Tokens, ViTConfig
+from ssl_vit.models.vit import ViTConfig
 from ssl_vit.presets import PRESETS
 from ssl_vit.tasks import targets as _targets  # noqa: F401  (registers the targets)
 from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
@@ -271,12 +271,8 @@ class MaskedPatchPretraining(BackboneTask):
         batch = images.shape[0]
         mask = masking.jepa_blocks(batch, self.grid, generator=generator, device=images.device)
         encoded = self.backbone.encode(self.backbone.embed_patches(images), idx_keep=mask.idx_context)
-        blocks = mask.idx_targets.shape[1]
-        # Context tokens copied for each target block: (B*T, ...), sample-major.
-        per_block = Tokens(*(None if t is None else t.repeat_interleave(blocks, 0) for t in encoded))
-        idx_keep = mask.idx_context.repeat_interleave(blocks, 0)
-        pred = self.decoder.predict_at(per_block, idx_keep, mask.idx_targets.flatten(0, 1))  # (B*T, M, D)
-        pred = pred.unflatten(0, (batch, blocks)).flatten(1, 2)  # (B, T*M, D)
+        pred = self.decoder.predict_at(encoded, mask.idx_context, mask.idx_targets)  # (B, T, M, D)
+        pred = pred.flatten(1, 2)  # (B, T*M, D), block after block
         return pred.unflatten(-1, self.target_shape()), mask.idx_targets.flatten(1), encoded.patches.mean(1)
 
     def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
