@@ -10,7 +10,7 @@ The default layout is 100 classes in 100 shards of 200 samples, one class each, 
 class-folder source with `--order source`) writes them; `--classes 10 --per-class 800
 --shards-per-class 0.4` is the `tiff:` class-folder layout of 4 shards of 2,000. Images are 8x8 PNGs:
 the mix does not depend on what the images hold. Prints one line per stream and worker count
-(`ssl_vit.data.class_mix.format_mix`) and the raw-bytes memory each worker holds (the stream of
+(`ssl_vit.data.stream.class_mix.format_mix`) and the raw-bytes memory each worker holds (the stream of
 segments: `shuffle_buffer` samples; the global order: one batch in flight).
 """
 
@@ -26,8 +26,8 @@ import webdataset as wds
 from PIL import Image
 
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.class_mix import batch_mix, format_mix
 from ssl_vit.data.options import Augment, Stream
+from ssl_vit.data.stream.class_mix import batch_mix, format_mix
 
 
 def write_sorted(root: Path, classes: int, per_class: int, shards_per_class: float) -> int:

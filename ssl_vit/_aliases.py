@@ -6,7 +6,9 @@ module now at the new one (the same module object, not a copy). A grep for an ol
 Importing an old path warns (`DeprecationWarning`, naming the new path), attributed to the line that
 imported it: Python's default filters show it where that line is a script's (`__main__`), not where
 a library imports it for a config or a checkpoint. A module that was split answers at its old path with
-the part that kept its main names; a name that left it is found only at its new home."""
+the part that kept its main names; a name that left it is found only at its new home. A module whose
+old path is now a package's (`ssl_vit.data.stream`, `ssl_vit.data.transforms`) cannot answer there:
+its names are found at `ssl_vit.data.stream.pipeline` and `ssl_vit.data.transforms.rgb`."""
 
 from __future__ import annotations
 
@@ -56,6 +58,18 @@ MOVED = {
     "ssl_vit.data.arrays": "ssl_vit.data.format.arrays",
     "ssl_vit.data.band_stats": "ssl_vit.data.format.band_stats",
     "ssl_vit.data.masks": "ssl_vit.data.format.masks",
+    "ssl_vit.data.band_transforms": "ssl_vit.data.transforms.bands",
+    "ssl_vit.data.mixing": "ssl_vit.data.transforms.mixing",
+    "ssl_vit.data.urls": "ssl_vit.data.stream.urls",
+    "ssl_vit.data.tar_reader": "ssl_vit.data.stream.tar_reader",
+    "ssl_vit.data.samples": "ssl_vit.data.stream.samples",
+    "ssl_vit.data.epoch_order": "ssl_vit.data.stream.epoch_order",
+    "ssl_vit.data.position": "ssl_vit.data.stream.position",
+    "ssl_vit.data.identity": "ssl_vit.data.stream.identity",
+    "ssl_vit.data.loaders": "ssl_vit.data.stream.loaders",
+    "ssl_vit.data.workers": "ssl_vit.data.stream.workers",
+    "ssl_vit.data.device_decode": "ssl_vit.data.stream.device_decode",
+    "ssl_vit.data.class_mix": "ssl_vit.data.stream.class_mix",
 }
 
 

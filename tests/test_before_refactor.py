@@ -69,7 +69,10 @@ def test_every_old_module_path_is_the_new_module(old):
     exec(f"from {old} import {public[0]}", {})
 
 
-@pytest.mark.parametrize("old", ["ssl_vit.outdir", "ssl_vit.lock", "ssl_vit.data.remote", "ssl_vit.run_lock"])
+@pytest.mark.parametrize(
+    "old",
+    ["ssl_vit.outdir", "ssl_vit.lock", "ssl_vit.data.remote", "ssl_vit.run_lock", "ssl_vit.data.samples"],
+)
 def test_an_old_path_imported_from_code_warns_naming_the_new_one(old, monkeypatch):
     """Code that imports a module by its old path is told where it went (a `DeprecationWarning` naming
     the new path, attributed to the importing line), and still gets the module."""

@@ -20,7 +20,7 @@ from test_errors import error_line
 from ssl_vit import plugins
 from ssl_vit.cli.moved_options import _move_options
 from ssl_vit.data.options import GROUPS, MOVED, Augment, check_groups
-from ssl_vit.data.transforms import build_transform
+from ssl_vit.data.transforms.rgb import build_transform
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.registry import NAME, Registry
 

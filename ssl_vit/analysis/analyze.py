@@ -36,7 +36,7 @@ from ssl_vit.analysis import attention, embeddings, pictures
 from ssl_vit.analysis.images import read_images
 from ssl_vit.checkpoints import load_backbone
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.urls import shard_directories
+from ssl_vit.data.stream.urls import shard_directories
 from ssl_vit.errors import UserError
 from ssl_vit.internals import CLASS_PATH_KEY
 from ssl_vit.models.vit import ViTConfig

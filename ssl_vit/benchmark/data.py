@@ -83,7 +83,7 @@ def _worker_rss_kib() -> int:
 
 def _bare_loop(jpegs: list[bytes], samples: int, image_size: int, crop_scale: tuple[float, float]) -> float:
     """Images/s of a hand-written loop: full decode + the pipeline's crop, flip and tensor, nothing else."""
-    from ssl_vit.data.transforms import RandomResizedCrop
+    from ssl_vit.data.transforms.rgb import RandomResizedCrop
 
     size = (image_size, image_size)
     crop = RandomResizedCrop(image_size, scale=crop_scale, draft=False)  # only its box(): torchvision's

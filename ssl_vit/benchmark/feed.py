@@ -17,7 +17,7 @@ Each worker's first `WARMUP_BATCHES` batches are not timed (process start-up, fi
 shuffle buffer primed); then `batches` per worker are, the device synchronised at both ends. The
 DataLoader takes batches from its workers in turn, so the timed window holds whole rounds of them.
 
-Each row also gives the batches' class mix when the shards are labelled (`ssl_vit.data.class_mix`:
+Each row also gives the batches' class mix when the shards are labelled (`ssl_vit.data.stream.class_mix`:
 distinct classes per batch from the first batch on, against a uniform shuffle of the classes the
 manifest counts; how often neighbours share a class, against the same): what the order the shards were
 written in does to the batches, which `benchmarks/stream_mix.py` measures on class-sorted layouts.
@@ -39,10 +39,10 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 
 from ssl_vit.benchmark.data import make_jpegs, write_shards
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.class_mix import batch_mix, format_mix
 from ssl_vit.data.format.manifest import channel_choices, read_manifest
 from ssl_vit.data.options import Augment
-from ssl_vit.data.urls import expand
+from ssl_vit.data.stream.class_mix import batch_mix, format_mix
+from ssl_vit.data.stream.urls import expand
 
 CROP_SCALE = (0.2, 1.0)  # the imagenet1k recipes' (MAE's pretraining crop)
 IMAGES, SHARDS = 256, 8  # distinct JPEGs, and the tars holding them (the stream resamples them)

@@ -149,7 +149,7 @@ def _end_early() -> None:
             threading.__excepthook__(info)
 
     sys.unraisablehook, threading.excepthook = unraisable, in_thread
-    workers = sys.modules.get("ssl_vit.data.workers")
+    workers = sys.modules.get("ssl_vit.data.stream.workers")
     if workers is not None:  # workers end now, not after their grace (nor after this process)
         workers.stop_all_workers()
     gc.collect()

@@ -255,7 +255,7 @@ def _feed(args) -> int:
     check_jpeg_options(args)
     _check(args)
     if args.shards is not None:
-        from ssl_vit.data.urls import check_urls, expand
+        from ssl_vit.data.stream.urls import check_urls, expand
 
         check_urls(expand(args.shards, "--shards"), "--shards")
     if args.step_json is not None:

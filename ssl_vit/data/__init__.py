@@ -1,9 +1,8 @@
 """Data: the shard format and its limits (`format`: members, manifests, arrays, masks, band statistics);
-sources -> WebDataset shards (`writer`); the streaming pipeline, one job per module: `urls` (expansion,
-checks) -> `tar_reader` (tar members) -> `samples` (images, skip counting) -> `stream` (training and
-exact-pass streams), with `transforms`; `loaders` (its DataLoaders) and `workers` (their workers under
-job signals); `checks` (argument checks, light to import); `ShardDataModule` (`datamodule`) and its
-metrics callback `LogSkippedSamples` (`skip_log`).
+sources -> WebDataset shards (`writer`); transforms of decoded images (`transforms`: RGB and band
+presets, mixing); shards -> batches (`stream`: urls, tar reading, samples, the training and exact-pass
+streams, their DataLoaders and workers, positions, identity); `checks` (argument checks, light to
+import); `ShardDataModule` (`datamodule`) and its metrics callback `LogSkippedSamples` (`skip_log`).
 
 `ShardDataModule` is imported on first use so that `ssl-vit data convert` does not pay for Lightning.
 """

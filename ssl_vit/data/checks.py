@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ssl_vit.data.urls import check_urls, expand
+from ssl_vit.data.stream.urls import check_urls, expand
 from ssl_vit.errors import BadValue, UserError, shown
 from ssl_vit.storage.remote import ReadPolicy
 

@@ -11,7 +11,7 @@
 
 Training reads the epoch's one random order of every sample over local shards (`epoch_order`; remote
 and compressed shards: a resampled stream of segments), a fixed number of batches per rank per epoch;
-validation and test are exact passes (see `ssl_vit.data.stream`). Batches reach the model as dicts:
+validation and test are exact passes (see `ssl_vit.data.stream.pipeline`). Batches reach the model as dicts:
 `image` float32 [B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the
 DataLoaders give uint8 for 8-bit images, float32 in model units for 16-bit and float ones, converted
 on the device by `prepare_batch`),
@@ -19,8 +19,9 @@ on the device by `prepare_batch`),
 segmentation masks (`seg.png`: a class index per pixel of `image`, 255 ignored; cropped, flipped and
 resized with the image, nearest-neighbour; passed through untouched), `skipped` (bad samples the
 batch's worker dropped since its previous batch), during training `stream` (the position of the batch's
-worker, which makes the training DataLoader resumable mid-epoch: `ssl_vit.data.position`), and with
-mixup/cutmix/label smoothing also `target` float [B,K] (timm's soft targets, `ssl_vit.data.mixing`).
+worker, which makes the training DataLoader resumable mid-epoch: `ssl_vit.data.stream.position`), and
+with mixup/cutmix/label smoothing also `target` float [B,K] (timm's soft targets,
+`ssl_vit.data.transforms.mixing`).
 
 Its options come flat (the everyday ones) and in groups (`ssl_vit.data.options`: `augment`, `stream`,
 `limits`). The class's other jobs are each a module of their own: the manifests and what is decided
@@ -43,21 +44,21 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader
 
-from ssl_vit.data.band_transforms import build_array_transform
 from ssl_vit.data.checks import SPLITS, STAGE_SPLITS, check_counts, check_shard_urls
-from ssl_vit.data.device_decode import device_transform, place_jpegs
-from ssl_vit.data.epoch_order import SampleIndex, build_index, indexable
 from ssl_vit.data.format import manifest as manifests
 from ssl_vit.data.format.band_stats import normalisation
 from ssl_vit.data.format.manifest import EvalView, Manifests
-from ssl_vit.data.identity import check_same_data, identity
-from ssl_vit.data.loaders import EpochLoader, ShardLoader
-from ssl_vit.data.mixing import Mixing
 from ssl_vit.data.options import DEFAULTS, GROUPS, MOVED, Augment, Limits, Stream
-from ssl_vit.data.position import TrainingPosition, check_step
-from ssl_vit.data.stream import DryShards, ShardStream
-from ssl_vit.data.transforms import RANDAUGMENT_AND_MASKS, Preset, build_transform, normalize
-from ssl_vit.data.urls import expand
+from ssl_vit.data.stream.device_decode import device_transform, place_jpegs
+from ssl_vit.data.stream.epoch_order import SampleIndex, build_index, indexable
+from ssl_vit.data.stream.identity import check_same_data, identity
+from ssl_vit.data.stream.loaders import EpochLoader, ShardLoader
+from ssl_vit.data.stream.pipeline import DryShards, ShardStream
+from ssl_vit.data.stream.position import TrainingPosition, check_step
+from ssl_vit.data.stream.urls import expand
+from ssl_vit.data.transforms.bands import build_array_transform
+from ssl_vit.data.transforms.mixing import Mixing
+from ssl_vit.data.transforms.rgb import RANDAUGMENT_AND_MASKS, Preset, build_transform, normalize
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.internals import restart_fetcher
 
@@ -93,8 +94,8 @@ class ShardDataModule(pl.LightningDataModule):
         decode: where training JPEGs are decoded. `cpu`: in the DataLoader workers. `device`: the workers
             read the tars and draw each crop box and flip from the JPEG's header (the same draws as
             `cpu`), and the batch is decoded, cropped, resized and flipped on the device it is moved to
-            (`ssl_vit.data.device_decode`), which frees the workers' cores; other formats, CMYK JPEGs and
-            JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`);
+            (`ssl_vit.data.stream.device_decode`), which frees the workers' cores; other formats, CMYK
+            JPEGs and JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`);
             segmentation masks are cropped and flipped in the workers with the same box and flip.
             Random-resized-crop presets (`pretrain`, `supervised` without RandAugment) only;
             validation and test are decoded on the CPU.
@@ -159,7 +160,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.batches_per_epoch: int | None = None  # per rank, known at setup
         self.rank, self.world_size = 0, 1
         self.position = TrainingPosition(seed)
-        self.mixing = Mixing(augment)
+        self.mixing = Mixing(augment.mixup_alpha, augment.cutmix_alpha, augment.label_smoothing)
         first = next((u for u in (train_urls, val_urls, test_urls) if u), None)
         shown = first if isinstance(first, str) else "URLS"
         stats = self.manifest if "auto" in (mean, std) else None  # read only when asked for
@@ -257,7 +258,8 @@ class ShardDataModule(pl.LightningDataModule):
     @cached_property
     def train_index(self) -> SampleIndex | None:
         """Where every kept training sample lies, when the training shards are local uncompressed files
-        (`ssl_vit.data.epoch_order`): the stream then reads the epoch's global order. None otherwise."""
+        (`ssl_vit.data.stream.epoch_order`): the stream then reads the epoch's global order. None
+        otherwise."""
         urls = self._split_urls("train")
         if not indexable(urls):
             return None
@@ -409,15 +411,15 @@ class ShardDataModule(pl.LightningDataModule):
         return {**batch, "image": normalize(batch["image"], self.mean, self.std)}
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        """`prepare_batch`, then mixup/cutmix/label smoothing (timm, `ssl_vit.data.mixing`) on whole
-        training batches, on the device."""
+        """`prepare_batch`, then mixup/cutmix/label smoothing (timm, `ssl_vit.data.transforms.mixing`) on
+        whole training batches, on the device."""
         batch = self.prepare_batch(batch)
         training = self.trainer is not None and self.trainer.training
         if training and "stream" in batch and self.position.loader is not None:
             self.position.loader.record(batch)
         return self.mixing(batch, self.num_classes) if training and self.augment.mixes else batch
 
-    # --- the training stream's position in checkpoints (`ssl_vit.data.position`) ----------------------
+    # --- the training stream's position in checkpoints (`ssl_vit.data.stream.position`) --------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The training stream's position (`TrainingPosition.state`), and what it reads (`identity`)."""

@@ -23,14 +23,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ssl_vit.data.class_mix import uniform_distinct
 from ssl_vit.data.format.band_stats import BandStats, merged
 from ssl_vit.data.format.manifest import channel_choices, manifest_url, read_manifest
 from ssl_vit.data.format.masks import IGNORE_INDEX, pixel_counts, read_mask
 from ssl_vit.data.format.members import MAX_IMAGE_PIXELS, RGB, BadSample, Bands, parse_label
-from ssl_vit.data.samples import layout, open_image, pixels
-from ssl_vit.data.stream import iter_samples
-from ssl_vit.data.urls import check_urls, expand
+from ssl_vit.data.stream.class_mix import uniform_distinct
+from ssl_vit.data.stream.pipeline import iter_samples
+from ssl_vit.data.stream.samples import layout, open_image, pixels
+from ssl_vit.data.stream.urls import check_urls, expand
 from ssl_vit.errors import UserError
 from ssl_vit.storage.atomic import write_text
 from ssl_vit.storage.remote import local_path

@@ -34,7 +34,7 @@ from PIL import Image
 from ssl_vit.data import wds_source
 from ssl_vit.data.format.manifest import manifest_url
 from ssl_vit.data.format.masks import IGNORE_INDEX
-from ssl_vit.data.urls import expand
+from ssl_vit.data.stream.urls import expand
 from ssl_vit.data.wds_source import Broken, ShardImage
 from ssl_vit.errors import UserError, first_line
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from ssl_vit.data.checks import check_counts, check_seconds, read_policy
 from ssl_vit.data.format.members import MAX_IMAGE_PIXELS
-from ssl_vit.data.transforms import Preset
+from ssl_vit.data.transforms.rgb import Preset
 from ssl_vit.errors import BadValue, shown
 from ssl_vit.storage.remote import ReadPolicy
 
@@ -99,16 +99,16 @@ class Augment:
 @dataclass(frozen=True)
 class Stream:
     """The training stream: its shuffle, and a resume on other data. Over local uncompressed shards the
-    stream reads the epoch's one random order of every sample (`ssl_vit.data.epoch_order`), and the two
+    stream reads the epoch's one random order of every sample (`ssl_vit.data.stream.epoch_order`), and the two
     shuffle options do not apply; they shape the stream of remote and compressed shards.
 
     Args:
         shuffle_buffer: samples in the raw-bytes shuffle buffer of each training worker (remote shards).
         segment_shards: a training worker draws its remote shards in segments of this many, each shuffled
             on its own; a resumed run re-reads (without decoding) at most one segment per worker to get
-            back to where it stopped (`ssl_vit.data.stream`).
+            back to where it stopped (`ssl_vit.data.stream.pipeline`).
         on_data_change: a resume whose training shards or manifest differ from the checkpoint's
-            (`ssl_vit.data.identity`) cannot be exact: `warn` says so in one line and goes on, `refuse`
+            (`ssl_vit.data.stream.identity`) cannot be exact: `warn` says so in one line and goes on, `refuse`
             stops with that line.
     """
 

@@ -1,7 +1,7 @@
 """The `wds:URLS` source: existing WebDataset shards, re-sharded (another shard size, `--max-side`).
 
 URLS are what the training stream reads (brace ranges, local paths, `file://`, `http(s)://`, `pipe:`,
-fsspec URLs), read with the same tar reader and retries (`ssl_vit.data.tar_reader`). Of each sample the
+fsspec URLs), read with the same tar reader and retries (`ssl_vit.data.stream.tar_reader`). Of each sample the
 first image member among `jpg`, `jpeg`, `png`, `webp` is kept, its bytes unchanged unless the output
 format or `--max-side` asks for a new encoding, under the sample's own key; the label is read as
 training reads it (`members.parse_label`: `cls`, ASCII digits, or a `json` member's `label` or `cls`
@@ -33,8 +33,8 @@ from ssl_vit.data.format.members import (
     max_member_bytes,
     parse_label,
 )
-from ssl_vit.data.tar_reader import tar_samples
-from ssl_vit.data.urls import check_urls, expand
+from ssl_vit.data.stream.tar_reader import tar_samples
+from ssl_vit.data.stream.urls import check_urls, expand
 
 log = logging.getLogger("ssl_vit.data")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.format.masks import IGNORE_INDEX
-from ssl_vit.data.urls import local
+from ssl_vit.data.stream.urls import local
 from ssl_vit.errors import NoUsableData, UserError
 from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.protocol import Protocol

@@ -54,7 +54,7 @@ from pydantic.dataclasses import dataclass
 from ssl_vit.analysis.attention import attention_distance
 from ssl_vit.analysis.images import read_images
 from ssl_vit.checkpoints import load_backbone
-from ssl_vit.data.urls import shard_directories
+from ssl_vit.data.stream.urls import shard_directories
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.features import local_device

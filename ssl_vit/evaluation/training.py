@@ -29,7 +29,7 @@ from torch.optim import SGD, AdamW, Optimizer
 from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import grouped
-from ssl_vit.data.transforms import Preset
+from ssl_vit.data.transforms.rgb import Preset
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import datamodule_args
 from ssl_vit.evaluation.features import Features, local_device

@@ -19,7 +19,7 @@ training starts: a save at the first step's end, and the requeue.
 
 A DataLoader worker that dies during training (the kernel's out-of-memory killer, a `kill`) ends the run
 too. Its death is reported from a loader's `next`, between two steps (the data module defers torch's
-report, which would otherwise come mid-step: `ssl_vit.data.workers.DeadWorkers`), so the state is
+report, which would otherwise come mid-step: `ssl_vit.data.stream.workers.DeadWorkers`), so the state is
 saved the same way; not in a job of several processes (the other ranks are not at that boundary).
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from ssl_vit.data.workers import stop_all_workers
+from ssl_vit.data.stream.workers import stop_all_workers
 from ssl_vit.errors import worker_died
 from ssl_vit.internals import stop_as_on_sigterm
 from ssl_vit.signals import received

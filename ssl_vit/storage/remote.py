@@ -225,7 +225,7 @@ def _after_failure(url: str, policy: ReadPolicy, err: Exception, kind: str, trie
     time.sleep(wait)
 
 
-_jitter = random.Random()  # its own: the global RNGs are seeded per sample (ssl_vit.data.stream)
+_jitter = random.Random()  # its own: the global RNGs are seeded per sample (ssl_vit.data.stream.pipeline)
 
 
 def _reason(err: BaseException, policy: ReadPolicy) -> str:

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from ssl_vit.data.band_transforms import build_array_transform
 from ssl_vit.data.format.masks import read_mask
 from ssl_vit.data.format.members import RGB, BadSample, Bands
-from ssl_vit.data.samples import open_image, transform_image
-from ssl_vit.data.transforms import build_transform
+from ssl_vit.data.stream.samples import open_image, transform_image
+from ssl_vit.data.transforms.bands import build_array_transform
+from ssl_vit.data.transforms.rgb import build_transform
 
 LIMIT = 1_000_000  # max_image_pixels for these tests
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -67,7 +67,7 @@ def test_tiff_with_a_labels_csv_of_names_or_indices(cli, tmp_path):
 
 def test_eurosat_splits_by_seed_or_by_its_lists_with_band_names(cli, tmp_path):
     from ssl_vit.data.format.arrays import open_npy
-    from ssl_vit.data.stream import iter_samples
+    from ssl_vit.data.stream.pipeline import iter_samples
 
     fake_eurosat(tmp_path / "eurosat")
     counts = {}

@@ -28,9 +28,9 @@ from webdataset.tariterators import group_by_keys
 from ssl_vit.data import ShardDataModule, wds_source
 from ssl_vit.data.format.manifest import read_manifest
 from ssl_vit.data.format.members import MAX_CLASSES, BadSample, parse_label
-from ssl_vit.data.identity import identity
 from ssl_vit.data.inspect import inspect_urls
-from ssl_vit.data.tar_reader import LinkMember, UnkeyedMember, tar_file_members, tar_files
+from ssl_vit.data.stream.identity import identity
+from ssl_vit.data.stream.tar_reader import LinkMember, UnkeyedMember, tar_file_members, tar_files
 from ssl_vit.errors import UserError
 
 

@@ -3,7 +3,7 @@
 import json
 import os
 
-from ssl_vit.data.identity import changes, identity
+from ssl_vit.data.stream.identity import changes, identity
 
 
 def shards(tmp_path, sizes: dict[str, int]) -> list[str]:

@@ -289,7 +289,7 @@ def test_bad_masks_are_skipped_and_counted_with_one_line_each(cli, bad_masks, tm
 # sha256 (first 16 hex digits) of the batches each stream below gave with the code as it was before
 # masks existed (torch 2.14.1, Pillow 13.0): the draws, draft decoding and framing of images are theirs.
 BEFORE_MASKS = {
-    # training batches as the epoch's global order reads them (`ssl_vit.data.epoch_order`)
+    # training batches as the epoch's global order reads them (`ssl_vit.data.stream.epoch_order`)
     "pretrain": "a0e6c66ea78f68de",
     "randaugment": "c993e3b69a3fdb9e",
     "device": "e598fca0c94015d2",

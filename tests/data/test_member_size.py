@@ -12,7 +12,7 @@ from cli_helpers import run_cli
 
 from ssl_vit.data.datamodule import ShardDataModule
 from ssl_vit.data.format.members import MAX_IMAGE_PIXELS, max_member_bytes
-from ssl_vit.data.tar_reader import OversizeMember, tar_file_members, tar_files
+from ssl_vit.data.stream.tar_reader import OversizeMember, tar_file_members, tar_files
 
 SIDE = 20_000  # 400 Mpx: above the default limit (89.5 Mpx), and 400 MB more than its member limit
 

@@ -19,8 +19,8 @@ from webdataset.gopen import gopen_pipe
 
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Limits
-from ssl_vit.data.samples import SkipCounter
-from ssl_vit.data.tar_reader import tar_file_members
+from ssl_vit.data.stream.samples import SkipCounter
+from ssl_vit.data.stream.tar_reader import tar_file_members
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.suite import load_suite
 from ssl_vit.run.checkpointing import SafeCheckpointIO
@@ -234,5 +234,5 @@ def test_the_default_loader_timeout_outlasts_a_shards_tries():
     assert ShardDataModule(limits=Limits(read_retries=0, read_timeout_s=5)).loader_timeout_s == 10
     assert (
         sys.modules["webdataset.gopen"].gopen_schemes["https"]
-        is sys.modules["ssl_vit.data.tar_reader"]._gopen
+        is sys.modules["ssl_vit.data.stream.tar_reader"]._gopen
     )  # webdataset reads as we do

@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader
 
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Augment, Limits, Stream
-from ssl_vit.data.samples import decode_image
-from ssl_vit.data.stream import ShardStream, _stack
-from ssl_vit.data.transforms import Decode, RandomResizedCrop, build_transform, decode
+from ssl_vit.data.stream.pipeline import ShardStream, _stack
+from ssl_vit.data.stream.samples import decode_image
+from ssl_vit.data.transforms.rgb import Decode, RandomResizedCrop, build_transform, decode
 from ssl_vit.errors import UserError
 
 TINY = {"image_size": 16, "augment": Augment(eval_crop_pct=1.0)}
@@ -189,7 +189,7 @@ def test_training_stream_counts_bad_samples(tmp_path):
 
 
 def test_only_bad_samples_is_an_error_in_training_not_a_hang(tmp_path, monkeypatch):
-    import ssl_vit.data.samples
+    import ssl_vit.data.stream.samples
 
     with wds.TarWriter(str(tmp_path / "bad-000000.tar")) as sink:
         sink.write({"__key__": "x", "png": b"nope", "cls": "1"})
@@ -200,7 +200,7 @@ def test_only_bad_samples_is_an_error_in_training_not_a_hang(tmp_path, monkeypat
     with pytest.raises(UserError, match="bad samples in a row and none usable"):
         list(dm.train_dataloader())
     # an exact pass is finite: a long run of bad samples is skipped and counted, never fatal
-    monkeypatch.setattr(ssl_vit.data.samples, "MAX_SKIPS_IN_A_ROW", 2)
+    monkeypatch.setattr(ssl_vit.data.stream.samples, "MAX_SKIPS_IN_A_ROW", 2)
     good, bad = write_broken_shard(tmp_path / "broken-000000.tar", np.random.default_rng(0))
     dm = ShardDataModule(val_urls=str(tmp_path / "broken-000000.tar"), batch_size=8, num_workers=0, **TINY)
     dm.setup("validate")

@@ -12,8 +12,8 @@ import webdataset as wds
 from data_helpers import image_bytes
 
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.class_mix import batch_mix, uniform_distinct
 from ssl_vit.data.options import Augment
+from ssl_vit.data.stream.class_mix import batch_mix, uniform_distinct
 
 CLASSES, PER_CLASS, BATCH = 20, 24, 24  # one shard per class: 480 samples, 20 batches of 24
 
@@ -76,7 +76,7 @@ def test_the_stream_of_segments_of_compressed_shards_does_not_mix_them(sorted_sh
     """What the global order replaces, kept for remote and compressed shards: a worker reads a segment's
     shards one after another through a shuffle buffer, so class-sorted shards give batches of a few
     classes (data/README.md says so)."""
-    from ssl_vit.data.urls import expand
+    from ssl_vit.data.stream.urls import expand
 
     for url in expand(sorted_shards, "urls"):
         (tmp_path / url.rsplit("/", 1)[1]).write_bytes(gzip.compress(open(url, "rb").read()))

@@ -25,7 +25,7 @@ from webdataset.tariterators import base_plus_ext, group_by_keys
 
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Augment
-from ssl_vit.data.tar_reader import GzipTarError, tar_file_members, tar_files
+from ssl_vit.data.stream.tar_reader import GzipTarError, tar_file_members, tar_files
 
 END = bytes(1024)  # end-of-archive blocks
 
@@ -752,8 +752,8 @@ def test_data_inspect_counts_link_members(tmp_path):
 def indexed(data: bytes, path) -> list[dict | str]:
     """Every sample `build_index` finds in `data` (written to `path`), read back alone: its dict, or the
     BadSample's reason; the spans checked to lie inside the file, in order."""
-    from ssl_vit.data.epoch_order import SampleReader, build_index
     from ssl_vit.data.format.members import BadSample
+    from ssl_vit.data.stream.epoch_order import SampleReader, build_index
 
     path.write_bytes(data)
     index = build_index([str(path)])

@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data import urls as urls_module
 from ssl_vit.data.options import Augment
-from ssl_vit.data.urls import check_urls
+from ssl_vit.data.stream import urls as urls_module
+from ssl_vit.data.stream.urls import check_urls
 from ssl_vit.errors import UserError
 
 pytest_plugins = ["server_helpers"]  # the `nginx` fixture

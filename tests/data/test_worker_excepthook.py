@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ssl_vit.data.workers import Workers
+from ssl_vit.data.stream.workers import Workers
 
 
 def raised_in(module: str, error: BaseException):

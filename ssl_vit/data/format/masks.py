@@ -2,7 +2,7 @@
 L, or P whose palette indices are the classes), one class index per pixel of the sample's image, and
 `IGNORE_INDEX` (255) for pixels that belong to no class (object borders, "other") and are never
 scored. Read and checked the same way where shards are written (`ssl-vit data convert`), streamed
-(`ssl_vit.data.stream`) and inspected (`ssl-vit data inspect`).
+(`ssl_vit.data.stream.pipeline`) and inspected (`ssl-vit data inspect`).
 """
 
 from __future__ import annotations

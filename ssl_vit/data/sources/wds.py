@@ -11,7 +11,7 @@ def shard_inputs(spec: str) -> list[Input]:
     """The local shards among the URLS of `spec`: OUTDIR must not be one or hold one (its shards and
     manifest would land on or beside them); a folder beside them, or inside their directory, is fine,
     since the URLS name their files."""
-    from ssl_vit.data.urls import expand  # (see `load`)
+    from ssl_vit.data.stream.urls import expand  # (see `load`)
     from ssl_vit.storage.remote import local_path
 
     paths = (local_path(url) for url in expand(spec.partition(":")[2], spec))

@@ -8,7 +8,7 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import grouped
-from ssl_vit.data.urls import local
+from ssl_vit.data.stream.urls import local
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import datamodule_args
 from ssl_vit.evaluation.knn import knn_correct

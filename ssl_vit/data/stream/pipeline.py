@@ -5,7 +5,7 @@ Two kinds of stream (every rank must run the same number of steps, or DDP hangs)
 
 - training, a fixed number of batches per rank per epoch so every rank steps together: over local
   uncompressed shards, the rank's slices of the epoch's one random order of every sample, read back
-  sample by sample (`ssl_vit.data.epoch_order`: the order, the slots, the elastic resume); over remote
+  sample by sample (`ssl_vit.data.stream.epoch_order`: the order, the slots, the elastic resume); over remote
   or compressed shards, which cannot be read at random, shards resampled per rank and worker through a
   shuffle buffer over raw bytes (what the rest of this docstring describes);
 - exact pass: shards split by rank and worker so every sample is seen exactly once across ranks.
@@ -51,13 +51,13 @@ import webdataset as wds
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ssl_vit.data import samples
-from ssl_vit.data.device_decode import DeferredCrop, collate_jpegs
-from ssl_vit.data.epoch_order import EpochOrder, SampleIndex, SampleReader, UnreadableShard
 from ssl_vit.data.format.masks import IGNORE_INDEX, MASK_MEMBER, read_mask
 from ssl_vit.data.format.members import MAX_IMAGE_PIXELS, RGB, BadSample, Bands, max_member_bytes, parse_label
-from ssl_vit.data.samples import SkipCounter, open_image, transform_image
-from ssl_vit.data.tar_reader import tar_samples
+from ssl_vit.data.stream import samples
+from ssl_vit.data.stream.device_decode import DeferredCrop, collate_jpegs
+from ssl_vit.data.stream.epoch_order import EpochOrder, SampleIndex, SampleReader, UnreadableShard
+from ssl_vit.data.stream.samples import SkipCounter, open_image, transform_image
+from ssl_vit.data.stream.tar_reader import tar_samples
 from ssl_vit.errors import NoUsableData
 from ssl_vit.storage.remote import DEFAULT, ReadPolicy
 
@@ -79,7 +79,7 @@ class WorkerPosition:
 
 @dataclass(frozen=True)
 class OrderStart:
-    """Where a training pass over an indexed epoch (`ssl_vit.data.epoch_order`) starts: the samples of
+    """Where a training pass over an indexed epoch (`ssl_vit.data.stream.epoch_order`) starts: the samples of
     the epoch's order that training consumed before it, on all ranks together."""
 
     samples: int = 0
@@ -106,7 +106,7 @@ class ShardStream(IterableDataset):
 
     The webdataset pipeline is built inside each worker (in `__iter__`), where the worker id is known;
     `epoch` and `resume` are set from the main process before each pass (see
-    `ssl_vit.data.loaders.EpochLoader`).
+    `ssl_vit.data.stream.loaders.EpochLoader`).
     `classes` and `keys` keep only the samples with these labels and these `__key__`s. Remote shards
     are read with `read_policy` (`ssl_vit.storage.remote`: retries, read timeout). A sample's `seg.png`
     is read whenever it has one; with `masks` (its split's manifest says `"masks": true`) a sample
@@ -198,8 +198,8 @@ class ShardStream(IterableDataset):
     def _ordered_batches(
         self, start: int, worker: int, num_workers: int, counter: SkipCounter, in_worker: bool
     ) -> Iterator[dict]:
-        """This worker's batches of the rest of the epoch's order (`ssl_vit.data.epoch_order`) after the
-        `start` samples consumed: data steps `worker, worker + num_workers, ...` from there, this rank's
+        """This worker's batches of the rest of the epoch's order (`ssl_vit.data.stream.epoch_order`) after
+        the `start` samples consumed: data steps `worker, worker + num_workers, ...` from there, this rank's
         slice of each. `stream` in each batch: the samples of the order consumed once it is."""
         step = self.batch_size * self.world_size
         steps = (self.batches_per_epoch * step - start) // step

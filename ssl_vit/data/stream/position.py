@@ -2,7 +2,7 @@
 pass starts: afresh, where a resumed checkpoint stopped (`load`), or past batches a rollback skips
 (`skip`).
 
-Over local shards the stream reads the epoch's global order (`ssl_vit.data.epoch_order`), a function of
+Over local shards the stream reads the epoch's global order (`ssl_vit.data.stream.epoch_order`), a function of
 the seed, the epoch and the data only: a position is the epoch and the samples of its order consumed,
 the same on every rank, and a resume continues there on any number of ranks and workers, exactly, as
 long as a data step (batch_size x ranks) keeps its size. Over remote or compressed shards every worker's
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ssl_vit.data.loaders import EpochLoader
-from ssl_vit.data.stream import OrderStart, ResumePlan, ShardStream, WorkerPosition
+from ssl_vit.data.stream.loaders import EpochLoader
+from ssl_vit.data.stream.pipeline import OrderStart, ResumePlan, ShardStream, WorkerPosition
 from ssl_vit.errors import UserError
 
 log = logging.getLogger("ssl_vit.data")

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from ssl_vit.data.transforms import (
+from ssl_vit.data.transforms.rgb import (
     HorizontalFlip,
     RandomResizedCrop,
     decode,

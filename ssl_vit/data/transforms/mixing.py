@@ -1,13 +1,12 @@
 """Mixup, cutmix and label smoothing (timm) of whole training batches, on the device the batch is on:
-the images blended and a soft `target` float [B, K] added to the batch (`Augment.mixup_alpha`,
-`cutmix_alpha`, `label_smoothing`)."""
+the images blended and a soft `target` float [B, K] added to the batch (the data module's
+`augment.mixup_alpha`, `cutmix_alpha`, `label_smoothing`)."""
 
 from __future__ import annotations
 
 from timm.data import Mixup
 from timm.data.mixup import mixup_target
 
-from ssl_vit.data.options import Augment
 from ssl_vit.errors import UserError
 
 
@@ -15,11 +14,11 @@ class Mixing:
     """timm's `Mixup` over training batches (dicts with `image` [B,C,H,W] and `label` [B]), built at the
     first batch, when the class count is known."""
 
-    def __init__(self, augment: Augment) -> None:
+    def __init__(self, mixup_alpha: float, cutmix_alpha: float, label_smoothing: float) -> None:
         self.args = {
-            "mixup_alpha": augment.mixup_alpha,
-            "cutmix_alpha": augment.cutmix_alpha,
-            "label_smoothing": augment.label_smoothing,
+            "mixup_alpha": mixup_alpha,
+            "cutmix_alpha": cutmix_alpha,
+            "label_smoothing": label_smoothing,
         }
         self.mixup: Mixup | None = None
 

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ssl_vit.data.device_decode import JpegCrop
 from ssl_vit.data.format.arrays import (
     ARRAY_MEMBERS,
     ArrayMember,
@@ -27,6 +26,7 @@ from ssl_vit.data.format.arrays import (
 )
 from ssl_vit.data.format.masks import check_mask_size
 from ssl_vit.data.format.members import IMAGE_MEMBERS, MAX_IMAGE_PIXELS, RGB, BadSample, Bands
+from ssl_vit.data.stream.device_decode import JpegCrop
 from ssl_vit.errors import NoUsableData, UserError, first_line
 
 log = logging.getLogger("ssl_vit.data")
@@ -131,7 +131,7 @@ def transform_image(
     """`transform` applied to an 8-bit image read as RGB, as it always was: an opened (not decoded) PIL
     image, which the transform decodes (so that a crop can choose the JPEG draft scale), or a uint8
     array of 1 or 3 bands made one. Every other image is read into an array and given to
-    `array_transform` as a tensor [C, H, W] (`ssl_vit.data.band_transforms`); without one it is a
+    `array_transform` as a tensor [C, H, W] (`ssl_vit.data.transforms.bands`); without one it is a
     BadSample whose reason is `refusal`. With `mask` (uint8 [H, W] of the image's size): `(image,
     mask)` from the transform's `pair`, which gives the mask the image's crop, flip and resize.
     Anything the image bytes make the decoders raise becomes a BadSample."""

@@ -1,6 +1,6 @@
 """The DataLoaders of a `ShardStream`: `ShardLoader` (exact passes; one line when its workers stall)
 and `EpochLoader` (training: hands the stream its epoch and resume position, tracks what training
-consumed). How their workers take job signals and die is `ssl_vit.data.workers`."""
+consumed). How their workers take job signals and die is `ssl_vit.data.stream.workers`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from ssl_vit.data.stream import ShardStream
-from ssl_vit.data.workers import DeadWorkers, Workers
+from ssl_vit.data.stream.pipeline import ShardStream
+from ssl_vit.data.stream.workers import DeadWorkers, Workers
 from ssl_vit.errors import UserError
 
 
@@ -34,7 +34,7 @@ class ShardLoader(DataLoader):
             timeout=timeout if num_workers else 0,
             # A generator of its own: creating an iterator draws the workers' base seed from it rather
             # than from the global torch RNG, which belongs to the model (masks, dropout) and is part of
-            # exact resume. The workers seed every random choice themselves (`ssl_vit.data.stream`).
+            # exact resume. The workers seed every random choice themselves (`ssl_vit.data.stream.pipeline`).
             generator=torch.Generator().manual_seed(0),
             worker_init_fn=workers.start,
             **kwargs,
@@ -123,7 +123,8 @@ class EpochLoader(ShardLoader):
 
 
 class Track(Protocol):
-    """What training consumed of a pass, in the terms of the stream's kind (`ssl_vit.data.position`)."""
+    """What training consumed of a pass, in the terms of the stream's kind
+    (`ssl_vit.data.stream.position`)."""
 
     def begin(self, plan: Any) -> None:
         """A pass starts, afresh (`plan` None) or where `plan` says."""

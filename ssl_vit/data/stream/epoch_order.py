@@ -37,7 +37,7 @@ import numpy as np
 from webdataset.tariterators import group_by_keys
 
 from ssl_vit.data.format.members import MAX_JSON_BYTES, BadSample, parse_label
-from ssl_vit.data.tar_reader import DroppedMember, UnkeyedMember, sample_spans, tar_files
+from ssl_vit.data.stream.tar_reader import DroppedMember, UnkeyedMember, sample_spans, tar_files
 from ssl_vit.storage.remote import local_path
 
 log = logging.getLogger("ssl_vit.data")
@@ -50,7 +50,7 @@ _END = bytes(1024)  # the end blocks a sample's bytes, read alone, are given
 def indexable(urls: Sequence[str]) -> bool:
     """Whether every shard of `urls` is a local, uncompressed file, which `SampleIndex` can index and
     `SampleReader` read at random. Remote and gzip-compressed shards are read as streams instead
-    (`ssl_vit.data.stream`: segments of shards and a shuffle buffer)."""
+    (`ssl_vit.data.stream.pipeline`: segments of shards and a shuffle buffer)."""
     for url in urls:
         path = local_path(url)
         if path is None or not path.is_file():

@@ -22,7 +22,7 @@ import torchvision.transforms.v2.functional as F
 from torchvision.transforms.v2 import InterpolationMode
 
 from ssl_vit.data.format.masks import IGNORE_INDEX
-from ssl_vit.data.transforms import HorizontalFlip, Preset, RandomResizedCrop, eval_resize
+from ssl_vit.data.transforms.rgb import HorizontalFlip, Preset, RandomResizedCrop, eval_resize
 
 
 def build_array_transform(
