@@ -8,7 +8,9 @@ imported it: Python's default filters show it where that line is a script's (`__
 a library imports it for a config or a checkpoint. A module that was split answers at its old path with
 the part that kept its main names; a name that left it is found only at its new home. A module whose
 old path is now a package's (`ssl_vit.data.stream`, `ssl_vit.data.transforms`) cannot answer there:
-its names are found at `ssl_vit.data.stream.pipeline` and `ssl_vit.data.transforms.rgb`."""
+its names are found at `ssl_vit.data.stream.pipeline` and `ssl_vit.data.transforms.rgb`. The old
+package of sources, `ssl_vit.data.sources`, answers with `ssl_vit.data.convert`, which holds its
+modules and its registry's names."""
 
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ MOVED = {
     "ssl_vit.evaluation.kinds.finetune": "ssl_vit.evaluation.kinds.finetune_protocol",
     "ssl_vit.evaluation.kinds.linear_seg": "ssl_vit.evaluation.kinds.linear_seg_protocol",
     "ssl_vit.evaluation.kinds.probe": "ssl_vit.evaluation.kinds.probe_protocol",
-    "ssl_vit.data.imagenet": "ssl_vit.data.sources.imagenet",
-    "ssl_vit.data.eurosat": "ssl_vit.data.sources.eurosat",
-    "ssl_vit.data.arrays_source": "ssl_vit.data.sources.tiff",
+    "ssl_vit.data.imagenet": "ssl_vit.data.convert.imagenet",
+    "ssl_vit.data.eurosat": "ssl_vit.data.convert.eurosat",
+    "ssl_vit.data.arrays_source": "ssl_vit.data.convert.tiff",
     "ssl_vit.atomic": "ssl_vit.storage.atomic",
     "ssl_vit.lock": "ssl_vit.storage.lock",
     "ssl_vit.outdir": "ssl_vit.storage.outdir",
@@ -70,6 +72,26 @@ MOVED = {
     "ssl_vit.data.workers": "ssl_vit.data.stream.workers",
     "ssl_vit.data.device_decode": "ssl_vit.data.stream.device_decode",
     "ssl_vit.data.class_mix": "ssl_vit.data.stream.class_mix",
+    "ssl_vit.data.sources": "ssl_vit.data.convert",
+    "ssl_vit.data.sources.digits": "ssl_vit.data.convert.digits",
+    "ssl_vit.data.sources.synthetic": "ssl_vit.data.convert.synthetic",
+    "ssl_vit.data.sources.imagefolder": "ssl_vit.data.convert.imagefolder",
+    "ssl_vit.data.sources.cifar": "ssl_vit.data.convert.cifar",
+    "ssl_vit.data.sources.idx": "ssl_vit.data.convert.idx",
+    "ssl_vit.data.sources.npz": "ssl_vit.data.convert.npz",
+    "ssl_vit.data.sources.wds": "ssl_vit.data.convert.wds",
+    "ssl_vit.data.sources.imagenet": "ssl_vit.data.convert.imagenet",
+    "ssl_vit.data.sources.hf": "ssl_vit.data.convert.hf",
+    "ssl_vit.data.sources.ade20k": "ssl_vit.data.convert.ade20k",
+    "ssl_vit.data.sources.voc": "ssl_vit.data.convert.voc",
+    "ssl_vit.data.sources.mosaic": "ssl_vit.data.convert.mosaic",
+    "ssl_vit.data.sources.tiff": "ssl_vit.data.convert.tiff",
+    "ssl_vit.data.sources.eurosat": "ssl_vit.data.convert.eurosat",
+    "ssl_vit.data.hf_source": "ssl_vit.data.convert.hf",
+    "ssl_vit.data.wds_source": "ssl_vit.data.convert.wds",
+    "ssl_vit.data.mosaic": "ssl_vit.data.convert.mosaic",
+    "ssl_vit.data.encode": "ssl_vit.data.convert.encode",
+    "ssl_vit.data.writer": "ssl_vit.data.convert.shard_writer",
 }
 
 

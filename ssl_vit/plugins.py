@@ -2,7 +2,7 @@
 
 A plugin is a Python module that registers what it adds when it is imported, through the registries'
 own calls (`ssl_vit.presets.register`, `ssl_vit.tasks.target.register`,
-`ssl_vit.evaluation.protocol.register`, `ssl_vit.data.sources.register`). The CLI imports every plugin
+`ssl_vit.evaluation.protocol.register`, `ssl_vit.data.convert.source.register`). The CLI imports every plugin
 before it parses a command (`load`), so a plugin's names are valid wherever the built-in ones are:
 options, recipes, suites, SOURCE strings, and in every rank of a torchrun or SLURM job (each rank runs
 the command, with the job's environment). Two ways to name one:

@@ -1,11 +1,15 @@
 """`ssl-vit --help` and the help of every argparse subcommand start without importing torch, Lightning,
-timm or W&B: the parsers are registered by light modules, and a command imports what it runs."""
+timm, W&B or the readers' pyarrow and webdataset: the parsers are registered by light modules, and a
+command imports what it runs."""
 
 import subprocess
 import sys
 from pathlib import Path
 
-HEAVY = ("torch", "pytorch_lightning", "lightning_fabric", "timm", "wandb", "matplotlib", "sklearn")
+HEAVY = (
+    "torch", "pytorch_lightning", "lightning_fabric", "timm", "wandb", "matplotlib", "sklearn", "pyarrow",
+    "webdataset",
+)  # fmt: skip
 HELP = [
     [], ["info"], ["data", "convert"], ["data", "inspect"], ["evaluate"], ["compare"], ["export"],
     ["analyze"], ["bench", "step"], ["bench", "loop"], ["bench", "scaling"], ["bench", "data"],

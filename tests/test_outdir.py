@@ -242,7 +242,7 @@ def test_a_commit_never_replaces_what_another_job_wrote_meanwhile(command, tiny_
 HOLD_SWAP = """
 import time as _time
 from pathlib import Path as _Path
-from ssl_vit.data import writer as _writer
+from ssl_vit.data.convert import shard_writer as _writer
 _swap_in = _writer._swap_in
 def _held(*args, **kwargs):
     _Path({reached!r}).touch()

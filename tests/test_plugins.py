@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from pydantic.dataclasses import dataclass
 
 from ssl_vit import targets
-from ssl_vit.data.sources import Flag, no_inputs, register as register_source
+from ssl_vit.data.convert.source import Flag, no_inputs, register as register_source
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Protocol, register as register_kind
 from ssl_vit.evaluation.scoring import restrict

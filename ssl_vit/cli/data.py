@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ssl_vit.data.sources import SOURCES, source_flags, sources_help, split_help
+from ssl_vit.data.convert.source import SOURCES, source_flags, sources_help, split_help
 from ssl_vit.errors import UserError, check_at_least
 
 # `bench data` and `bench feed` hold their generated JPEGs in memory; larger sides only exhaust it
@@ -159,7 +159,7 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _convert(args) -> int:
-    from ssl_vit.data.writer import convert, manifest_path
+    from ssl_vit.data.convert.shard_writer import convert, manifest_path
 
     check_at_least(args, 1, "workers", "max_side")
     check_at_least(args, 0, "seed")

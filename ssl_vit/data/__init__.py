@@ -1,8 +1,10 @@
 """Data: the shard format and its limits (`format`: members, manifests, arrays, masks, band statistics);
-sources -> WebDataset shards (`writer`); transforms of decoded images (`transforms`: RGB and band
-presets, mixing); shards -> batches (`stream`: urls, tar reading, samples, the training and exact-pass
-streams, their DataLoaders and workers, positions, identity); `checks` (argument checks, light to
-import); `ShardDataModule` (`datamodule`) and its metrics callback `LogSkippedSamples` (`skip_log`).
+transforms of images (`transforms`: RGB and band presets, mixing); shards -> batches (`stream`: urls,
+tar reading, samples, the training and exact-pass streams, their DataLoaders and workers, positions,
+identity); image sources -> WebDataset shards (`convert`: the sources' registry, one module per source,
+the shard writer); `checks` (argument checks, light to import), `inspect` (`ssl-vit data inspect`);
+`ShardDataModule` (`datamodule`, its options in `options`) and its metrics callback `LogSkippedSamples`
+(`skip_log`).
 
 `ShardDataModule` is imported on first use so that `ssl-vit data convert` does not pay for Lightning.
 """

@@ -11,7 +11,7 @@ import numpy as np
 import tifffile
 import webdataset as wds
 
-from ssl_vit.data.sources.eurosat import CLASSES as EUROSAT_CLASSES
+from ssl_vit.data.convert.eurosat import CLASSES as EUROSAT_CLASSES
 
 
 def write_tiff(path: Path, array: np.ndarray, band_first: bool = False) -> None:

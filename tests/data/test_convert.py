@@ -14,8 +14,8 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from ssl_vit.data.sources import open_source
-from ssl_vit.data.writer import check_split_name, convert
+from ssl_vit.data.convert.shard_writer import check_split_name, convert
+from ssl_vit.data.convert.source import open_source
 from ssl_vit.errors import UserError
 
 

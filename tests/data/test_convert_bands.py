@@ -10,7 +10,7 @@ import pytest
 from bands_helpers import fake_eurosat, write_tiff
 from test_errors import error_line
 
-from ssl_vit.data.sources.eurosat import BAND_NAMES, CLASSES
+from ssl_vit.data.convert.eurosat import BAND_NAMES, CLASSES
 
 pytest_plugins = ["server_helpers"]  # the `faulty_http` fixture
 

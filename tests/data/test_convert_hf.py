@@ -24,10 +24,10 @@ from test_convert import read_back
 from test_convert_reshard import convert_killed, files, samples
 from test_remote_faults import one_line_failure
 
-from ssl_vit.data import hf_source
-from ssl_vit.data.encode import encode_record
-from ssl_vit.data.hf_source import MAX_UNNAMED_LABEL
-from ssl_vit.data.wds_source import ShardImage
+from ssl_vit.data.convert import hf
+from ssl_vit.data.convert.encode import encode_record
+from ssl_vit.data.convert.hf import MAX_UNNAMED_LABEL
+from ssl_vit.data.convert.wds import ShardImage
 from ssl_vit.errors import UserError
 
 datasets.disable_progress_bars()
@@ -197,7 +197,7 @@ def test_a_file_that_changes_during_a_conversion_stops_it(tmp_path):
     rng = np.random.default_rng(7)
     path = tmp_path / "snap/data/train-00000-of-00001.parquet"
     write_datasets(path, [encoded(rng, 8) for _ in range(4)], [0, 1, 2, 0], row_group=2)
-    _, records = hf_source.load(str(tmp_path / "snap"), "train", None, None, None)
+    _, records = hf.load(str(tmp_path / "snap"), "train", None, None, None)
     assert records.total == 4
     write_datasets(path, [encoded(rng, 8) for _ in range(4)], [0, 1, 2, 0], row_group=3)
     with pytest.raises(UserError, match="train-00000-of-00001.parquet changed while it was being converted"):

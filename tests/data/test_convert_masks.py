@@ -14,8 +14,8 @@ from PIL import Image
 from test_convert import assert_one_line_error
 from test_convert_reshard import convert_killed, files
 
-from ssl_vit.data.sources import open_source
-from ssl_vit.data.writer import convert
+from ssl_vit.data.convert.shard_writer import convert
+from ssl_vit.data.convert.source import open_source
 
 ADE_NAMES = ["wall", "building, edifice", "sky", "floor, flooring"] + [f"thing{c}" for c in range(5, 151)]
 

@@ -278,9 +278,9 @@ def test_a_signal_right_after_a_shard_is_recorded_keeps_that_shard(monkeypatch, 
     """The narrowest window of the test above, placed on purpose: Ctrl-C arrives just after the
     progress record names a new shard, before the writer lets go of it. The record and the files
     agree (the shard is kept), and the next run continues after it."""
-    from ssl_vit.data import writer
+    from ssl_vit.data.convert import shard_writer
 
-    saved = writer._save_progress
+    saved = shard_writer._save_progress
     calls = []
 
     def save_then_interrupt(*args):
@@ -289,10 +289,10 @@ def test_a_signal_right_after_a_shard_is_recorded_keeps_that_shard(monkeypatch, 
         if len(calls) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer, "_save_progress", save_then_interrupt)
+    monkeypatch.setattr(shard_writer, "_save_progress", save_then_interrupt)
     out, partial = tmp_path / "out", tmp_path / "out/.train.partial"
     with pytest.raises(KeyboardInterrupt):
-        writer.convert("synthetic:30", out, shard_size=10, progress=False)
+        shard_writer.convert("synthetic:30", out, shard_size=10, progress=False)
     kept = json.loads((partial / "progress.json").read_text())["shards"]
     assert [entry["url"] for entry in kept] == ["train-000000.tar", "train-000001.tar"]
     assert sorted(p.name for p in partial.iterdir()) == [
@@ -300,6 +300,6 @@ def test_a_signal_right_after_a_shard_is_recorded_keeps_that_shard(monkeypatch, 
         "train-000000.tar",
         "train-000001.tar",
     ]
-    monkeypatch.setattr(writer, "_save_progress", saved)
-    assert writer.convert("synthetic:30", out, shard_size=10, progress=False)["num_samples"] == 30
+    monkeypatch.setattr(shard_writer, "_save_progress", saved)
+    assert shard_writer.convert("synthetic:30", out, shard_size=10, progress=False)["num_samples"] == 30
     assert not partial.exists()

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from test_errors import error_line
 
-from ssl_vit.data.sources import tiff
+from ssl_vit.data.convert import tiff
 from ssl_vit.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,8 @@ from PIL import Image
 from test_tar_reader import stock
 from webdataset.tariterators import group_by_keys
 
-from ssl_vit.data import ShardDataModule, wds_source
+from ssl_vit.data import ShardDataModule
+from ssl_vit.data.convert import wds as wds_source
 from ssl_vit.data.format.manifest import read_manifest
 from ssl_vit.data.format.members import MAX_CLASSES, BadSample, parse_label
 from ssl_vit.data.inspect import inspect_urls

@@ -1,4 +1,4 @@
-"""The `data convert` sources as a registry (`ssl_vit.data.sources.register`): a source registered from
+"""The `data convert` sources as a registry (`ssl_vit.data.convert.source.register`): a source registered from
 outside the package, with a flag of its own, converts like a built-in one; the command's help, flags and
 checks are derived from what every source registered."""
 
@@ -12,8 +12,8 @@ import pytest
 import webdataset as wds
 
 from ssl_vit.cli import main
-from ssl_vit.data import sources
-from ssl_vit.data.sources import SOURCES, Flag, register, sources_help, split_help
+from ssl_vit.data.convert import source
+from ssl_vit.data.convert.source import SOURCES, Flag, register, sources_help, split_help
 from ssl_vit.registry import Registry
 
 
@@ -22,7 +22,7 @@ def registry(monkeypatch):
     """The registry as the package left it, restored after the test (a registration is global)."""
     copy = Registry("source")
     copy.update(SOURCES)
-    monkeypatch.setattr(sources, "SOURCES", copy)
+    monkeypatch.setattr(source, "SOURCES", copy)
     return copy
 
 
@@ -35,7 +35,7 @@ def register_solid(name: str = "solid") -> None:
         help="N solid grey squares",
         splits="train|val",
         flags=(Flag("level", "the squares' grey level", type=int, metavar="G"),),
-        inputs=sources.no_inputs,
+        inputs=source.no_inputs,
     )
     def load(arg: str, split: str, level: int | None) -> tuple[list[str], list]:
         image = np.full((4, 4), 7 if level is None else level, dtype=np.uint8)
@@ -108,7 +108,7 @@ def test_a_required_flag_is_refused_missing_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("name", "flag", "why"),
     [
-        ("digits", None, "source 'digits' is registered twice (by ssl_vit.data.sources.digits and "),
+        ("digits", None, "source 'digits' is registered twice (by ssl_vit.data.convert.digits and "),
         ("Bad-Name", None, "not a lower-case name"),
         ("fresh", "grid", "taken (mosaic:URLS)"),
         ("fresh", "shard_size", "taken (data convert itself)"),

@@ -10,7 +10,7 @@ import torch
 import yaml
 from cli_helpers import run_cli
 
-from ssl_vit.data.sources.digits import load as digits
+from ssl_vit.data.convert.digits import load as digits
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.attentive_probe import AttentiveProbe
 

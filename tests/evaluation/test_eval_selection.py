@@ -10,7 +10,7 @@ import torch
 import yaml
 from cli_helpers import run_cli
 
-from ssl_vit.data.sources.digits import load as digits
+from ssl_vit.data.convert.digits import load as digits
 from ssl_vit.data.stream.pipeline import ShardStream
 from ssl_vit.evaluation import scoring, selection, tables, training
 from ssl_vit.evaluation.cache import FeatureCache

@@ -1,4 +1,5 @@
-"""Image sources that `ssl-vit data convert` turns into shards: a registry, one module per source.
+"""The registry of the image sources that `ssl-vit data convert` turns into shards (one module per source
+beside it, in `ssl_vit.data.convert`).
 
 A source module registers its loader with `register`: the source's name, the form of its argument
 (`DIR`, `URLS`, ...), its help, what `--split` selects for it, whether its records carry segmentation
@@ -6,7 +7,7 @@ masks or are stored as arrays, and its own `data convert` flags (`Flag`). The co
 `--split` help, its flags and the checks of a SOURCE string are all derived from the registry
 (`SOURCES`), so adding a source is one module and one registration. A plugin adds one the same way:
 
-    from ssl_vit.data.sources import Flag, register
+    from ssl_vit.data.convert import Flag, register
 
     @register("tiles", argument="DIR", help="...", flags=(Flag("tile", "...", type=int, metavar="N"),))
     def load(arg: str, split: str, tile: int | None) -> tuple[list[str], list]:
@@ -15,20 +16,19 @@ masks or are stored as arrays, and its own `data convert` flags (`Flag`). The co
 A SOURCE string (`ssl-vit data convert SOURCE`) is parsed into a `Source`: a name, class names and its
 records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or `(H, W, 3)`, a
 path to an image file (read in the writer's worker processes, so the parent never holds a whole image
-folder in memory), or an image file's bytes read from a shard (`wds:`, see `ssl_vit.data.wds_source`)
-or a parquet row (`hf:`, `ssl_vit.data.hf_source`). `label` is -1 for unlabelled images. Records are a
+folder in memory), or an image file's bytes read from a shard (`wds:`, see `ssl_vit.data.convert.wds`)
+or a parquet row (`hf:`, `ssl_vit.data.convert.hf`). `label` is -1 for unlabelled images. Records are a
 list, or for `wds:` and `hf:` an iterable read lazily (a large set of shards or parquet files is never
 held in memory); such an iterable says its length, where known, as `total`, and what it adds to the
 manifest as `manifest`.
 
 Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`) give each record a third element, its
 mask (`ssl_vit.data.format.masks.MaskFile`), or a payload that composes image and mask
-(`ssl_vit.data.mosaic.Tiles`); their class names are the mask's classes.
+(`ssl_vit.data.convert.mosaic.Tiles`); their class names are the mask's classes.
 
 Each loader validates what it reads and raises `UserError` with a one-line message naming the file
-and what is wrong with it, before anything is written. Importing this package registers the built-in
-sources and nothing heavier: `ssl-vit --help` lists them (a loader that needs torch or pyarrow imports
-its reader when it runs).
+and what is wrong with it, before anything is written. Importing `ssl_vit.data.convert` registers the
+built-in sources.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class Source:
     spec: str  # the SOURCE string as given
     class_names: list[str] | None  # None: "0" ... "K-1" from the labels written (wds: without a manifest)
     records: Iterable  # of (payload, label); payload: uint8 array (H, W[, 3]), image file path, or
-    # `wds_source.ShardImage` / `wds_source.Broken`
+    # `wds.ShardImage` / `wds.Broken`
     total: int | None  # the number of records, where known before reading them (progress, resume)
     masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
     arrays: bool = False  # records are `tiff.ArrayFile`s, stored as .npy
@@ -258,16 +258,7 @@ def no_inputs(spec: str) -> list[Input]:
     return []
 
 
-# The built-in sources, in the order the help lists them. Imported after `register` is defined: each
-# module registers itself with it.
-# isort: off
-from ssl_vit.data.sources import digits, synthetic, imagefolder, cifar, idx, npz, wds, imagenet, hf  # noqa: E402
-from ssl_vit.data.sources import ade20k, voc, mosaic, tiff, eurosat  # noqa: E402
-
-# isort: on
-
 __all__ = [
     "Flag", "Source", "SourceKind", "SOURCES", "open_source", "register", "source_flags", "source_inputs",
-    "sources_help", "split_help", "ade20k", "cifar", "digits", "eurosat", "hf", "idx", "imagefolder",
-    "imagenet", "mosaic", "npz", "synthetic", "tiff", "voc", "wds",
+    "sources_help", "split_help",
 ]  # fmt: skip

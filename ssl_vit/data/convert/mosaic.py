@@ -2,7 +2,7 @@
 for when no segmentation set is at hand (2x2 mosaics of Fashion-MNIST: 56 px images whose masks say
 which of four garments each pixel belongs to).
 
-The tile shards are read like `wds:URLS` (`ssl_vit.data.wds_source`) and cut into consecutive groups of
+The tile shards are read like `wds:URLS` (`ssl_vit.data.convert.wds`) and cut into consecutive groups of
 K*K samples in the shards' order; each group becomes one image, its tiles placed row by row, and a mask
 holding each tile's class on the tile's pixels. Samples that cannot be tiles (no image member, a
 label that does not parse, none, or one outside the tiles' manifest's classes) are skipped and counted
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from ssl_vit.data import wds_source
+from ssl_vit.data.convert.source import Flag, register
+from ssl_vit.data.convert.wds import Broken, ShardImage, ShardRecords, shard_inputs
+from ssl_vit.data.convert.wds import load as load_shards
 from ssl_vit.data.format.manifest import manifest_url
 from ssl_vit.data.format.masks import IGNORE_INDEX
-from ssl_vit.data.stream.urls import expand
-from ssl_vit.data.wds_source import Broken, ShardImage
 from ssl_vit.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class MosaicRecords:
     broken (progress and resuming), else None. `manifest`: what the split's manifest records of the
     mosaics, complete once an iteration has ended."""
 
-    def __init__(self, tiles: wds_source.ShardRecords, grid: int, num_classes: int, threshold: int | None):
+    def __init__(self, tiles: ShardRecords, grid: int, num_classes: int, threshold: int | None):
         self.tiles, self.grid, self.num_classes, self.threshold = tiles, grid, num_classes, threshold
         self.total = tiles.total // grid**2 if tiles.total is not None else None
         self.manifest = {"mosaic": {"grid": grid, "background_threshold": threshold, "remainder": None}}
@@ -124,15 +124,46 @@ class MosaicRecords:
             )
 
 
-def load(arg: str, split: str, grid: int, threshold: int | None) -> tuple[list[str], MosaicRecords]:
+@register(
+    "mosaic",
+    argument="URLS",
+    help="K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with "
+    "its class: a dense task built from real images",
+    masks=True,
+    flags=(
+        Flag(
+            "grid",
+            "K x K tiles per image (e.g. --grid 2 for 2x2), consecutive groups of K*K samples in the shards' "
+            "order (a last group of fewer is left out); the mask labels each tile's pixels with its class",
+            type=int,
+            metavar="K",
+            required=True,
+        ),
+        Flag(
+            "background_threshold",
+            "pixels whose grey level (the maximum of R, G and B) is below T (0-255) get an extra class "
+            "'background', numbered after the tiles' classes",
+            type=int,
+            metavar="T",
+        ),
+    ),
+    inputs=shard_inputs,
+)
+def load(
+    arg: str, split: str, grid: int, background_threshold: int | None
+) -> tuple[list[str], MosaicRecords]:
     """`(class names, records)` of K x K mosaics of the labelled shards URLS in `arg`: the tiles' class
-    names, plus `background` with a threshold."""
+    names, plus `background` with `--background-threshold`."""
     if grid < 1:
         raise UserError(f"--grid must be at least 1, got {grid}")
-    if threshold is not None and not 0 <= threshold <= 255:
-        raise UserError(f"--background-threshold must be a grey level of 0 to 255, got {threshold}")
-    names, tiles = wds_source.load(arg, split, what="mosaic:URLS")
+    if background_threshold is not None and not 0 <= background_threshold <= 255:
+        raise UserError(
+            f"--background-threshold must be a grey level of 0 to 255, got {background_threshold}"
+        )
+    names, tiles = load_shards(arg, split, what="mosaic:URLS")
     if names is None:
+        from ssl_vit.data.stream.urls import expand  # (imports webdataset: see `wds.load`)
+
         where = (
             manifest_url(expand(arg, "mosaic:URLS")[0]) or "SPLIT.json beside shards named SPLIT-NNNNNN.tar"
         )
@@ -140,11 +171,11 @@ def load(arg: str, split: str, grid: int, threshold: int | None) -> tuple[list[s
             f"mosaic:{arg}: no class names for the tiles: their manifest {where} is missing or lists none; "
             "a mosaic needs a labelled set written by `ssl-vit data convert`"
         )
-    classes = len(names) + (threshold is not None)
+    classes = len(names) + (background_threshold is not None)
     if classes > IGNORE_INDEX:
         raise UserError(
             f"mosaic:{arg}: {classes} mask classes do not fit a uint8 mask whose {IGNORE_INDEX} means "
-            f"ignored: use a set of at most {IGNORE_INDEX - (threshold is not None)} classes"
+            f"ignored: use a set of at most {IGNORE_INDEX - (background_threshold is not None)} classes"
         )
     if tiles.labelled == 0:
         raise UserError(
@@ -157,5 +188,5 @@ def load(arg: str, split: str, grid: int, threshold: int | None) -> tuple[list[s
                 f"mosaic:{arg}: fewer tiles than one grid: {count} {what}, a {grid}x{grid} grid needs "
                 f"{grid**2}; give a smaller --grid"
             )
-    records = MosaicRecords(tiles, grid, len(names), threshold)
-    return names + [BACKGROUND] * (threshold is not None), records
+    records = MosaicRecords(tiles, grid, len(names), background_threshold)
+    return names + [BACKGROUND] * (background_threshold is not None), records

@@ -23,8 +23,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import webdataset as wds
-
+from ssl_vit.data.convert.source import register
 from ssl_vit.data.format.manifest import read_manifest, samples_in
 from ssl_vit.data.format.members import (
     CONVERTIBLE_IMAGES,
@@ -33,8 +32,8 @@ from ssl_vit.data.format.members import (
     max_member_bytes,
     parse_label,
 )
-from ssl_vit.data.stream.tar_reader import tar_samples
-from ssl_vit.data.stream.urls import check_urls, expand
+from ssl_vit.storage.outdir import Input
+from ssl_vit.storage.remote import local_path
 
 log = logging.getLogger("ssl_vit.data")
 
@@ -42,7 +41,7 @@ log = logging.getLogger("ssl_vit.data")
 @dataclass(frozen=True)
 class ShardImage:
     """A sample's image file as a shard stores it, and the key it has there (kept in the new shards); or
-    an image file a parquet row holds (`ssl_vit.data.hf_source`), without a key (the writer numbers it)."""
+    an image file a parquet row holds (`ssl_vit.data.convert.hf`), without a key (the writer numbers it)."""
 
     key: str | None
     data: bytes
@@ -72,6 +71,10 @@ class ShardRecords:
         self.urls, self.total, self.num_classes, self.labelled = urls, total, num_classes, labelled
 
     def __iter__(self) -> Iterator[tuple[ShardImage | Broken, int]]:
+        import webdataset as wds  # (see `load`)
+
+        from ssl_vit.data.stream.tar_reader import tar_samples
+
         failures: list[str] = []
 
         def failed(exn: Exception) -> bool:
@@ -114,9 +117,30 @@ def _record(sample: dict, num_classes: int | None) -> tuple[ShardImage | Broken,
     return ShardImage(sample["__key__"], sample[ext], where), label
 
 
+def shard_inputs(spec: str) -> list[Input]:
+    """The local shards among the URLS of `spec`: OUTDIR must not be one or hold one (its shards and
+    manifest would land on or beside them); a folder beside them, or inside their directory, is fine,
+    since the URLS name their files."""
+    from ssl_vit.data.stream.urls import expand  # (see `load`)
+
+    paths = (local_path(url) for url in expand(spec.partition(":")[2], spec))
+    return [Input(path, f"the source's shard {path}") for path in paths if path is not None]
+
+
+@register(
+    "wds",
+    argument="URLS",
+    help="existing WebDataset shards, re-sharded: image jpg/jpeg/png/webp, label from cls or a json "
+    "member's label/cls, keys kept",
+    inputs=shard_inputs,
+)
 def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None, ShardRecords]:
     """`(class_names or None for "from the labels seen", records)` of the shards URLS in `arg`; every
     shard is checked to exist before anything is written (messages name the source as `what`)."""
+    # The stream's URL handling imports webdataset (and torch), here and in the reader, not at the top:
+    # `ssl-vit --help` lists this source without them (tests/test_cli_imports.py).
+    from ssl_vit.data.stream.urls import check_urls, expand
+
     urls = expand(arg, what)
     check_urls(urls, what)
     manifest = read_manifest(urls[0])

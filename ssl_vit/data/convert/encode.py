@@ -20,7 +20,7 @@ file decoded in full, a JPEG written here decoded from the bytes written), which
 into the manifest's `band_stats`: exact over every image written, at the cost of one decode of each
 image that was not decoded in full anyway.
 
-A record of an array source (`tiff:`, `eurosat:`; its payload a `sources.tiff.ArrayFile`) is read
+A record of an array source (`tiff:`, `eurosat:`; its payload a `tiff.ArrayFile`) is read
 with tifffile, its header judged against the size limit, the split's band count and dtype before
 its pixels are decoded, and stored losslessly as a `.npy` member, band-last `(H, W, C)`.
 """
@@ -34,6 +34,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ssl_vit.data.convert.mosaic import Tiles
+from ssl_vit.data.convert.tiff import ArrayFile
+from ssl_vit.data.convert.wds import Broken, ShardImage
 from ssl_vit.data.format.arrays import npy_bytes, open_tiff
 from ssl_vit.data.format.band_stats import BandStats
 from ssl_vit.data.format.masks import (
@@ -45,9 +48,6 @@ from ssl_vit.data.format.masks import (
     size_mismatch,
 )
 from ssl_vit.data.format.members import MAX_IMAGE_PIXELS
-from ssl_vit.data.mosaic import Tiles
-from ssl_vit.data.sources.tiff import ArrayFile
-from ssl_vit.data.wds_source import Broken, ShardImage
 
 PIL_FORMATS = {"png": "PNG", "jpg": "JPEG"}
 PNG_COMPRESS_LEVEL = 6

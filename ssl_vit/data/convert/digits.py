@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ssl_vit.data.sources import register
+from ssl_vit.data.convert.source import register
 from ssl_vit.errors import UserError
 
 DIGITS_SIZE = 32

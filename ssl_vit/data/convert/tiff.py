@@ -27,9 +27,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ssl_vit.data.convert.source import Flag, register
 from ssl_vit.data.format.arrays import BadArray, open_tiff
 from ssl_vit.data.format.members import MAX_CLASSES
-from ssl_vit.data.sources import Flag, register
 from ssl_vit.errors import UserError, shown
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """`ade20k:DIR`: the ADE20K scene-parsing benchmark (ADEChallengeData2016) for `ssl-vit data convert`.
 Each record is `(image path, -1, MaskFile)`: the image, no image-level label, and the annotation PNG,
 which the writer's workers decode, map to class indices and store as the sample's `seg.png`
-(`ssl_vit.data.encode`). The layout is checked before anything is written: a missing folder or
+(`ssl_vit.data.convert.encode`). The layout is checked before anything is written: a missing folder or
 annotation is one line naming the file and the fix.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ssl_vit.data.convert.source import register
 from ssl_vit.data.format.masks import IGNORE_INDEX, MaskFile
-from ssl_vit.data.sources import register
 from ssl_vit.errors import UserError
 
 ADE_SPLITS = {"train": "training", "val": "validation"}

@@ -1,6 +1,6 @@
 """`voc:DIR`: PASCAL VOC 2012's segmentation set for `ssl-vit data convert`. Each record is `(image path,
 -1, MaskFile)`: the image, no image-level label, and the palette PNG of its classes, which the writer's
-workers decode and store as the sample's `seg.png` (`ssl_vit.data.encode`). The layout is checked
+workers decode and store as the sample's `seg.png` (`ssl_vit.data.convert.encode`). The layout is checked
 before anything is written: a missing folder, split list or annotation is one line naming the file and
 the fix.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ssl_vit.data.convert.source import register
 from ssl_vit.data.format.masks import MaskFile
-from ssl_vit.data.sources import register
 from ssl_vit.errors import UserError
 
 # PASCAL VOC 2012's 20 object classes after its background (index 0), in the devkit's order

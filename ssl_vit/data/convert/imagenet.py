@@ -22,7 +22,7 @@ import csv
 import re
 from pathlib import Path
 
-from ssl_vit.data.sources import register
+from ssl_vit.data.convert.source import register
 from ssl_vit.errors import UserError
 
 WNID = re.compile(r"n\d{8}")

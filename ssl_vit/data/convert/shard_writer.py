@@ -5,7 +5,7 @@ Shards are `OUTDIR/{split}-000000.tar ...`, each sample `KEY.png` or `KEY.jpg` (
 masks, `KEY.seg.png` (its segmentation mask, `ssl_vit.data.format.masks`), written by `webdataset.TarWriter`
 with a fixed mtime so the same source gives byte-identical shards. Keys are
 `{source}-{split}-{index:08d}`, or for `wds:` the samples' own keys. Records are encoded by
-`--workers` processes (`ssl_vit.data.encode`). The manifest `OUTDIR/{split}.json` is described in
+`--workers` processes (`ssl_vit.data.convert.encode`). The manifest `OUTDIR/{split}.json` is described in
 data/README.md.
 
 Everything is written into `OUTDIR/.{split}.partial/` first and moved into place at the end, so a
@@ -38,10 +38,10 @@ import numpy as np
 import webdataset as wds
 
 from ssl_vit import progress
-from ssl_vit.data.encode import encode_star
+from ssl_vit.data.convert.encode import encode_star
+from ssl_vit.data.convert.source import SOURCES, Source, open_source, source_inputs
 from ssl_vit.data.format.band_stats import BandStats, merged
 from ssl_vit.data.format.masks import IGNORE_INDEX, MASK_MEMBER
-from ssl_vit.data.sources import SOURCES, Source, open_source, source_inputs
 from ssl_vit.errors import UserError
 from ssl_vit.storage.atomic import write_text
 from ssl_vit.storage.outdir import refuse_inputs, split_lock
@@ -73,7 +73,7 @@ def convert(
 ) -> dict:
     """Write the shards and manifest for SOURCE `spec`, images shrunk to `max_side` pixels on their
     longer side where larger; returns the manifest. `source_options` are the sources' own
-    (`ssl_vit.data.sources.source_flags`: `grid=` of `mosaic:`, `subset=` of `hf:`, ...).
+    (`ssl_vit.data.convert.source.source_flags`: `grid=` of `mosaic:`, `subset=` of `hf:`, ...).
     `image_format` (default png) and `quality` (default 95) are those of 8-bit sources; an array
     source (`tiff:`, `eurosat:`) stores `.npy` members at their size, and refuses them and `max_side`."""
     check_split_name(split)

@@ -36,12 +36,16 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from ssl_vit.data.wds_source import Broken, ShardImage
+from ssl_vit.data.convert.source import Flag, register
+from ssl_vit.data.convert.wds import Broken, ShardImage
 from ssl_vit.errors import UserError, first_line, shown
+
+# pyarrow is imported by the functions that read parquet, not here: `ssl-vit --help` lists this source
+# without importing pyarrow (tests/test_cli_imports.py).
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger("ssl_vit.data")
 LAYOUTS = (
@@ -54,7 +58,13 @@ DEFAULT_CONFIG = "default"  # the Hub's name for a repository's one configuratio
 # Labels without ClassLabel names become class names "0" ... "K-1" in the manifest: a label beyond this
 # is a garbled value, not a class (ImageNet-21k has 21,841).
 MAX_UNNAMED_LABEL = 1_000_000
-READ_ERRORS = (OSError, ValueError, pa.ArrowException)  # what pyarrow raises for a file it cannot read
+
+
+def _read_errors() -> tuple[type[Exception], ...]:
+    """What pyarrow raises for a file it cannot read."""
+    import pyarrow as pa
+
+    return (OSError, ValueError, pa.ArrowException)
 
 
 @dataclass(frozen=True)
@@ -84,11 +94,13 @@ class ParquetRecords:
         self.manifest = manifest
 
     def __iter__(self) -> Iterator[tuple[ShardImage | Broken, int]]:
+        import pyarrow.parquet as pq
+
         columns = [self.image] + ([self.label] if self.label else [])
         for file in self.files:
             try:
                 reader = pq.ParquetFile(file.path)
-            except READ_ERRORS as err:
+            except _read_errors() as err:
                 yield from _broken_rows(file.name, sum(file.row_groups), err)
                 continue
             with reader:
@@ -103,7 +115,7 @@ class ParquetRecords:
                 for group, rows in enumerate(groups):
                     try:
                         table = reader.read_row_group(group, columns=columns)
-                    except READ_ERRORS as err:
+                    except _read_errors() as err:
                         yield from _broken_rows(f"{file.name} row group {group}", rows, err)
                     else:
                         yield from self._rows(table, file.name, row)
@@ -143,11 +155,41 @@ def _broken_rows(where: str, rows: int, err: BaseException) -> Iterator[tuple[Br
         yield broken, -1
 
 
+@register(
+    "hf",
+    argument="DIR",
+    help="a local snapshot of a Hugging Face Hub dataset repository in parquet, as `huggingface-cli "
+    "download --repo-type dataset ORG/NAME --local-dir DIR` leaves it: the image and label columns found "
+    "from its `datasets` Image and ClassLabel features, or named",
+    splits="train|validation|test|..., the repository's own",
+    flags=(
+        Flag(
+            "subset",
+            "the configuration (subset) to read, one of the README's configs: or a top folder; default: the "
+            "only one, or the one marked default",
+            metavar="NAME",
+        ),
+        Flag(
+            "image_column",
+            "the column of images (encoded image files, or the `datasets` Image struct); default: the "
+            "column the `datasets` features mark as Image",
+            metavar="NAME",
+        ),
+        Flag(
+            "label_column",
+            "the column of integer labels; default: the column the `datasets` features mark as ClassLabel "
+            "(its names become the class names), else none (unlabelled)",
+            metavar="NAME",
+        ),
+    ),
+)
 def load(
-    arg: str, split: str, image_column: str | None, label_column: str | None, subset: str | None
+    arg: str, split: str, subset: str | None, image_column: str | None, label_column: str | None
 ) -> tuple[list[str] | None, ParquetRecords]:
     """`(class names, or None for "from the labels seen"; records)` of split `split` of the snapshot
     `arg`; everything checked that can be before a row is read."""
+    import pyarrow as pa
+
     root = Path(arg)
     if not root.is_dir():
         raise UserError(f"hf:{arg}: no such directory: download the dataset with `{DOWNLOAD}`")
@@ -333,12 +375,14 @@ LABEL_TYPES = "integers (a ClassLabel or an integer column)"
 
 
 def _footer(path: Path, root: Path) -> ParquetFile:
+    import pyarrow.parquet as pq
+
     try:
         with pq.ParquetFile(path) as reader:
             metadata = reader.metadata
             groups = tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
             schema = reader.schema_arrow
-    except READ_ERRORS as err:
+    except _read_errors() as err:
         raise UserError(
             f"{path}: not a readable parquet file ({first_line(err)}): download it again (`{DOWNLOAD}`)"
         ) from None
@@ -381,6 +425,8 @@ def _marked(features: dict, kind: str, flag: str, file: ParquetFile) -> str | No
 
 
 def _is_image(kind: pa.DataType) -> bool:
+    import pyarrow as pa
+
     if pa.types.is_struct(kind):
         index = kind.get_field_index("bytes")
         return index >= 0 and _is_binary(kind.field(index).type)
@@ -388,6 +434,8 @@ def _is_image(kind: pa.DataType) -> bool:
 
 
 def _is_binary(kind: pa.DataType) -> bool:
+    import pyarrow as pa
+
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.sources import register
+from ssl_vit.data.convert.source import register
 from ssl_vit.errors import UserError
 
 

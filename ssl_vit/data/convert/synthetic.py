@@ -6,7 +6,7 @@ import zlib
 
 import numpy as np
 
-from ssl_vit.data.sources import no_inputs, register
+from ssl_vit.data.convert.source import no_inputs, register
 from ssl_vit.errors import UserError
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.sources import register
-from ssl_vit.data.sources.tiff import TIFF_SUFFIXES, ArrayRecords, array_records
+from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.tiff import TIFF_SUFFIXES, ArrayRecords, array_records
 from ssl_vit.errors import UserError
 
 # The order of the bands in the files: B8A is the 13th (phelber/EuroSAT#7; torchgeo corrected its own
