@@ -69,6 +69,13 @@ def study_recipe(method: str) -> dict:
     )
 
 
+def epochs(module: ShardDataModule):
+    """The training stream's batches, epoch after epoch (each pass of the loader is the next epoch), as
+    a fit of `max_steps` reads them."""
+    while True:
+        yield from module.train_dataloader()
+
+
 def train(adapter, method: str, recipe: dict, seed: int, steps: int, train_urls: str, out: Path) -> dict:
     torch.manual_seed(seed)
     impl = adapter.build(method, recipe["settings"])
@@ -85,14 +92,14 @@ def train(adapter, method: str, recipe: dict, seed: int, steps: int, train_urls:
     )  # fmt: skip
     module.setup("fit")
     losses, start = {}, time.perf_counter()
-    for step, batch in enumerate(module.train_dataloader()):
-        if step == steps:
-            break
+    for step, batch in zip(range(steps), epochs(module), strict=False):
         loss = one_step(impl, optimizer, module.prepare_batch(batch)["image"])  # as the tasks see it
         schedule.step()
         if step % 50 == 0 or step == steps - 1:
             losses[step] = float(loss)
             print(f"{adapter.PEER} {method} seed {seed} step {step}: loss {losses[step]:.4f}", flush=True)
+    if step != steps - 1:
+        raise RuntimeError(f"{adapter.PEER} {method}: the stream ended after {step + 1} of {steps} steps")
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in adapter.timm_encoder(impl.model).state_dict().items()}
     state = {k: v for k, v in state.items() if not k.startswith("head.")}
