@@ -96,7 +96,7 @@ def refuse_contradicting_links(config, argv: list[str]) -> None:
     not the data's: one line. The link would drop the value given without a word and build a model of
     the data's size or band count."""
     for source, target in DATA_TO_MODEL.items():
-        data_value = _get(config, source)
+        data_value = config.get(source)  # jsonargparse reads dotted keys; None where a part is missing
         if not isinstance(data_value, int):
             continue
         for given, where in _given(argv, target):
@@ -107,14 +107,6 @@ def refuse_contradicting_links(config, argv: list[str]) -> None:
                     f"takes the data's {name}; give --{source} instead, or leave "
                     f"{target.rsplit('.', 1)[1]} out"
                 )
-
-
-def _get(config, dotted: str):
-    """The value at `dotted` in a parsed config (namespaces), None where a part is missing."""
-    value = config
-    for key in dotted.split("."):
-        value = value.get(key) if hasattr(value, "get") else None
-    return value
 
 
 def _given(argv: list[str], dotted: str) -> list[tuple[object, str]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import logging.handlers
 import math
 import re
 from dataclasses import dataclass
@@ -201,24 +202,14 @@ def open_tiff(data: bytes, channels: int | None = None, told: str | None = None)
     return _member(shape, dtype, axis, _tifffile_complaints()(series.asarray))
 
 
-class _Kept(logging.Handler):
-    """Keeps the records logged to it."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @contextlib.contextmanager
 def _tifffile_complaints():
     """tifffile logs what it works around in a damaged file (an IFD chain that loops back, a tag of the
     wrong size) and goes on: its records are kept from the terminal while the block (or the function it
     decorates) parses or reads a TIFF, and the first one becomes the file's BadArray, one line, so that
     the file is skipped and counted as any bad sample is."""
-    logger, kept = logging.getLogger("tifffile"), _Kept()
+    logger, kept = logging.getLogger("tifffile"), logging.handlers.BufferingHandler(capacity=1_000_000)
+    kept.setLevel(logging.WARNING)
     logger.addHandler(kept)
     propagate, logger.propagate = logger.propagate, False
     try:
@@ -226,8 +217,8 @@ def _tifffile_complaints():
     finally:
         logger.removeHandler(kept)
         logger.propagate = propagate
-    if kept.records:
-        said = " ".join(kept.records[0].getMessage().split())
+    if kept.buffer:
+        said = " ".join(kept.buffer[0].getMessage().split())
         raise BadArray(f"is a damaged TIFF (tifffile: {_OBJECT.sub('', said)})")
 
 
