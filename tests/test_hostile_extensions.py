@@ -113,6 +113,14 @@ def test_a_plugin_preset_of_a_target_never_registered_names_the_preset(digits_sh
     assert not run.exists()
 
 
+def test_an_encoder_init_that_is_none_of_the_choices_is_one_line(digits_shards, tmp_path):
+    run = tmp_path / "run"
+    args = one_step_fit_args(digits_shards, run, "--model.init_args.encoder_init", "jax", config="mae")
+    proc = run_cli(*args, cwd=tmp_path, check=False)
+    error_line(proc, "encoder_init", "'jax'")
+    assert "timm" in proc.stderr and "mae" in proc.stderr and not run.exists()
+
+
 # --- a plugin target's shapes ---------------------------------------------------------------------------
 
 TARGET = """
@@ -365,7 +373,8 @@ def test_any_group_value_is_options_or_one_line(args):
         assert not set(GROUPS) & set(args)  # none of the values drawn is a group's options
 
 
-@settings(max_examples=30, deadline=None)
+# Each example parses a whole fit command line (about a second): 12 of this small alphabet's keys
+@settings(max_examples=12, deadline=None)
 @given(st.text(alphabet="abcxyz_.-:[]{}'\" =,", min_size=1, max_size=12))
 def test_any_group_key_on_the_command_line_is_one_line(key):
     """`--data.init_args.augment.KEY 1` for hostile KEYs (dots, brackets, quotes, '='): the fit CLI says

@@ -76,9 +76,9 @@ def timm_vit(settings: Settings, num_classes: int = 0) -> nn.Module:
     return timm.create_model(carrier.name, num_classes=num_classes, **carrier.kwargs)
 
 
-def sslvit(method: str, settings: Settings) -> Impl:
+def sslvit(method: str, settings: Settings, **choices) -> Impl:
     """ssl-vit's task as a recipe builds it (`ssl-vit bench step`'s `build_task`), with the comparison's
-    decoder and mask ratio."""
+    decoder and mask ratio; `choices`: more of the task's arguments (`encoder_init`)."""
     settings = settings.for_method(method)
     config = settings.config()
     task = MaskedPatchPretraining(
@@ -90,6 +90,7 @@ def sslvit(method: str, settings: Settings) -> Impl:
         decoder_depth=settings.decoder_depth,
         decoder_heads=settings.decoder_heads,
         picture_every_n_steps=0,
+        **choices,
     )
     return Impl(task, lambda images: task.forward_loss(images).loss)
 

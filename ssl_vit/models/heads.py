@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ssl_vit import masking
 from ssl_vit.errors import BadValue
+from ssl_vit.models.init import xavier_linears
 from ssl_vit.models.vit import Tokens
 
 
@@ -85,10 +86,7 @@ class MAEDecoder(nn.Module):
     def _init_weights(self) -> None:
         # MAE's init: xavier-uniform linears (following the official JAX ViT), N(0, 0.02) mask token.
         nn.init.normal_(self.mask_token, std=0.02)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+        xavier_linears(self)
 
     def forward(self, encoded: Tokens, idx_keep: Tensor) -> Tensor:
         """encoded: the encoder's Tokens for the visible patches, patches (B, K, D); idx_keep: (B, K)

@@ -20,6 +20,7 @@ from ssl_vit import masking
 from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import MAEDecoder, PatchHead
+from ssl_vit.models.init import mae_init
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.presets import PRESETS
 from ssl_vit.tasks import targets as _targets  # noqa: F401  (registers the targets)
@@ -44,6 +45,7 @@ PresetName = PRESETS.option_type("PresetName")
 TargetName = TARGETS.option_type("TargetName")
 MaskShape = Literal["random", "block", "cells", "jepa"]
 PixelLoss = Literal["mse", "l1", "smooth_l1"]
+EncoderInit = Literal["timm", "mae"]
 
 # Choices left unset by the arguments and the preset.
 DEFAULTS: dict = dict(
@@ -55,6 +57,7 @@ DEFAULTS: dict = dict(
     ema_momentum=0.996,
     ema_momentum_end=1.0,
     ema_schedule="cosine",
+    encoder_init="timm",
 )
 # I-JEPA regresses with smooth L1 (`src/train.py`), data2vec 2.0 with MSE.
 PIXEL_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
@@ -93,6 +96,10 @@ class MaskedPatchPretraining(BackboneTask):
         mask_shape: `random`, `block` (BEiT), `cells` (SimMIM: aligned squares of `cell_size` pixels) or
             `jepa` (I-JEPA: four target blocks, the encoder sees a context block less them; `drop` only).
         pixel_loss: `mse`, `l1` or `smooth_l1` for pixel, HOG and teacher targets.
+        encoder_init: how a `scratch` encoder starts: `timm` (timm's truncated normals, learned position
+            embeddings) or `mae` (MAE's: xavier-uniform linears, fixed 2-D sin-cos position embeddings
+            that are not trained; `ssl_vit.models.init`). From a checkpoint (`init_from`) the encoder
+            starts from its weights either way; `mae` still keeps the position embeddings fixed.
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only), I-JEPA's predictor.
         teacher_features: what the teacher gives (`ssl_vit.tasks.teacher.teacher_targets`): `final_norm`
             (I-JEPA) or `top_k_mean` of its top `teacher_top_k` blocks (data2vec).
@@ -119,6 +126,7 @@ class MaskedPatchPretraining(BackboneTask):
         mask_shape: MaskShape | None = None,
         cell_size: int = 32,
         pixel_loss: PixelLoss | None = None,
+        encoder_init: EncoderInit | None = None,
         decoder_dim: int = 512,
         decoder_depth: int = 8,
         decoder_heads: int = 16,
@@ -142,6 +150,7 @@ class MaskedPatchPretraining(BackboneTask):
             preset, corruption, target, mask_ratio, mask_shape, pixel_loss,
             teacher_features=teacher_features, teacher_top_k=teacher_top_k, views=views,
             ema_momentum=ema_momentum, ema_momentum_end=ema_momentum_end, ema_schedule=ema_schedule,
+            encoder_init=encoder_init,
         )  # fmt: skip
         check_target_bands(choices["target"], preset, backbone.in_chans)
         super().__init__(
@@ -163,6 +172,10 @@ class MaskedPatchPretraining(BackboneTask):
                 ema_anneal_steps=ema_anneal_steps,
             ),
         )
+        if choices["encoder_init"] == "mae":
+            if init_from == "scratch":
+                mae_init(self.backbone)
+            self.backbone.pos_embed.requires_grad_(False)
         self.corruption, self.target_kind = choices["corruption"], choices["target"]
         self.target = TARGETS[self.target_kind]
         self.mask_ratio, self.mask_shape = choices["mask_ratio"], choices["mask_shape"]
@@ -232,6 +245,13 @@ class MaskedPatchPretraining(BackboneTask):
         """images: (B, C, H, W) -> predictions at the masked tokens (V*B, M, *T) under fresh random masks,
         `views` per image: the student's compute of a step."""
         return self.predict_masked(images, None)[0]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        # A run begun before `encoder_init` was a choice trained its position embeddings: it resumes as it
+        # began (before the optimizer is built, so its saved state matches the parameters again).
+        if "encoder_init" not in checkpoint.get("hyper_parameters", {}):
+            self.backbone.pos_embed.requires_grad_(True)
 
     def forward_loss(self, images: Tensor, generator: torch.Generator | None = None) -> MaskedOutput:
         """images: (B, C, H, W) normalised model inputs, each seen under `views` masks; the targets of the
@@ -427,16 +447,16 @@ def check_display_bands(display_bands: tuple[int, ...] | None, bands: int) -> tu
     return tuple(display_bands)
 
 
-def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss, **teacher) -> dict:
-    """Fill unset choices from the preset (then `DEFAULTS`) and check they form a method; `teacher`: the
-    EMA teacher's choices (`teacher_features`, `teacher_top_k`, `views`, `ema_*`)."""
+def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss, **others) -> dict:
+    """Fill unset choices from the preset (then `DEFAULTS`) and check they form a method; `others`: the
+    EMA teacher's choices (`teacher_features`, `teacher_top_k`, `views`, `ema_*`) and `encoder_init`."""
     given = dict(
         corruption=corruption,
         target=target,
         mask_ratio=mask_ratio,
         mask_shape=mask_shape,
         pixel_loss=pixel_loss,
-        **teacher,
+        **others,
     )
     chosen = PRESETS.pick(preset) if preset is not None else {}
     base = {**DEFAULTS, **chosen}
@@ -449,7 +469,7 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
     choices = {key: base.get(key) if value is None else value for key, value in given.items()}
     valid = {"corruption": Corruption.__args__, "target": tuple(TARGETS), "mask_shape": MaskShape.__args__}
     valid.update(pixel_loss=PixelLoss.__args__, teacher_features=TeacherFeatures.__args__)
-    valid.update(ema_schedule=MomentumSchedule.__args__)
+    valid.update(ema_schedule=MomentumSchedule.__args__, encoder_init=EncoderInit.__args__)
     for key, names in valid.items():
         if choices[key] not in names:
             by = f"set by preset {preset!r}" if given[key] is None and key in chosen else "or set a preset"

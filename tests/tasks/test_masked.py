@@ -103,6 +103,7 @@ def test_presets_fill_choices_and_arguments_override_them():
         ({"preset": "mae", "mask_ratio": 1.0}, "mask_ratio"),
         ({"preset": "vit_mpp", "mask_shape": "block"}, "bert"),
         ({"preset": "simmim", "cell_size": 12}, "cell_size"),
+        ({"preset": "mae", "encoder_init": "jax"}, "encoder_init must be one of timm, mae"),
     ],
 )
 def test_bad_choices_name_the_valid_ones(kwargs, message):
@@ -120,11 +121,16 @@ def test_mask_shapes_mask_the_ratio(shape, digits_batch):
 def test_mask_embedding_and_decoder_token_get_no_weight_decay():
     from ssl_vit.tasks.optim import weight_decay_groups
 
-    for model in (task(preset="vit_mpp"), task(preset="mae")):
+    for model in (task(preset="vit_mpp"), task(preset="mae", encoder_init="timm"), task(preset="mae")):
         groups = weight_decay_groups(model, model.no_weight_decay())
         no_decay = {id(p) for g in groups if g.get("weight_decay") == 0.0 for p in g["params"]}
         names = {n for n, p in model.named_parameters() if id(p) in no_decay}
-        assert {"backbone.pos_embed", "backbone.cls_token", "backbone.norm.weight"} <= names
+        trained = {id(p) for g in groups for p in g["params"]}
+        # MAE's position embeddings are fixed: in no group at all
+        fixed = model.hparams["encoder_init"] == "mae"
+        assert ("backbone.pos_embed" in names) != fixed
+        assert (id(model.backbone.pos_embed) in trained) != fixed
+        assert {"backbone.cls_token", "backbone.norm.weight"} <= names
         assert ("mask_embedding" in names) or ("decoder.mask_token" in names)
         assert "backbone.blocks.0.attn.qkv.weight" not in names
 
@@ -135,3 +141,75 @@ def test_pretraining_can_start_from_any_checkpoint(supervised_ckpt):
     model = task(preset="mae", init_from=str(path))
     assert all(torch.equal(model.backbone.state_dict()[k], v) for k, v in weights.items())
     assert model.hparams["init_from"] == str(path) and model.hparams["backbone"]["width"] == 64
+
+
+def test_mae_starts_its_encoder_as_maes_code_does_and_never_trains_its_position_embeddings(digits_batch):
+    from timm.layers import build_sincos2d_pos_embed
+
+    model = task(preset="mae")
+    vit = model.backbone
+    assert model.hparams["encoder_init"] == "mae" and not vit.pos_embed.requires_grad
+    sincos = build_sincos2d_pos_embed([4, 4], 64)
+    assert torch.equal(vit.pos_embed[0, 1:], sincos) and not vit.pos_embed[0, 0].any()
+    # xavier-uniform linears: bound sqrt(6 / (fan_in + fan_out)), zero biases; timm's std is 0.02
+    qkv = vit.blocks[0].attn.qkv
+    bound = (6 / (64 + 192)) ** 0.5
+    assert qkv.weight.abs().max() <= bound and qkv.weight.abs().max() > 0.9 * bound
+    assert not qkv.bias.any() and vit.cls_token.std() > 0.01  # timm's [class] starts at 1e-6
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = vit.pos_embed.detach().clone()
+    model.forward_loss(digits_batch["image"][:4]).loss.backward()
+    optimizer.step()
+    assert torch.equal(before, vit.pos_embed) and vit.pos_embed.grad is None
+    # the other presets, and MAE told otherwise, keep timm's start: learned position embeddings
+    for other in (task(preset="simmim"), task(preset="mae", encoder_init="timm")):
+        assert other.backbone.pos_embed.requires_grad and other.hparams["encoder_init"] == "timm"
+        assert other.backbone.blocks[0].attn.qkv.weight.std() < 0.025
+
+
+def test_mae_from_a_checkpoint_keeps_its_weights_and_fixes_its_position_embeddings(supervised_ckpt):
+    path, weights = supervised_ckpt
+    model = task(preset="mae", init_from=str(path))
+    assert (
+        torch.equal(model.backbone.pos_embed, weights["pos_embed"])
+        and not model.backbone.pos_embed.requires_grad
+    )
+
+
+def test_mae_init_needs_a_width_for_sin_cos():
+    with pytest.raises(
+        ValueError, match="width divisible by 4.*got 6: pick another width or encoder_init: timm"
+    ):
+        MaskedPatchPretraining(ViTConfig("S/8", 32, width=6, depth=1, heads=2), preset="mae", **SMALL)
+    assert MaskedPatchPretraining(
+        ViTConfig("S/8", 32, width=6, depth=1, heads=2), preset="mae", encoder_init="timm", **SMALL
+    ).backbone.pos_embed.requires_grad
+
+
+def test_an_mae_run_begun_with_learned_position_embeddings_resumes_as_it_began(digits_batch, tmp_path):
+    """A checkpoint from before `encoder_init` was a choice (no such hyperparameter) trained its position
+    embeddings: resumed under today's MAE preset, they stay trained, and its optimizer state loads."""
+    from task_helpers import DigitBatches, trainer
+
+    def optimizer(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def constant(optimizer, total_steps):  # the lr of the resumed steps is not 0 (a cosine to 2 steps)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    optimizer = dict(optimizer=optimizer, lr_scheduler=constant)
+    old = task(preset="mae", encoder_init="timm", **optimizer)
+    run = trainer(tmp_path, max_steps=2)
+    run.fit(old, datamodule=DigitBatches(digits_batch))
+    saved = tmp_path / "old.ckpt"
+    run.save_checkpoint(saved)
+    checkpoint = torch.load(saved, weights_only=True)
+    del checkpoint["hyper_parameters"]["encoder_init"]
+    torch.save(checkpoint, saved)
+
+    resumed = task(preset="mae", **optimizer)
+    assert not resumed.backbone.pos_embed.requires_grad
+    again = trainer(tmp_path, max_steps=4)
+    again.fit(resumed, datamodule=DigitBatches(digits_batch, steps=2), ckpt_path=saved)
+    assert again.global_step == 4 and resumed.backbone.pos_embed.requires_grad
+    assert not torch.equal(resumed.backbone.pos_embed, checkpoint["state_dict"]["backbone.pos_embed"])

@@ -1,0 +1,38 @@
+"""benchmarks/peers/init_ablation.py at a tiny size: ssl-vit's MAE of the study's recipe trained in the
+peers' harness with each start of its encoder, each encoder exported with what that start fixes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from timm.layers import build_sincos2d_pos_embed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_each_start_trains_and_exports_the_encoder_it_says(digits_shards, tmp_path):
+    out = tmp_path / "init"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks/peers"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/peers/init_ablation.py", "--steps", "2", "--no-compare", "--out", str(out),
+         "--train-urls", str(digits_shards / "train-{000000..000004}.tar")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sincos = build_sincos2d_pos_embed([7, 7], 96)  # the study's ViT: 28 px in 4-pixel patches, 96 wide
+    encoders = {
+        init: load_file(out / f"{init}_mae_0/encoder.safetensors")
+        for init in ("timm", "mae", "sincos", "xavier")
+    }
+    for init, weights in encoders.items():
+        fixed = torch.equal(weights["pos_embed"][0, 1:], sincos)  # after 2 steps: never trained
+        assert fixed == (init in ("mae", "sincos")), init
+        assert json.loads((out / f"{init}_mae_0/train.json").read_text())["steps"] == 2
+    # xavier-uniform (bound sqrt(6 / (96 + 288)) = 0.125) against timm's normals of std 0.02
+    qkv = {init: weights["blocks.0.attn.qkv.weight"] for init, weights in encoders.items()}
+    assert qkv["mae"].std() > 0.05 and qkv["xavier"].std() > 0.05
+    assert qkv["timm"].std() < 0.03 and qkv["sincos"].std() < 0.03
