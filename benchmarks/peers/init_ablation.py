@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         "--suite", type=Path, default=quality.STUDY / "eval.yaml", help="less its fine-tuning"
     )
     parser.add_argument("--no-compare", action="store_true", help="train only")
+    parser.add_argument("--ranks", type=int, default=2, help="processes of the comparison (torchrun)")
     args = parser.parse_args(argv)
     groups: dict[str, list[str]] = {}
     for method in args.methods:
@@ -79,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_compare:
         return 0
     suite = quality.quick_suite(args.suite, args.out / "suite.yaml")
-    bin_dir = Path(sys.executable).parent  # this environment's ssl-vit
+    bin_dir = Path(sys.executable).parent  # this environment's torchrun and ssl-vit
     command = [
+        str(bin_dir / "torchrun"), "--nproc-per-node", str(args.ranks), "--no-python",
         str(bin_dir / "ssl-vit"), "compare", *(f"{name}={','.join(paths)}" for name, paths in groups.items()),
-        "--suite", str(suite), "--out", str(args.out / f"compare_{'_'.join(args.methods)}"), "--overwrite",
+        "--suite", str(suite),
+        "--out", str(args.out / f"compare_{'_'.join(args.methods)}"), "--overwrite",
     ]  # fmt: skip
     print(" ".join(command), flush=True)
     return subprocess.run(command).returncode
