@@ -18,8 +18,8 @@ def test_each_start_trains_and_exports_the_encoder_it_says(digits_shards, tmp_pa
     out = tmp_path / "init"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks/peers"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/peers/init_ablation.py", "--steps", "2", "--no-compare", "--out", str(out),
-         "--train-urls", str(digits_shards / "train-{000000..000004}.tar")],
+        [sys.executable, "benchmarks/peers/init_ablation.py", "--steps", "2", "--no-compare",
+         "--out", str(out), "--train-urls", str(digits_shards / "train-{000000..000004}.tar")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
