@@ -1,7 +1,7 @@
-"""Plugins: a preset, a target, a protocol kind and a `data convert` source defined outside the package
-(a module the test writes into its own folder, named by SSL_VIT_PLUGINS, or an installed package's entry
-point) work through the CLI wherever the built-in ones do; a plugin that does not import is one line
-naming it."""
+"""Plugins: a preset, a target, a protocol kind and `data convert` sources (one with a payload of its
+own) defined outside the package (a module the test writes into its own folder, named by
+SSL_VIT_PLUGINS, or an installed package's entry point) work through the CLI wherever the built-in ones
+do; a plugin that does not import is one line naming it."""
 
 import json
 import math
@@ -24,8 +24,9 @@ from ssl_vit.tasks.target import TARGETS
 ROOT = Path(__file__).resolve().parents[1]
 
 PLUGIN = '''
-"""A plugin of the test's own: a target, a preset that predicts it, a protocol kind and a source."""
+"""A plugin of the test's own: a target, a preset that predicts it, a protocol kind and two sources."""
 
+import dataclasses
 from typing import ClassVar
 
 import numpy as np
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from pydantic.dataclasses import dataclass
 
 from ssl_vit import targets
+from ssl_vit.data.convert.encode import encode_image
 from ssl_vit.data.convert.source import Flag, no_inputs, register as register_source
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Protocol, register as register_kind
@@ -96,6 +98,29 @@ def stripes(arg, split, period):
     band = (np.arange(16) // period) % 2  # (16,)
     images = [np.repeat(((band + c + 1) % 2 * 255).astype(np.uint8)[None], 16, axis=0) for c in (0, 1)]
     return ["white_first", "black_first"], [(images[i % 2], i % 2) for i in range(int(arg))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chequer:
+    """A payload of the plugin's own: a grey (16, 16) chequerboard of `cell`-pixel squares, drawn by the
+    writer's workers."""
+
+    cell: int
+    where: str
+
+    def encode(self, options, mask):
+        if self.cell < 1:
+            raise ValueError(f"cells of {self.cell} pixels cannot be drawn")
+        cells = np.arange(16) // self.cell  # (16,)
+        return encode_image(((cells[:, None] + cells) % 2 * 255).astype(np.uint8), options)
+
+
+@register_source("chequers", argument="N", help="N 16x16 chequerboards, drawn as they are written",
+                 inputs=no_inputs)  # fmt: skip
+def chequers(arg, split):
+    """N chequerboards of 4-pixel (class 0) and 8-pixel (class 1) cells in turn, then one of 0-pixel cells."""
+    records = [(Chequer(4 + 4 * (i % 2), f"chequer {i}"), i % 2) for i in range(int(arg))]
+    return ["small", "large"], records + [(Chequer(0, f"chequer {arg}"), 0)]
 '''
 
 
@@ -184,6 +209,25 @@ def test_a_plugin_source_converts_with_its_own_flag(plugin, tmp_path):
     proc = run_cli("data", "convert", "stripes:2", str(tmp_path / "none"), check=False)
     error_line(proc, "unknown source 'stripes:2': use one of ")
     assert not any((tmp_path / name).exists() for name in ("bad", "other", "none"))
+
+
+def test_a_plugin_payload_is_encoded_by_its_own_class(plugin, tmp_path):
+    """`ssl-vit data convert chequers:4 --workers 2`: the plugin's records carry a payload class the
+    writer does not know; the workers encode each through it, so the shard holds the boards its `encode`
+    drew, and the record it refuses is skipped in one line naming its `where`."""
+    out = tmp_path / "shards"
+    proc = run_cli("data", "convert", "chequers:4", str(out), "--workers", "2", "--order", "source",
+                   "--no-progress", env=plugin)  # fmt: skip
+    assert "skipping unreadable image chequer 4: cells of 0 pixels cannot be drawn" in proc.stderr
+    manifest = json.loads((out / "train.json").read_text())
+    assert manifest["num_samples"] == 4 and manifest["skipped"] == 1
+    assert manifest["class_counts"] == {"0": 2, "1": 2} and manifest["image_size"] == [16, 16]
+    samples = list(wds.WebDataset(str(out / "train-000000.tar"), shardshuffle=False).decode("l"))
+    assert [int(s["cls"]) for s in samples] == [0, 1, 0, 1]
+    for sample in samples:
+        cells = np.arange(16) // (4 + 4 * int(sample["cls"]))
+        drawn = (cells[:, None] + cells) % 2 * 255
+        assert np.array_equal((np.asarray(sample["png"]) * 255).round(), drawn)  # decoded in [0, 1]
 
 
 def test_a_plugin_name_is_a_valid_choice_and_listed_where_the_built_in_ones_are(plugin, tmp_path):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ssl_vit.data.convert.payload import MaskFile
 from ssl_vit.data.convert.source import register
-from ssl_vit.data.format.masks import IGNORE_INDEX, MaskFile
+from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.errors import UserError
 
 ADE_SPLITS = {"train": "training", "val": "validation"}

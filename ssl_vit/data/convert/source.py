@@ -16,15 +16,15 @@ masks or are stored as arrays, and its own `data convert` flags (`Flag`). The co
 A SOURCE string (`ssl-vit data convert SOURCE`) is parsed into a `Source`: a name, class names and its
 records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or `(H, W, 3)`, a
 path to an image file (read in the writer's worker processes, so the parent never holds a whole image
-folder in memory), or an image file's bytes read from a shard (`wds:`, see `ssl_vit.data.convert.wds`)
-or a parquet row (`hf:`, `ssl_vit.data.convert.hf`). `label` is -1 for unlabelled images. Records are a
-list, or for `wds:` and `hf:` an iterable read lazily (a large set of shards or parquet files is never
-held in memory); such an iterable says its length, where known, as `total`, and what it adds to the
-manifest as `manifest`.
+folder in memory), or a `Payload` that encodes itself there (`ssl_vit.data.convert.payload`: an image
+file's bytes read from a shard or a parquet row, a TIFF stored as an array, a mosaic's tiles, a
+plugin's own kind). `label` is -1 for unlabelled images. Records are a list, or for `wds:` and `hf:`
+an iterable read lazily (a large set of shards or parquet files is never held in memory); such an
+iterable says its length, where known, as `total`, and what it adds to the manifest as `manifest`.
 
 Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`) give each record a third element, its
-mask (`ssl_vit.data.format.masks.MaskFile`), or a payload that composes image and mask
-(`ssl_vit.data.convert.mosaic.Tiles`); their class names are the mask's classes.
+mask (a uint8 array or a `payload.MaskFile`), or a payload whose `encode` makes image and mask
+(`mosaic.Tiles`); their class names are the mask's classes.
 
 Each loader validates what it reads and raises `UserError` with a one-line message naming the file
 and what is wrong with it, before anything is written. Importing `ssl_vit.data.convert` registers the
@@ -119,10 +119,11 @@ def register(
     """Decorator: `load(arg, split, **flags) -> (class names or None, records)` becomes the source `name`
     (`name:ARG` on the command line; `argument` None: `name` alone, and `arg` is ""). `splits`: the
     split names `--split` selects among, for the help (the loader refuses others). `masks`: every record
-    carries a segmentation mask, and the class names are the mask's classes. `arrays`: records are
-    `tiff.ArrayFile`s, stored as `.npy`. `flags`: the source's own `data convert` flags. `inputs`: the
-    local files and folders the SOURCE string names, which OUTDIR must keep out of (by default the
-    paths of `arg` split at commas). Importing the module that calls it is all a source needs."""
+    carries a segmentation mask, and the class names are the mask's classes. `arrays`: its payloads
+    encode arrays, stored as `.npy` (`tiff.ArrayFile`). `flags`: the source's own `data convert` flags.
+    `inputs`: the local files and folders the SOURCE string names, which OUTDIR must keep out of (by
+    default the paths of `arg` split at commas). Importing the module that calls it is all a source
+    needs."""
 
     def add(load: Callable) -> Callable:
         if not _NAME.fullmatch(name):
@@ -193,11 +194,10 @@ class Source:
     name: str  # the SOURCE string's kind, used in sample keys and the manifest
     spec: str  # the SOURCE string as given
     class_names: list[str] | None  # None: "0" ... "K-1" from the labels written (wds: without a manifest)
-    records: Iterable  # of (payload, label); payload: uint8 array (H, W[, 3]), image file path, or
-    # `wds.ShardImage` / `wds.Broken`
+    records: Iterable  # of (payload, label[, mask]); payload: uint8 array (H, W[, 3]), image file path, or
+    # a `payload.Payload`
     total: int | None  # the number of records, where known before reading them (progress, resume)
     masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
-    arrays: bool = False  # records are `tiff.ArrayFile`s, stored as .npy
     manifest: dict = field(default_factory=dict)  # more to record in the manifest, complete once the
     # records have been read to their end
     options: dict = field(default_factory=dict)  # the source's own options (a rerun with others starts over)
@@ -227,7 +227,6 @@ def open_source(spec: str, split: str, **options: Any) -> Source:
         records,
         total,
         masks=kind.masks,
-        arrays=kind.arrays,
         manifest=getattr(records, "manifest", {}),  # what mosaic: and hf: record of themselves
         options=own,
     )

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ssl_vit.data.convert.payload import MaskFile
 from ssl_vit.data.convert.source import register
-from ssl_vit.data.format.masks import MaskFile
 from ssl_vit.errors import UserError
 
 # PASCAL VOC 2012's 20 object classes after its background (index 0), in the devkit's order
