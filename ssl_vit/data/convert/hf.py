@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from ssl_vit.data.convert.encode import ImageBytes
 from ssl_vit.data.convert.payload import Broken
-from ssl_vit.data.convert.source import Flag, register
+from ssl_vit.data.convert.source import Flag, SourceKind, register
 from ssl_vit.errors import UserError, first_line, shown
 
 # pyarrow is imported by the functions that read parquet, not here: `ssl-vit --help` lists this source
@@ -156,34 +156,6 @@ def _broken_rows(where: str, rows: int, err: BaseException) -> Iterator[tuple[Br
         yield broken, -1
 
 
-@register(
-    "hf",
-    argument="DIR",
-    help="a local snapshot of a Hugging Face Hub dataset repository in parquet, as `huggingface-cli "
-    "download --repo-type dataset ORG/NAME --local-dir DIR` leaves it: the image and label columns found "
-    "from its `datasets` Image and ClassLabel features, or named",
-    splits="train|validation|test|..., the repository's own",
-    flags=(
-        Flag(
-            "subset",
-            "the configuration (subset) to read, one of the README's configs: or a top folder; default: the "
-            "only one, or the one marked default",
-            metavar="NAME",
-        ),
-        Flag(
-            "image_column",
-            "the column of images (encoded image files, or the `datasets` Image struct); default: the "
-            "column the `datasets` features mark as Image",
-            metavar="NAME",
-        ),
-        Flag(
-            "label_column",
-            "the column of integer labels; default: the column the `datasets` features mark as ClassLabel "
-            "(its names become the class names), else none (unlabelled)",
-            metavar="NAME",
-        ),
-    ),
-)
 def load(
     arg: str, split: str, subset: str | None, image_column: str | None, label_column: str | None
 ) -> tuple[list[str] | None, ParquetRecords]:
@@ -467,3 +439,36 @@ def _class_names(feature: dict | None, column: str, file: ParquetFile) -> list[s
         file.path, column, shown(names, 80),
     )  # fmt: skip
     return None
+
+
+register(
+    SourceKind(
+        "hf",
+        load,
+        "DIR",
+        help="a local snapshot of a Hugging Face Hub dataset repository in parquet, as `huggingface-cli "
+        "download --repo-type dataset ORG/NAME --local-dir DIR` leaves it: the image and label columns found "
+        "from its `datasets` Image and ClassLabel features, or named",
+        splits="train|validation|test|..., the repository's own",
+        flags=(
+            Flag(
+                "subset",
+                "the configuration (subset) to read, one of the README's configs: or a top folder; default: "
+                "the only one, or the one marked default",
+                metavar="NAME",
+            ),
+            Flag(
+                "image_column",
+                "the column of images (encoded image files, or the `datasets` Image struct); default: the "
+                "column the `datasets` features mark as Image",
+                metavar="NAME",
+            ),
+            Flag(
+                "label_column",
+                "the column of integer labels; default: the column the `datasets` features mark as "
+                "ClassLabel (its names become the class names), else none (unlabelled)",
+                metavar="NAME",
+            ),
+        ),
+    )
+)

@@ -33,7 +33,7 @@ from PIL import Image
 
 from ssl_vit.data.convert.encode import ImageBytes, encode_image
 from ssl_vit.data.convert.payload import Broken, Encoded, EncodeOptions
-from ssl_vit.data.convert.source import Flag, register
+from ssl_vit.data.convert.source import Flag, SourceKind, register
 from ssl_vit.data.convert.wds import ShardRecords, shard_inputs
 from ssl_vit.data.convert.wds import load as load_shards
 from ssl_vit.data.format.manifest import manifest_url
@@ -130,31 +130,6 @@ class MosaicRecords:
             )
 
 
-@register(
-    "mosaic",
-    argument="URLS",
-    help="K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with "
-    "its class: a dense task built from real images",
-    masks=True,
-    flags=(
-        Flag(
-            "grid",
-            "K x K tiles per image (e.g. --grid 2 for 2x2), consecutive groups of K*K samples in the shards' "
-            "order (a last group of fewer is left out); the mask labels each tile's pixels with its class",
-            type=int,
-            metavar="K",
-            required=True,
-        ),
-        Flag(
-            "background_threshold",
-            "pixels whose grey level (the maximum of R, G and B) is below T (0-255) get an extra class "
-            "'background', numbered after the tiles' classes",
-            type=int,
-            metavar="T",
-        ),
-    ),
-    inputs=shard_inputs,
-)
 def load(
     arg: str, split: str, grid: int, background_threshold: int | None
 ) -> tuple[list[str], MosaicRecords]:
@@ -196,3 +171,34 @@ def load(
             )
     records = MosaicRecords(tiles, grid, len(names), background_threshold)
     return names + [BACKGROUND] * (background_threshold is not None), records
+
+
+register(
+    SourceKind(
+        "mosaic",
+        load,
+        "URLS",
+        help="K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with "
+        "its class: a dense task built from real images",
+        masks=True,
+        flags=(
+            Flag(
+                "grid",
+                "K x K tiles per image (e.g. --grid 2 for 2x2), consecutive groups of K*K samples in the "
+                "shards' order (a last group of fewer is left out); the mask labels each tile's pixels with "
+                "its class",
+                type=int,
+                metavar="K",
+                required=True,
+            ),
+            Flag(
+                "background_threshold",
+                "pixels whose grey level (the maximum of R, G and B) is below T (0-255) get an extra class "
+                "'background', numbered after the tiles' classes",
+                type=int,
+                metavar="T",
+            ),
+        ),
+        inputs=shard_inputs,
+    )
+)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssl_vit.data.convert.payload import Encoded, EncodeOptions
-from ssl_vit.data.convert.source import Flag, register
+from ssl_vit.data.convert.source import Flag, SourceKind, register
 from ssl_vit.data.format.arrays import BadArray, npy_bytes, open_tiff
 from ssl_vit.data.format.band_stats import BandStats
 from ssl_vit.data.format.members import MAX_CLASSES, MAX_IMAGE_PIXELS
@@ -80,21 +80,6 @@ class ArrayRecords(list):
         self.manifest = manifest
 
 
-@register(
-    "tiff",
-    argument="DIR",
-    help="DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, uint16, "
-    "int16 or float32",
-    arrays=True,
-    flags=(
-        Flag(
-            "band_axis",
-            "which axis holds the bands of TIFFs whose axes do not say (a cube, or a rectangle whose band "
-            "axis cannot be told from its shape): first or last",
-            metavar="first|last",
-        ),
-    ),
-)
 def load(arg: str, split: str, band_axis: str | None = None) -> tuple[list[str], ArrayRecords]:
     root = Path(arg)
     if not root.is_dir():
@@ -198,3 +183,23 @@ def _csv_image(root: Path, name: str, where: str) -> Path:
     if image.suffix.lower() not in TIFF_SUFFIXES or not image.is_file():
         raise UserError(f"{where}: {name!r} is not a TIFF file (*.tif, *.tiff) in {root}: {CSV_FIX}")
     return image
+
+
+register(
+    SourceKind(
+        "tiff",
+        load,
+        "DIR",
+        help="DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, uint16, "
+        "int16 or float32",
+        arrays=True,
+        flags=(
+            Flag(
+                "band_axis",
+                "which axis holds the bands of TIFFs whose axes do not say (a cube, or a rectangle whose "
+                "band axis cannot be told from its shape): first or last",
+                metavar="first|last",
+            ),
+        ),
+    )
+)

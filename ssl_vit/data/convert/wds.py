@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from ssl_vit.data.convert.encode import ImageBytes
 from ssl_vit.data.convert.payload import Broken
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.data.format.manifest import read_manifest, samples_in
 from ssl_vit.data.format.members import (
     CONVERTIBLE_IMAGES,
@@ -111,13 +111,6 @@ def shard_inputs(spec: str) -> list[Input]:
     return [Input(path, f"the source's shard {path}") for path in paths if path is not None]
 
 
-@register(
-    "wds",
-    argument="URLS",
-    help="existing WebDataset shards, re-sharded: image jpg/jpeg/png/webp, label from cls or a json "
-    "member's label/cls, keys kept",
-    inputs=shard_inputs,
-)
 def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None, ShardRecords]:
     """`(class_names or None for "from the labels seen", records)` of the shards URLS in `arg`; every
     shard is checked to exist before anything is written (messages name the source as `what`)."""
@@ -136,3 +129,15 @@ def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None
         labelled = sum(n for label, n in manifest.get("class_counts", {}).items() if int(label) >= 0)
     names = manifest.get("class_names") or None  # optional: labels without names
     return names, ShardRecords(urls, total, len(names) if names else None, labelled)
+
+
+register(
+    SourceKind(
+        "wds",
+        load,
+        "URLS",
+        help="existing WebDataset shards, re-sharded: image jpg/jpeg/png/webp, label from cls or a json "
+        "member's label/cls, keys kept",
+        inputs=shard_inputs,
+    )
+)
