@@ -1,8 +1,8 @@
-"""Plugins: code outside ssl-vit that adds presets, targets, protocol kinds or `data convert` sources.
+"""Plugins: code outside ssl-vit that adds presets, targets, features, protocol kinds or `data convert`
+sources.
 
 A plugin is a Python module that registers what it adds when it is imported, through the registries'
-own calls (`ssl_vit.presets.register`, `ssl_vit.tasks.target.register`,
-`ssl_vit.evaluation.protocol.register`, `ssl_vit.data.convert.source.register`). The CLI imports every plugin
+own `register(entry)` (`ssl_vit.registry` lists them). The CLI imports every plugin
 before it parses a command (`load`), so a plugin's names are valid wherever the built-in ones are:
 options, recipes, suites, SOURCE strings, and in every rank of a torchrun or SLURM job (each rank runs
 the command, with the job's environment). Two ways to name one:

@@ -9,6 +9,7 @@ import math
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -27,7 +28,7 @@ from ssl_vit.registry import NAME, Registry
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "before_refactor"
 RECIPE = str(ROOT / "recipes/quickstart/mae.yaml")
-REGISTER = "from ssl_vit.presets import register\nregister({!r}, target='pixels')\n"
+REGISTER = "from ssl_vit.presets import Preset, register\nregister(Preset({!r}, target='pixels'))\n"
 
 
 # --- plugins ------------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ def test_any_plugin_list_loads_or_is_one_line(names):
 def test_a_registry_takes_a_name_it_can_write_or_refuses_it_in_one_line(name):
     things = Registry("thing")
     try:
-        things.add(name, object())
+        things.add(SimpleNamespace(name=name))
     except BadValue as err:
         assert "\n" not in str(err) and len(str(err)) < 200, err
         assert not isinstance(name, str) or not NAME.fullmatch(name), err
@@ -101,8 +102,8 @@ def test_a_plugin_preset_of_a_target_never_registered_names_the_preset(digits_sh
     """The line said `target must be one of ... (or set a preset), got 'nosuch'`, where a preset was set:
     the plugin's, whose target no module registered."""
     (tmp_path / "ghost.py").write_text(
-        "from ssl_vit.presets import register\nregister('ghost', target='nosuch', corruption='drop', "
-        "mask_ratio=0.5)\n"
+        "from ssl_vit.presets import Preset, register\nregister(Preset('ghost', target='nosuch', "
+        "corruption='drop', mask_ratio=0.5))\n"
     )
     run = tmp_path / "run"
     args = one_step_fit_args(digits_shards, run, "--model.init_args.preset", "ghost", config="mae")

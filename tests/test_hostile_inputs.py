@@ -359,9 +359,9 @@ def claims_mistake(inputs: Inputs) -> list[str]:
 INJECTION = {"class_path": "subprocess.Popen", "init_args": {"args": "touch pwned"}}
 TYPE_ROWS = [
     Row("kind-list", suite_mistake("kindlist", [{"name": "x", "kind": ["fewshot"]}]), 2,
-        "protocol 'x' has kind ['fewshot']; valid: fewshot, knn, linear_probe"),
+        "protocol 'x': unknown protocol kind ['fewshot']: use one of fewshot, knn, linear_probe"),
     Row("kind-mapping", suite_mistake("kindmap", [{"name": "x", "kind": INJECTION}]), 2,
-        "protocol 'x' has kind {'class_path': 'subprocess.Popen'"),
+        "protocol 'x': unknown protocol kind {'class_path': 'subprocess.Popen'"),
     Row("suite-seed-negative", suite_mistake("seed", seed=-1), 2,
         "seed is -1: it should be an integer of 0 to"),
     Row("suite-resamples-huge", suite_mistake("resamples", resamples=10**30), 2,

@@ -1,13 +1,15 @@
-"""Plugins: a preset, a target, a protocol kind and a `data convert` source defined outside the package
-(a module the test writes into its own folder, named by SSL_VIT_PLUGINS, or an installed package's entry
-point) work through the CLI wherever the built-in ones do; a plugin that does not import is one line
-naming it."""
+"""Plugins: a preset, a target, a feature, a protocol kind and `data convert` sources (one with a payload
+of its own) defined outside the package (a module the test writes into its own folder, named by
+SSL_VIT_PLUGINS, or an installed package's entry point) work through the CLI wherever the built-in ones
+do; a plugin that does not import is one line naming it."""
 
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+import pydantic
 import pytest
 import torch
 import webdataset as wds
@@ -16,7 +18,7 @@ from cli_helpers import one_step_fit_args, run_cli, wandb_records
 from test_errors import error_line
 
 from ssl_vit.errors import BadValue
-from ssl_vit.presets import PRESETS
+from ssl_vit.presets import PRESETS, Preset
 from ssl_vit.registry import Registry
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.target import TARGETS
@@ -24,8 +26,10 @@ from ssl_vit.tasks.target import TARGETS
 ROOT = Path(__file__).resolve().parents[1]
 
 PLUGIN = '''
-"""A plugin of the test's own: a target, a preset that predicts it, a protocol kind and a source."""
+"""A plugin of the test's own: a target, a preset that predicts it, a feature, a protocol kind and two
+sources."""
 
+import dataclasses
 from typing import ClassVar
 
 import numpy as np
@@ -34,12 +38,14 @@ import torch.nn.functional as F
 from pydantic.dataclasses import dataclass
 
 from ssl_vit import targets
-from ssl_vit.data.convert.source import Flag, no_inputs, register as register_source
+from ssl_vit.data.convert.encode import encode_image
+from ssl_vit.data.convert.source import Flag, SourceKind, no_inputs, register as register_source
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Protocol, register as register_kind
 from ssl_vit.evaluation.scoring import restrict
 from ssl_vit.evaluation.stats import Score
-from ssl_vit.presets import register as register_preset
+from ssl_vit.models.feature import Feature, register as register_feature
+from ssl_vit.presets import Preset, register as register_preset
 from ssl_vit.tasks.target import Target, register as register_target
 
 
@@ -57,7 +63,10 @@ class PatchStd(Target):
         return patches.unflatten(-1, (-1, task.bands)).std(dim=-2)  # (B, N, C)
 
 
-register_preset("texture", corruption="mask_token", target="patch_std", mask_ratio=0.5, pixel_loss="l1")
+register_preset(Preset("texture", corruption="mask_token", target="patch_std", mask_ratio=0.5,
+                       pixel_loss="l1"))
+# each image's patch tokens' maximum, per channel: (B, N, D) -> (B, D)
+register_feature(Feature("max_patches", "patch tokens' maximum", lambda read: read.tokens.patches.amax(1)))
 
 
 @register_kind
@@ -79,14 +88,6 @@ class CentroidProtocol(Protocol):
         return Outcome({self.name: Score.of_correct((nearest == test.y)[None])}, {self.name: detail})
 
 
-@register_source(
-    "stripes",
-    argument="N",
-    help="N 16x16 images of vertical stripes",
-    splits="train|val",
-    flags=(Flag("period", "stripe width in pixels (default 2)", type=int, metavar="P"),),
-    inputs=no_inputs,
-)
 def stripes(arg, split, period):
     """N grey (16, 16) images: black and white stripes `period` pixels wide, from white (class 0) or
     black (class 1) on the left, in turn."""
@@ -96,6 +97,37 @@ def stripes(arg, split, period):
     band = (np.arange(16) // period) % 2  # (16,)
     images = [np.repeat(((band + c + 1) % 2 * 255).astype(np.uint8)[None], 16, axis=0) for c in (0, 1)]
     return ["white_first", "black_first"], [(images[i % 2], i % 2) for i in range(int(arg))]
+
+
+register_source(SourceKind(
+    "stripes", stripes, "N", "N 16x16 images of vertical stripes", splits="train|val",
+    flags=(Flag("period", "stripe width in pixels (default 2)", type=int, metavar="P"),), inputs=no_inputs,
+))
+
+
+@dataclasses.dataclass(frozen=True)
+class Chequer:
+    """A payload of the plugin's own: a grey (16, 16) chequerboard of `cell`-pixel squares, drawn by the
+    writer's workers."""
+
+    cell: int
+    where: str
+
+    def encode(self, options, mask):
+        if self.cell < 1:
+            raise ValueError(f"cells of {self.cell} pixels cannot be drawn")
+        cells = np.arange(16) // self.cell  # (16,)
+        return encode_image(((cells[:, None] + cells) % 2 * 255).astype(np.uint8), options)
+
+
+def chequers(arg, split):
+    """N chequerboards of 4-pixel (class 0) and 8-pixel (class 1) cells in turn, then one of 0-pixel cells."""
+    records = [(Chequer(4 + 4 * (i % 2), f"chequer {i}"), i % 2) for i in range(int(arg))]
+    return ["small", "large"], records + [(Chequer(0, f"chequer {arg}"), 0)]
+
+
+register_source(SourceKind("chequers", chequers, "N", "N 16x16 chequerboards, drawn as they are written",
+                           inputs=no_inputs))  # fmt: skip
 '''
 
 
@@ -158,6 +190,34 @@ def test_a_plugin_preset_and_target_fit_and_its_kind_evaluates(plugin, digits_sh
     assert not (tmp_path / "validate").exists()
 
 
+def test_a_plugin_feature_is_read_by_a_suite_and_taken_by_the_linear_probe(plugin, digits_shards, tmp_path):
+    """The plugin's feature, which no `Literal` fixed when the package was imported could hold: a suite's
+    protocol reads it through `evaluate`, and the linear probe's
+    `--model.init_args.feature` takes it, listed among the valid ones when a name is not."""
+    suite = yaml.safe_load((ROOT / "recipes/eval/quickstart.yaml").read_text())
+    suite["data"].update(
+        train_urls=str(digits_shards / "train-{000000..000001}.tar"),
+        test_urls=str(digits_shards / "val-{000000..000001}.tar"),
+        num_workers=0,
+    )
+    suite["protocols"] = [{"name": "knn", "kind": "knn", "feature": "max_patches", "k": 5}]
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    run_cli("evaluate", "scratch", "--suite", "suite.yaml", "--out", str(out), cwd=tmp_path, env=plugin)
+    record = json.loads((out / "results.json").read_text())
+    assert list(record["results"]) == ["knn"] and 0.1 < record["results"]["knn"] <= 1  # above chance
+    assert record["protocols"][0]["feature"] == "max_patches"
+
+    recipe = str(ROOT / "recipes/quickstart/linear_probe.yaml")
+    option = "--model.init_args.feature"
+    printed = run_cli("fit", "--config", recipe, option, "max_patches", "--print_config", env=plugin)
+    assert "feature: max_patches" in printed.stdout
+    proc = run_cli("fit", "--config", recipe, option, "max_patch", cwd=tmp_path, env=plugin, check=False)
+    error_line(proc, f"{option}: 'max_patch' is not one of ", "max_patches; did you mean max_patches?")
+    proc = run_cli("fit", "--config", recipe, option, "max_patches", cwd=tmp_path, check=False)
+    error_line(proc, f"{option}: 'max_patches' is not one of cls, mean")
+
+
 def test_a_plugin_source_converts_with_its_own_flag(plugin, tmp_path):
     """`ssl-vit data convert stripes:N OUT --period P` with the plugin loaded: shards and a manifest of
     the plugin's images; the source and its flag are in the command's help; its flag is refused with
@@ -186,6 +246,25 @@ def test_a_plugin_source_converts_with_its_own_flag(plugin, tmp_path):
     assert not any((tmp_path / name).exists() for name in ("bad", "other", "none"))
 
 
+def test_a_plugin_payload_is_encoded_by_its_own_class(plugin, tmp_path):
+    """`ssl-vit data convert chequers:4 --workers 2`: the plugin's records carry a payload class the
+    writer does not know; the workers encode each through it, so the shard holds the boards its `encode`
+    drew, and the record it refuses is skipped in one line naming its `where`."""
+    out = tmp_path / "shards"
+    proc = run_cli("data", "convert", "chequers:4", str(out), "--workers", "2", "--order", "source",
+                   "--no-progress", env=plugin)  # fmt: skip
+    assert "skipping unreadable image chequer 4: cells of 0 pixels cannot be drawn" in proc.stderr
+    manifest = json.loads((out / "train.json").read_text())
+    assert manifest["num_samples"] == 4 and manifest["skipped"] == 1
+    assert manifest["class_counts"] == {"0": 2, "1": 2} and manifest["image_size"] == [16, 16]
+    samples = list(wds.WebDataset(str(out / "train-000000.tar"), shardshuffle=False).decode("l"))
+    assert [int(s["cls"]) for s in samples] == [0, 1, 0, 1]
+    for sample in samples:
+        cells = np.arange(16) // (4 + 4 * int(sample["cls"]))
+        drawn = (cells[:, None] + cells) % 2 * 255
+        assert np.array_equal((np.asarray(sample["png"]) * 255).round(), drawn)  # decoded in [0, 1]
+
+
 def test_a_plugin_name_is_a_valid_choice_and_listed_where_the_built_in_ones_are(plugin, tmp_path):
     recipe = str(ROOT / "recipes/quickstart/mae.yaml")
     printed = run_cli(
@@ -212,8 +291,8 @@ def test_an_installed_plugin_is_found_by_its_entry_point(tmp_path):
     """What `pip install` leaves for a package that declares `[project.entry-points."ssl_vit.plugins"]`:
     its module, and an entry_points.txt in its .dist-info, here on PYTHONPATH."""
     (tmp_path / "their_plugin.py").write_text(
-        "from ssl_vit.presets import register\nregister('their_mae', corruption='drop', target='pixels', "
-        "mask_ratio=0.5)\n"
+        "from ssl_vit.presets import Preset, register\nregister(Preset('their_mae', corruption='drop', "
+        "target='pixels', mask_ratio=0.5))\n"
     )
     info = tmp_path / "their_package-1.0.dist-info"
     info.mkdir()
@@ -230,8 +309,9 @@ def test_an_installed_plugin_is_found_by_its_entry_point(tmp_path):
               "module named 'missing_plugin'", "put it on the Python path (PYTHONPATH)"]),
         ("raise RuntimeError('no licence key')\n",
          ["plugin missing_plugin (named in SSL_VIT_PLUGINS) does not import: RuntimeError: no licence key"]),
-        ("from ssl_vit.presets import register\nregister('mae', target='pixels')\n",
-         ["plugin missing_plugin", "BadValue: preset 'mae' is registered twice: give one of them another"]),
+        ("from ssl_vit.presets import Preset, register\nregister(Preset('mae', target='pixels'))\n",
+         ["plugin missing_plugin", "BadValue: preset 'mae' is registered twice (by ", "missing_plugin",
+          "give one of them another"]),
     ],
     ids=["missing", "raises", "name-taken"],
 )  # fmt: skip
@@ -263,22 +343,36 @@ def test_a_plugin_kind_named_like_a_built_in_one_is_one_line_naming_both(tmp_pat
 
 def test_a_registry_names_the_valid_ones_and_refuses_a_name_twice():
     colours = Registry("colour")
-    colours.add("red", 1)
-    colours.add("green", 2)
-    assert colours.pick("green") == 2
-    with pytest.raises(BadValue, match=r"^unknown colour 'blue'; valid: red, green$"):
+    colours.add(Colour("red", True))
+    green = colours.add(Colour("green", False))
+    assert colours.pick("green") is green and colours.names(warm=True) == ("red",)
+    with pytest.raises(BadValue, match=r"^unknown colour 'blue': use one of red, green$"):
         colours.pick("blue")
-    with pytest.raises(BadValue, match="colour 'red' is registered twice: give"):
-        colours.add("red", 3)
-    option = colours.option_type("ColourName")
-    with pytest.raises(ValueError, match=r"^Expected a typing.Literal\['red', 'green'\]$"):
-        colours._parsed("blue")
-    colours.add("blue", 3)  # the names as they are when a value is parsed
-    assert colours._parsed("blue") == "blue" and issubclass(option, str)
+    with pytest.raises(BadValue, match=r"^unknown colour 'green': use one of red$"):
+        colours.pick("green", among=("red",))
+    with pytest.raises(
+        BadValue, match=rf"^colour 'red' is registered twice \(by {__name__} and {__name__}\): give"
+    ):
+        colours.add(Colour("red", False))
+    with pytest.raises(BadValue, match=r"^colour name 'a b': give one of letters, digits"):
+        colours.add(Colour("a b", True))
+
+    @pydantic.dataclasses.dataclass
+    class Paint:
+        colour: colours.choice("WarmColour", warm=True)
+
+    assert Paint("red").colour == "red" and type(Paint("red").colour) is str
+    with pytest.raises(pydantic.ValidationError, match="Input should be 'red'"):
+        Paint("green")
+    colours.add(Colour("orange", True))  # the names as they are when a value is checked
+    assert Paint("orange").colour == "orange" and colours.choice("WarmColour", warm=True).valid() == (
+        "red",
+        "orange",
+    )
 
 
 def test_a_preset_that_sets_what_the_task_does_not_take_is_one_line():
-    PRESETS.add("old_style", dict(corruption="drop", target="pixels", mask_ratio=0.5, decoder="big"))
+    PRESETS.add(Preset("old_style", corruption="drop", target="pixels", mask_ratio=0.5, decoder="big"))
     try:
         with pytest.raises(
             BadValue, match=r"preset 'old_style' sets decoder, which MaskedPatchPretraining does"
@@ -309,6 +403,11 @@ def test_every_target_predicts_its_shape_for_every_band_count_it_takes(digits_ba
             shape = task.target_shape()
             expected = (2, 16, *shape) if made.dtype != torch.long else (2, 16, *shape[:-1])
             assert tuple(made.shape) == expected, name
+
+
+class Colour(NamedTuple):
+    name: str
+    warm: bool
 
 
 def _tiny(bands: int = 3):

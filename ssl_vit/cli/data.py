@@ -96,7 +96,7 @@ def add_parser(subparsers) -> None:
 
 def _names(**kind) -> str:
     """The registered sources with `masks` or `arrays` true, by name."""
-    return ", ".join(k.name for k in SOURCES.values() if all(getattr(k, a) == v for a, v in kind.items()))
+    return ", ".join(SOURCES.names(**kind))
 
 
 def add_bench_parser(bench_subparsers) -> None:

@@ -106,12 +106,8 @@ class Protocol:
         raise NotImplementedError
 
 
-PROTOCOLS = Registry("protocol kind")  # KIND -> its class
-
-
-def register(cls: type[Protocol]) -> type[Protocol]:
-    """Class decorator: `kind: cls.KIND` in a suite selects `cls`."""
-    return PROTOCOLS.add(cls.KIND, cls)
+PROTOCOLS = Registry("protocol kind", key="KIND")  # KIND -> its class
+register = PROTOCOLS.add  # class decorator: `kind: cls.KIND` in a suite selects `cls`
 
 
 def check_unique(values: list, what: str, where: str) -> None:

@@ -211,9 +211,10 @@ def protocol(values: Any, index: int) -> Protocol:
     if isinstance(values.get("name"), str):
         where = f"protocol {values['name']!r}"
     kind = values.get("kind")
-    if not isinstance(kind, str) or kind not in PROTOCOLS:
-        raise BadValue(f"{where} has kind {shown(kind)}; valid: {', '.join(PROTOCOLS)}")
-    cls = PROTOCOLS[kind]
+    try:
+        cls = PROTOCOLS.pick(kind)
+    except BadValue as err:
+        raise BadValue(f"{where}: {err}") from None
     known = [f.name for f in fields(cls)]
     unknown = sorted(str(k) for k in values if k not in known)
     if unknown:

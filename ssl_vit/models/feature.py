@@ -6,9 +6,8 @@ A feature is a `Feature` registered by its own module in `ssl_vit.models.feature
 in words (tables and verdicts name the feature a result rests on), how it reads one forward pass's
 outputs (`Readout`), and what it is: pooled (one vector per image) or per token, from the final layer
 or from the last k blocks, over the patch grid only, or needing a [class] token. The choices tasks
-and suites take (`ssl_vit.models.vit.FeatureKind`, ...) are `Literal`s derived from these when
-`ssl_vit.models.vit` is imported (LightningCLI and pydantic list them as choices), so a feature is added
-by a module of `ssl_vit.models.features`, not by a plugin (`ssl_vit.plugins`).
+and suites take (`ssl_vit.models.vit.FeatureKind`, ...) are `FEATURES.choice`s of these flags, read as
+a value is parsed, so a plugin's feature (`ssl_vit.plugins`) is valid wherever a built-in one is.
 
 Legend: B batch, N patches, P prefix ([class]) tokens, T tokens, D width, F feature width.
 """
@@ -55,14 +54,4 @@ class Feature:
 
 
 FEATURES = Registry("feature")
-
-
-def register(feature: Feature) -> Feature:
-    return FEATURES.add(feature.name, feature)
-
-
-def names(**flags: bool) -> tuple[str, ...]:
-    """The registered features whose flags (`pooled`, `blocks`, `grid`, `needs_cls`) are `flags`."""
-    return tuple(
-        name for name, feature in FEATURES.items() if all(getattr(feature, k) == v for k, v in flags.items())
-    )
+register = FEATURES.add

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ssl_vit.errors import BadValue, shown
 from ssl_vit.models import features as _features  # noqa: F401  (registers the features)
-from ssl_vit.models.feature import FEATURES, Readout, names
+from ssl_vit.models.feature import FEATURES, Readout
 
 # name -> (width, depth, heads, mlp_dim). B/L/H: ViT paper Table 1; Ti/S: DeiT; M: big_vision.
 VARIANTS: dict[str, tuple[int, int, int, int]] = {
@@ -48,9 +48,9 @@ EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R5
 # `ssl_vit.models.features`): pooled, one vector per image (`ViT.features`), and of those the ones of the
 # backbone's width D (what a head of that width takes: not `lastk`'s k x D); one vector per token
 # (`ViT.feature_set`).
-FeatureKind = Literal[names(pooled=True)]
-WidthFeature = Literal[names(pooled=True, blocks=False)]
-TokenKind = Literal[names(pooled=False)]
+FeatureKind = FEATURES.choice("FeatureKind", pooled=True)
+WidthFeature = FEATURES.choice("WidthFeature", pooled=True, blocks=False)
+TokenKind = FEATURES.choice("TokenKind", pooled=False)
 # The largest image side, width, depth, head count or MLP width a config may give: 3x the largest
 # ViT trained (ViT-22B: width 6,144, MLP 24,576, depth 48); a larger number is a mistake that would only
 # fail in an allocation.
@@ -171,9 +171,7 @@ class ViT(VisionTransformer):
         the valid ones (default: every registered feature) for callers whose heads take width D (no
         `lastk`) or read tokens."""
         kinds = tuple(FEATURES) if kinds is None else kinds
-        if feature not in kinds:
-            raise ValueError(f"unknown feature {feature!r}; valid: {', '.join(map(repr, kinds))}")
-        chosen = FEATURES[feature]
+        chosen = FEATURES.pick(feature, kinds)
         if chosen.needs_cls and self.cls_token is None:
             # its alternatives are the valid ones of its sort (pooled, or per token) that need none
             others = " or ".join(

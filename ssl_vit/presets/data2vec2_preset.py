@@ -3,19 +3,21 @@
 image share one teacher pass; targets the teacher's top 10 blocks, instance-normalised, averaged,
 layer-normed; MSE; EMA 0.9998 -> 0.99999, linear."""
 
-from ssl_vit.presets.preset import register
+from ssl_vit.presets.preset import Preset, register
 
 register(
-    "data2vec2",
-    corruption="drop",
-    target="teacher",
-    mask_ratio=0.8,
-    mask_shape="block",
-    pixel_loss="mse",
-    teacher_features="top_k_mean",
-    teacher_top_k=10,
-    views=16,
-    ema_momentum=0.9998,
-    ema_momentum_end=0.99999,
-    ema_schedule="linear",
+    Preset(
+        "data2vec2",
+        corruption="drop",
+        target="teacher",
+        mask_ratio=0.8,
+        mask_shape="block",
+        pixel_loss="mse",
+        teacher_features="top_k_mean",
+        teacher_top_k=10,
+        views=16,
+        ema_momentum=0.9998,
+        ema_momentum_end=0.99999,
+        ema_schedule="linear",
+    )
 )

@@ -2,14 +2,16 @@
 decoder, normalised pixels, MSE; the encoder initialised as MAE's code does (fixed sin-cos position
 embeddings, xavier-uniform linears)."""
 
-from ssl_vit.presets.preset import register
+from ssl_vit.presets.preset import Preset, register
 
 register(
-    "mae",
-    corruption="drop",
-    target="norm_pixels",
-    mask_ratio=0.75,
-    mask_shape="random",
-    pixel_loss="mse",
-    encoder_init="mae",
+    Preset(
+        "mae",
+        corruption="drop",
+        target="norm_pixels",
+        mask_ratio=0.75,
+        mask_shape="random",
+        pixel_loss="mse",
+        encoder_init="mae",
+    )
 )

@@ -1,7 +1,7 @@
 """What a masked-prediction preset is: one word (`MaskedPatchPretraining(preset=...)`, a recipe's
 `preset: mae`) for the choices of a published method.
 
-A preset is plain data, registered by its own module (`ssl_vit.presets`, or a plugin's:
+A preset is plain data (`Preset`), registered by its own module (`ssl_vit.presets`, or a plugin's:
 `ssl_vit.plugins`): the keyword arguments of `MaskedPatchPretraining` it sets (`corruption`, `target`,
 `mask_ratio`, `mask_shape`, `pixel_loss`, `encoder_init`, the teacher's `teacher_features`,
 `teacher_top_k`, `views`, `ema_*`). Any argument given explicitly overrides its preset's value; what
@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from ssl_vit.registry import Registry
 
-PRESETS = Registry("preset")  # name -> the choices it sets
 
-
-def register(name: str, **choices: object) -> None:
+class Preset:
     """`preset: NAME` sets `choices`."""
-    PRESETS.add(name, dict(choices))
+
+    def __init__(self, name: str, **choices: object) -> None:
+        self.name, self.choices = name, choices
+
+
+PRESETS = Registry("preset")  # name -> its Preset
+register = PRESETS.add

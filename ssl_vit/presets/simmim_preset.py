@@ -1,8 +1,15 @@
 """`preset: simmim`: SimMIM (Xie et al. 2022): a mask token in the encoder, 60% of 32-pixel cells, raw
 pixels, L1, a linear head."""
 
-from ssl_vit.presets.preset import register
+from ssl_vit.presets.preset import Preset, register
 
 register(
-    "simmim", corruption="mask_token", target="pixels", mask_ratio=0.6, mask_shape="cells", pixel_loss="l1"
+    Preset(
+        "simmim",
+        corruption="mask_token",
+        target="pixels",
+        mask_ratio=0.6,
+        mask_shape="cells",
+        pixel_loss="l1",
+    )
 )

@@ -15,8 +15,6 @@ Legend: B batch, T tokens, D width, K classes, H probes (one per candidate), Q q
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from pytorch_lightning.cli import OptimizerCallable
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -24,7 +22,7 @@ from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
 from ssl_vit.errors import BadValue
-from ssl_vit.models.feature import names
+from ssl_vit.models.feature import FEATURES
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import Bands
@@ -33,7 +31,7 @@ from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # What the queries attend over: the per-token features of the final layer (`tokens`: every output token,
 # [class] token included; `patches`: the patch tokens only).
-TokenFeature = Literal[names(pooled=False, blocks=False)]
+TokenFeature = FEATURES.choice("TokenFeature", pooled=False, blocks=False)
 
 
 def adamw(params) -> Optimizer:
@@ -109,7 +107,7 @@ class AttentiveProbe(FrozenProbe):
             lr_reference_batch, mean, std,
             hparams=dict(feature=feature, queries=queries, heads=heads, weight_decays=list(weight_decays)),
         )  # fmt: skip
-        self.backbone.check_feature(feature, kinds=TokenFeature.__args__)
+        self.backbone.check_feature(feature, kinds=TokenFeature.valid())
         width = self.backbone.embed_dim
         if heads < 1 or width % heads:
             raise BadValue(f"heads must divide the backbone's width {width}, got {heads}")

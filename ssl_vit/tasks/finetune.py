@@ -109,7 +109,7 @@ class FineTune(SupervisedPretraining):
             optimizer=optimizer, lr_scheduler=lr_scheduler, lr_reference_batch=lr_reference_batch, mean=mean,
             std=std,
         )  # fmt: skip
-        self.backbone.check_feature(choices["feature"], kinds=WidthFeature.__args__)
+        self.backbone.check_feature(choices["feature"], kinds=WidthFeature.valid())
         self.save_hyperparameters({**self.hparams, "preset": preset, **choices})  # both saved and logged copy
         self.feature, self.layer_decay = choices["feature"], choices["layer_decay"]
         # A gap backbone's pooled output already ends in timm's fc_norm.

@@ -69,7 +69,7 @@ class LinearProbe(FrozenProbe):
             backbone, init_from, num_classes, lrs, None, optimizer, lr_scheduler, lr_reference_batch, mean,
             std, hparams=dict(feature=feature, batch_norm=batch_norm),
         )  # fmt: skip
-        self.backbone.check_feature(feature, kinds=WidthFeature.__args__)
+        self.backbone.check_feature(feature, kinds=WidthFeature.valid())
         self.feature = feature
         width = self.backbone.embed_dim
         # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.

@@ -41,8 +41,8 @@ from ssl_vit.tracking import log_picture
 Corruption = Literal["bert", "drop", "mask_token"]
 # Presets and targets are registries a plugin may add to after this module is imported: the CLI checks
 # a name against each as it is when the command parses, and lists the valid ones when it is not.
-PresetName = PRESETS.option_type("PresetName")
-TargetName = TARGETS.option_type("TargetName")
+PresetName = PRESETS.choice("PresetName")
+TargetName = TARGETS.choice("TargetName")
 MaskShape = Literal["random", "block", "cells", "jepa"]
 PixelLoss = Literal["mse", "l1", "smooth_l1"]
 EncoderInit = Literal["timm", "mae"]
@@ -177,7 +177,7 @@ class MaskedPatchPretraining(BackboneTask):
                 mae_init(self.backbone)
             self.backbone.pos_embed.requires_grad_(False)
         self.corruption, self.target_kind = choices["corruption"], choices["target"]
-        self.target = TARGETS[self.target_kind]
+        self.target = TARGETS[self.target_kind]()
         self.mask_ratio, self.mask_shape = choices["mask_ratio"], choices["mask_shape"]
         self.pixel_loss = choices["pixel_loss"]
         # a target without a picture (an EMA teacher's latents) draws none
@@ -425,7 +425,7 @@ def check_target_bands(target: str, preset: str | None, bands: int) -> None:
     if chosen.accepts(bands):
         return
     working = [name for name, other in TARGETS.items() if other.accepts(bands)]
-    presets = [name for name, choices in PRESETS.items() if choices.get("target") in working]
+    presets = [name for name, chosen in PRESETS.items() if chosen.choices.get("target") in working]
     given = f"preset {preset!r}'s target" if preset else "target"
     why = chosen.REFUSES or f"takes images of {chosen.BANDS} bands only"
     raise BadValue(
@@ -458,7 +458,7 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
         pixel_loss=pixel_loss,
         **others,
     )
-    chosen = PRESETS.pick(preset) if preset is not None else {}
+    chosen = PRESETS.pick(preset).choices if preset is not None else {}
     base = {**DEFAULTS, **chosen}
     unknown = [key for key in base if key not in given]
     if unknown:  # a plugin's preset, written for another version

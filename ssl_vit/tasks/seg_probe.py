@@ -11,8 +11,6 @@ Legend: B batch, N = h x w patch tokens, D width (k x D for `lastk`), K classes,
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.cli import OptimizerCallable
@@ -20,7 +18,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 
 from ssl_vit.data.format.masks import IGNORE_INDEX
-from ssl_vit.models.feature import FEATURES, names
+from ssl_vit.models.feature import FEATURES
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import LAST_K, ViTConfig
 from ssl_vit.tasks.base import Bands
@@ -30,7 +28,7 @@ from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # The per-token features over the patch grid: the last block's patch tokens, or the last LAST_K blocks'
 # concatenated per token.
-PatchFeature = Literal[names(pooled=False, grid=True)]
+PatchFeature = FEATURES.choice("PatchFeature", pooled=False, grid=True)
 
 
 def upsample(logits: Tensor, size: tuple[int, int]) -> Tensor:
@@ -71,7 +69,7 @@ class LinearSegProbe(FrozenProbe):
             backbone, init_from, num_classes, list(lrs), None, optimizer, lr_scheduler, lr_reference_batch,
             mean, std, hparams=dict(feature=feature, batch_norm=batch_norm),
         )  # fmt: skip
-        self.backbone.check_feature(feature, LAST_K, kinds=PatchFeature.__args__)
+        self.backbone.check_feature(feature, LAST_K, kinds=PatchFeature.valid())
         self.feature = feature
         width = FEATURES[feature].size(0, 0, self.backbone.embed_dim, LAST_K)[1]
         self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()

@@ -35,9 +35,10 @@ class Target:
     # "target 'color3bit' <REFUSES>, and the data has 5" (unset: "takes images of <BANDS> bands only")
     TEACHER: ClassVar[bool] = False  # made by an EMA teacher of the backbone, which the task then keeps
 
-    def accepts(self, bands: int) -> bool:
+    @classmethod
+    def accepts(cls, bands: int) -> bool:
         """Whether a backbone of `bands` input bands can predict it."""
-        return self.BANDS is None or self.BANDS == bands
+        return cls.BANDS is None or cls.BANDS == bands
 
     def shape(self, task) -> torch.Size:
         """T: what the task predicts per patch."""
@@ -53,7 +54,8 @@ class Target:
     picture = None
 
 
-TARGETS = Registry("target")  # name -> the Target
+TARGETS = Registry("target", key="NAME")  # name -> the Target class, which the task makes one of
+register = TARGETS.add  # class decorator: `target: cls.NAME` selects `cls`
 
 
 def checked_shape(target: Target, shape: object) -> torch.Size:
@@ -86,12 +88,6 @@ def check_made(target: Target, made: object, batch: int, patches: int, shape: to
         f"target {target.NAME!r} ({type(target).__module__}): make() gave {given} (B, N, *shape()): fix "
         "its make()"
     )
-
-
-def register(cls: type[Target]) -> type[Target]:
-    """Class decorator: `target: cls.NAME` selects `cls`."""
-    TARGETS.add(cls.NAME, cls())
-    return cls
 
 
 __all__ = ["TARGETS", "Target", "check_made", "checked_shape", "register"]

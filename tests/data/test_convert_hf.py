@@ -25,9 +25,9 @@ from test_convert_reshard import convert_killed, files, samples
 from test_remote_faults import one_line_failure
 
 from ssl_vit.data.convert import hf
-from ssl_vit.data.convert.encode import encode_record
+from ssl_vit.data.convert.encode import ImageBytes, encode_record
 from ssl_vit.data.convert.hf import MAX_UNNAMED_LABEL
-from ssl_vit.data.convert.wds import ShardImage
+from ssl_vit.data.convert.payload import Encoded, EncodeOptions
 from ssl_vit.errors import UserError
 
 datasets.disable_progress_bars()
@@ -366,8 +366,8 @@ def expected(case: dict) -> tuple[list[int], list[int]] | None:
         bad_label = label is not None and (
             label < -1 or (named and label >= len(names)) or (not named and label > MAX_UNNAMED_LABEL)
         )
-        decodes = (
-            data is not None and encode_record((ShardImage(None, data, "x"), 0), "png", 95, None, None)[0]
+        decodes = data is not None and isinstance(
+            encode_record((ImageBytes(data, "x"), 0), EncodeOptions("png", 95, None, None))[0], Encoded
         )
         if bad_label or not decodes:
             skipped.append(i)

@@ -13,33 +13,28 @@ import webdataset as wds
 
 from ssl_vit.cli import main
 from ssl_vit.data.convert import source
-from ssl_vit.data.convert.source import SOURCES, Flag, register, sources_help, split_help
-from ssl_vit.registry import Registry
+from ssl_vit.data.convert.source import SOURCES, Flag, SourceKind, register, sources_help, split_help
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """The registry as the package left it, restored after the test (a registration is global)."""
-    copy = Registry("source")
-    copy.update(SOURCES)
-    monkeypatch.setattr(source, "SOURCES", copy)
-    return copy
+def registry():
+    """The registry, restored to what the package left in it after the test (a registration is global)."""
+    before = dict(SOURCES)
+    yield SOURCES
+    SOURCES.clear()
+    SOURCES.update(before)
 
 
 def register_solid(name: str = "solid") -> None:
     """A tiny source: N 4x4 images of one grey level (`--level`, default 7), labels 0, 1, 0, ..."""
 
-    @register(
-        name,
-        argument="N",
-        help="N solid grey squares",
-        splits="train|val",
-        flags=(Flag("level", "the squares' grey level", type=int, metavar="G"),),
-        inputs=source.no_inputs,
-    )
     def load(arg: str, split: str, level: int | None) -> tuple[list[str], list]:
         image = np.full((4, 4), 7 if level is None else level, dtype=np.uint8)
         return ["even", "odd"], [(image, i % 2) for i in range(int(arg))]
+
+    flags = (Flag("level", "the squares' grey level", type=int, metavar="G"),)
+    help = "N solid grey squares"
+    register(SourceKind(name, load, "N", help, splits="train|val", flags=flags, inputs=source.no_inputs))
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
@@ -109,13 +104,14 @@ def test_a_required_flag_is_refused_missing_in_one_line(tmp_path):
     ("name", "flag", "why"),
     [
         ("digits", None, "source 'digits' is registered twice (by ssl_vit.data.convert.digits and "),
-        ("Bad-Name", None, "not a lower-case name"),
+        ("Bad-Name", None, "source name 'Bad-Name': give one of lower-case letters, digits and _"),
         ("fresh", "grid", "taken (mosaic:URLS)"),
         ("fresh", "shard_size", "taken (data convert itself)"),
     ],
 )
 def test_register_refuses_a_name_or_flag_that_is_taken(registry, name, flag, why):
     flags = (Flag(flag, "x"),) if flag else ()
+    before = set(registry)
     with pytest.raises(ValueError, match=re.escape(why)):
-        register(name, argument="DIR", flags=flags)(lambda arg, split: ([], []))
-    assert set(registry) == set(SOURCES)
+        register(SourceKind(name, lambda arg, split: ([], []), "DIR", flags=flags))
+    assert set(registry) == before

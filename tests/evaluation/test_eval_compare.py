@@ -176,7 +176,7 @@ def test_bad_suites_and_arguments_are_one_line_errors(tmp_path, cli):
         )
     )
     with pytest.raises(
-        UserError, match="valid: fewshot, knn, linear_probe, attentive_probe, linear_seg, finetune"
+        UserError, match="use one of fewshot, knn, linear_probe, attentive_probe, linear_seg, finetune"
     ):
         load_suite(bad)
     bad.write_text(

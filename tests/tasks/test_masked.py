@@ -99,7 +99,7 @@ def test_presets_fill_choices_and_arguments_override_them():
     "kwargs, message",
     [
         ({}, "corruption must be one of"),
-        ({"preset": "beit"}, "valid: vit_mpp, mae, simmim"),
+        ({"preset": "beit"}, "unknown preset 'beit': use one of vit_mpp, mae, simmim"),
         ({"preset": "mae", "mask_ratio": 1.0}, "mask_ratio"),
         ({"preset": "vit_mpp", "mask_shape": "block"}, "bert"),
         ({"preset": "simmim", "cell_size": 12}, "cell_size"),

@@ -1,8 +1,9 @@
 """`ssl-vit data convert`: image sources -> WebDataset shards. The registry of sources (`source`:
 `register`, `Flag`, `SOURCES`, `open_source`), one module per built-in source with its reader beside
 its registration (`digits`, `synthetic`, `imagefolder`, `cifar`, `idx`, `npz`, `wds`, `imagenet`, `hf`,
-`ade20k`, `voc`, `mosaic`, `tiff`, `eurosat`), one record -> the bytes a shard stores (`encode`), and the
-writer of the shards and their manifest (`shard_writer`).
+`ade20k`, `voc`, `mosaic`, `tiff`, `eurosat`), what a record carries to the writer (`payload`), one
+record -> the bytes a shard stores (`encode`), and the writer of the shards and their manifest
+(`shard_writer`).
 
 Importing this package registers the built-in sources and nothing heavier: `ssl-vit --help` lists them
 (a reader that needs torch or pyarrow imports it when it runs). A plugin registers its own with

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import register
-from ssl_vit.data.format.masks import IGNORE_INDEX, MaskFile
+from ssl_vit.data.convert.payload import MaskFile
+from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.errors import UserError
 
 ADE_SPLITS = {"train": "training", "val": "validation"}
@@ -27,13 +28,6 @@ ADE_TO_CLASSES = (np.arange(256) - 1).clip(0).astype(np.uint8)  # value k -> cla
 ADE_TO_CLASSES[0] = ADE_TO_CLASSES[255] = IGNORE_INDEX
 
 
-@register(
-    "ade20k",
-    argument="DIR",
-    help="ADEChallengeData2016: images/ and annotations/; 150 classes, its 0 'other' ignored as 255",
-    splits="train|val",
-    masks=True,
-)
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """ADEChallengeData2016 (`DIR` itself, or the folder it was extracted into): split `train` reads
     `images/training/*.jpg` with `annotations/training/*.png`, `val` the `validation` folders."""
@@ -85,3 +79,15 @@ def _ade_class_names(root: Path) -> list[str]:
     if sorted(names) != list(range(1, ADE_CLASSES + 1)) or not all(names.values()):
         raise UserError(f"{path}: expected a name for each of the classes 1..{ADE_CLASSES}: {fix}")
     return [names[c] for c in range(1, ADE_CLASSES + 1)]
+
+
+register(
+    SourceKind(
+        "ade20k",
+        load,
+        "DIR",
+        help="ADEChallengeData2016: images/ and annotations/; 150 classes, its 0 'other' ignored as 255",
+        splits="train|val",
+        masks=True,
+    )
+)

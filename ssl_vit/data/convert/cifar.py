@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.errors import UserError
 
 
@@ -74,7 +74,6 @@ def _cifar(root: Path, batch_names: list[str], meta_name: str, label_key: str, n
     return class_names, records
 
 
-@register("cifar10", argument="DIR", splits="train|test")
 def load_cifar10(arg: str, split: str) -> tuple[list[str], list]:
     """CIFAR-10's python batches (`cifar-10-python.tar.gz`, extracted): DIR or its `cifar-10-batches-py`."""
     if split not in ("train", "test"):
@@ -83,9 +82,12 @@ def load_cifar10(arg: str, split: str) -> tuple[list[str], list]:
     return _cifar(Path(arg), batches, "batches.meta", "labels", "label_names")
 
 
-@register("cifar100", argument="DIR", splits="train|test")
 def load_cifar100(arg: str, split: str) -> tuple[list[str], list]:
     """CIFAR-100's python batches (`cifar-100-python.tar.gz`, extracted), with its 100 fine labels."""
     if split not in ("train", "test"):
         raise UserError(f"cifar100 has splits 'train' and 'test', not {split!r}: pass --split train|test")
     return _cifar(Path(arg), [split], "meta", "fine_labels", "fine_label_names")
+
+
+register(SourceKind("cifar10", load_cifar10, "DIR", splits="train|test"))
+register(SourceKind("cifar100", load_cifar100, "DIR", splits="train|test"))

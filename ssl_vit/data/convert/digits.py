@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.errors import UserError
 
 DIGITS_SIZE = 32
@@ -12,7 +12,6 @@ DIGITS_VAL_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
 
 
-@register("digits", argument=None, splits="train|val")
 def load(_: str, split: str) -> tuple[list[str], list]:
     """scikit-learn's 8x8 handwritten digits (1797 images, values 0-16), upscaled to 32x32 RGB.
 
@@ -37,3 +36,6 @@ def load(_: str, split: str) -> tuple[list[str], list]:
         big = np.asarray(small.resize((DIGITS_SIZE, DIGITS_SIZE), Image.BILINEAR))
         records.append((np.repeat(big[:, :, None], 3, axis=2), int(digits.target[i])))
     return [str(c) for c in range(10)], records
+
+
+register(SourceKind("digits", load, None, splits="train|val"))

@@ -9,10 +9,10 @@ else is converted to grey (L) or RGB, shrunk to `--max-side` if larger (PIL's `I
 kept, JPEGs decoded at a reduced DCT scale first, then a bicubic resample; never enlarged) and encoded
 as PNG or as JPEG at `--quality`.
 
-A record of a source with masks also has its mask (a uint8 array, a `MaskFile`, or the mask a mosaic's
-`Tiles` compose with their image): checked to cover the image pixel for pixel and to hold only classes
-below the source's count or 255 (else the record is skipped and counted, as an unreadable image is),
-shrunk with NEAREST to the stored image's size when `--max-side` shrank it, and stored as a mode-L
+A record of a source with masks also has its mask (a uint8 array or a `payload.MaskFile`; a mosaic's
+`Tiles` compose theirs with their image): checked to cover the image pixel for pixel and to hold only
+classes below the source's count or 255 (else the record is skipped and counted, as an unreadable image
+is), shrunk with NEAREST to the stored image's size when `--max-side` shrank it, and stored as a mode-L
 PNG (the sample's `seg.png`), with its pixel count per class for the manifest.
 
 Every record also gives the statistics of its image's bands as stored (`band_stats.BandStats`: a kept
@@ -20,69 +20,72 @@ file decoded in full, a JPEG written here decoded from the bytes written), which
 into the manifest's `band_stats`: exact over every image written, at the cost of one decode of each
 image that was not decoded in full anyway.
 
-A record of an array source (`tiff:`, `eurosat:`; its payload a `tiff.ArrayFile`) is read
-with tifffile, its header judged against the size limit, the split's band count and dtype before
-its pixels are decoded, and stored losslessly as a `.npy` member, band-last `(H, W, C)`.
+A payload of any other kind encodes itself (`payload.Payload`): an array source's `tiff.ArrayFile`, a
+mosaic's `Tiles`, an image file's bytes read from a shard or a parquet row (`ImageBytes`), a plugin's.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from ssl_vit.data.convert.mosaic import Tiles
-from ssl_vit.data.convert.tiff import ArrayFile
-from ssl_vit.data.convert.wds import Broken, ShardImage
-from ssl_vit.data.format.arrays import npy_bytes, open_tiff
+from ssl_vit.data.convert.payload import Encoded, EncodeOptions, MaskFile, Payload, Skip
 from ssl_vit.data.format.band_stats import BandStats
-from ssl_vit.data.format.masks import (
-    MaskFile,
-    array_size,
-    beyond_message,
-    classes_beyond,
-    pixel_counts,
-    size_mismatch,
-)
+from ssl_vit.data.format.masks import array_size, beyond_message, classes_beyond, pixel_counts, size_mismatch
 from ssl_vit.data.format.members import MAX_IMAGE_PIXELS
 
 PIL_FORMATS = {"png": "PNG", "jpg": "JPEG"}
 PNG_COMPRESS_LEVEL = 6
 
 
-def encode_record(record, image_format: str, quality: int, max_side: int | None, mask_classes: int | None):
-    """Encode one `(payload, label)` or `(payload, label, mask)` record (`mask_classes`: the source's
-    mask class count). Returns `(bytes, (H, W), label, key, mask, stats)` with `mask` None or `(PNG
-    bytes, {class: pixels})` and `stats` the image's `BandStats`, or `(None, reason, label, key, None,
-    None)` for a record that cannot be read (the caller skips and counts it); `key` is the sample's key
-    in its source shard (`wds:`), else None."""
+def encode_record(record, options: EncodeOptions) -> tuple[Encoded | str, int]:
+    """`(the sample to store, or why the record is skipped, label)` of one `(payload, label)` or
+    `(payload, label, mask)` record."""
     payload, label, mask = (*record, None)[:3]
-    key = payload.key if isinstance(payload, ShardImage) else None
-    if isinstance(payload, Broken):
-        return None, payload.reason, label, key, None, None
     try:
-        if isinstance(payload, ArrayFile):
-            data, size, stats = _encode_array(payload)
-            return data, size, label, key, None, stats
-        if isinstance(payload, Tiles):
-            payload, mask = payload.compose()
-        data, read, size, pixels = _encode_image(payload, image_format, quality, max_side)
-        stored = None if mask is None else _encode_mask(mask, read, size, mask_classes)
+        if isinstance(payload, Payload):
+            return payload.encode(options, mask), label
+        return encode_image(payload, options, mask), label
+    except Skip as why:
+        return str(why), label
     except Exception as err:
         where = payload if isinstance(payload, Path) else getattr(payload, "where", "image")
-        return None, f"{where}: {err}", label, key, None, None
-    return data, size, label, key, stored, BandStats.of(pixels)
+        return f"{where}: {err}", label
 
 
-def _encode_image(payload, image_format: str, quality: int, max_side: int | None):
-    """`(bytes, (H, W) as read, (H, W) as stored, the stored pixels)` of an image payload."""
-    if isinstance(payload, np.ndarray):
-        img = Image.fromarray(np.ascontiguousarray(payload))
+@dataclass(frozen=True)
+class ImageBytes:
+    """An image file as a shard stores it, and its key there (kept in the new shards); or one a parquet
+    row holds (`ssl_vit.data.convert.hf`), without a key (the writer numbers it)."""
+
+    data: bytes
+    where: str  # "URL: KEY", for messages
+    key: str | None = None
+
+    def encode(self, options: EncodeOptions, mask: np.ndarray | MaskFile | None) -> Encoded:
+        return encode_image(self.data, options, mask, self.key)
+
+
+def encode_image(image: np.ndarray | Path | bytes, options: EncodeOptions, mask=None, key=None) -> Encoded:
+    """The sample of an image (uint8 (H, W) or (H, W, 3), or an image file's path or bytes) and of its
+    mask (uint8 (H, W) or a `MaskFile`), if any; `key`: the sample's own."""
+    data, read, size, pixels = _encode_pixels(image, options)
+    stored = None if mask is None else encode_mask(mask, read, size, options.mask_classes)
+    return Encoded(data, size, BandStats.of(pixels), stored, key)
+
+
+def _encode_pixels(image: np.ndarray | Path | bytes, options: EncodeOptions):
+    """`(bytes, (H, W) as read, (H, W) as stored, the stored pixels)` of an image."""
+    image_format, max_side = options.image_format, options.max_side
+    if isinstance(image, np.ndarray):
+        img = Image.fromarray(np.ascontiguousarray(image))
     else:
-        data = payload.read_bytes() if isinstance(payload, Path) else payload.data
+        data = image.read_bytes() if isinstance(image, Path) else image
         with warnings.catch_warnings():  # PIL's warning on size: the line below decides
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
@@ -105,7 +108,7 @@ def _encode_image(payload, image_format: str, quality: int, max_side: int | None
         img.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
         stored = np.asarray(img)
     else:
-        img.save(buf, format="JPEG", quality=quality)
+        img.save(buf, format="JPEG", quality=options.quality)
         stored = np.asarray(Image.open(io.BytesIO(buf.getvalue())))  # what a reader gets back
     return buf.getvalue(), read, (img.height, img.width), stored
 
@@ -129,25 +132,10 @@ def _eight_bit(img: Image.Image) -> Image.Image:
     return img.convert("L" if img.mode in ("L", "1") else "RGB")
 
 
-def _encode_array(payload: ArrayFile) -> tuple[bytes, tuple[int, int], BandStats]:
-    """`(.npy bytes, (H, W), stats)` of an array file, its header judged first."""
-    member = open_tiff(payload.path.read_bytes(), payload.channels, payload.band_axis)
-    if member.width * member.height > MAX_IMAGE_PIXELS or member.nbytes > 4 * MAX_IMAGE_PIXELS:
-        raise ValueError(f"{member.shape_text()}: larger than {MAX_IMAGE_PIXELS:,} pixels or 4 bytes each")
-    if (member.bands, member.dtype) != (payload.channels, payload.dtype):
-        raise ValueError(
-            f"{member.bands} bands of {member.dtype}, the split's are {payload.channels} of {payload.dtype} "
-            f"(set by its first file, {payload.first})"
-        )
-    array = member.read()
-    return npy_bytes(array), (member.height, member.width), BandStats.of(array)
-
-
-def _encode_mask(mask, read: tuple[int, int], size: tuple[int, int], num_classes: int):
+def encode_mask(mask: np.ndarray | MaskFile, read: tuple[int, int], size: tuple[int, int], num_classes: int):
     """`(PNG bytes, {class: pixels})` of a mask (uint8 [H, W] or a `MaskFile`) for an image read at
     `read` and stored at `size` ((H, W) each); ValueError when it does not fit the image or the classes."""
-    where = f"mask {mask.path}" if isinstance(mask, MaskFile) else "mask"
-    array = mask.load() if isinstance(mask, MaskFile) else mask
+    where, array = ("mask", mask) if isinstance(mask, np.ndarray) else (mask.where, mask.load())
     if wrong := size_mismatch((read[1], read[0]), array_size(array)):
         raise ValueError(f"{where} {wrong}")
     if len(beyond := classes_beyond(array, num_classes)):
@@ -158,10 +146,6 @@ def _encode_mask(mask, read: tuple[int, int], size: tuple[int, int], num_classes
     buf = io.BytesIO()
     img.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buf.getvalue(), pixel_counts(np.asarray(img))
-
-
-def encode_star(args):
-    return encode_record(*args)
 
 
 def _keeps(img: Image.Image, image_format: str, max_side: int | None) -> bool:

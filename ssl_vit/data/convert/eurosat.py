@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.data.convert.tiff import TIFF_SUFFIXES, ArrayRecords, array_records
 from ssl_vit.errors import UserError
 
@@ -37,9 +37,6 @@ SPLITS = {"train": (0.0, 0.6), "val": (0.6, 0.8), "test": (0.8, 1.0)}  # fractio
 SPLIT_SEED = 0
 
 
-@register(
-    "eurosat", argument="DIR", help="EuroSAT's 13-band Sentinel-2 tifs", splits="train|val|test", arrays=True
-)
 def load(arg: str, split: str) -> tuple[list[str], ArrayRecords]:
     if split not in SPLITS:
         raise UserError(
@@ -98,3 +95,10 @@ def _listed(listed: Path, files: list[list[Path]]) -> list[tuple[Path, int]]:
             f"{listed}: names {again} twice: name each file once, or remove the list to split by the seed"
         )
     return [where[stem] for stem in stems]
+
+
+register(
+    SourceKind(
+        "eurosat", load, "DIR", help="EuroSAT's 13-band Sentinel-2 tifs", splits="train|val|test", arrays=True
+    )
+)

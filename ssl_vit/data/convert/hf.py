@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from ssl_vit.data.convert.source import Flag, register
-from ssl_vit.data.convert.wds import Broken, ShardImage
+from ssl_vit.data.convert.encode import ImageBytes
+from ssl_vit.data.convert.payload import Broken
+from ssl_vit.data.convert.source import Flag, SourceKind, register
 from ssl_vit.errors import UserError, first_line, shown
 
 # pyarrow is imported by the functions that read parquet, not here: `ssl-vit --help` lists this source
@@ -78,7 +79,7 @@ class ParquetFile:
 
 
 class ParquetRecords:
-    """The `(ShardImage | Broken, label)` records of the split's rows, file by file and row group by row
+    """The `(ImageBytes | Broken, label)` records of the split's rows, file by file and row group by row
     group, read afresh by each iteration; one record per row, so `total` is the footers' row count."""
 
     def __init__(
@@ -93,7 +94,7 @@ class ParquetRecords:
         self.total = sum(sum(f.row_groups) for f in files)
         self.manifest = manifest
 
-    def __iter__(self) -> Iterator[tuple[ShardImage | Broken, int]]:
+    def __iter__(self) -> Iterator[tuple[ImageBytes | Broken, int]]:
         import pyarrow.parquet as pq
 
         columns = [self.image] + ([self.label] if self.label else [])
@@ -121,7 +122,7 @@ class ParquetRecords:
                         yield from self._rows(table, file.name, row)
                     row += rows
 
-    def _rows(self, table: pa.Table, name: str, first: int) -> Iterator[tuple[ShardImage | Broken, int]]:
+    def _rows(self, table: pa.Table, name: str, first: int) -> Iterator[tuple[ImageBytes | Broken, int]]:
         images = table.column(self.image).to_pylist()
         labels = table.column(self.label).to_pylist() if self.label else [None] * len(images)
         for i, (image, label) in enumerate(zip(images, labels)):
@@ -133,7 +134,7 @@ class ParquetRecords:
             elif (why := self._bad_label(label)) is not None:
                 yield Broken(f"{where}: {why}"), -1
             else:
-                yield ShardImage(None, data, where), -1 if label is None else label
+                yield ImageBytes(data, where), -1 if label is None else label
 
     def _bad_label(self, label: int | None) -> str | None:
         if label is None or label == -1:
@@ -155,34 +156,6 @@ def _broken_rows(where: str, rows: int, err: BaseException) -> Iterator[tuple[Br
         yield broken, -1
 
 
-@register(
-    "hf",
-    argument="DIR",
-    help="a local snapshot of a Hugging Face Hub dataset repository in parquet, as `huggingface-cli "
-    "download --repo-type dataset ORG/NAME --local-dir DIR` leaves it: the image and label columns found "
-    "from its `datasets` Image and ClassLabel features, or named",
-    splits="train|validation|test|..., the repository's own",
-    flags=(
-        Flag(
-            "subset",
-            "the configuration (subset) to read, one of the README's configs: or a top folder; default: the "
-            "only one, or the one marked default",
-            metavar="NAME",
-        ),
-        Flag(
-            "image_column",
-            "the column of images (encoded image files, or the `datasets` Image struct); default: the "
-            "column the `datasets` features mark as Image",
-            metavar="NAME",
-        ),
-        Flag(
-            "label_column",
-            "the column of integer labels; default: the column the `datasets` features mark as ClassLabel "
-            "(its names become the class names), else none (unlabelled)",
-            metavar="NAME",
-        ),
-    ),
-)
 def load(
     arg: str, split: str, subset: str | None, image_column: str | None, label_column: str | None
 ) -> tuple[list[str] | None, ParquetRecords]:
@@ -466,3 +439,36 @@ def _class_names(feature: dict | None, column: str, file: ParquetFile) -> list[s
         file.path, column, shown(names, 80),
     )  # fmt: skip
     return None
+
+
+register(
+    SourceKind(
+        "hf",
+        load,
+        "DIR",
+        help="a local snapshot of a Hugging Face Hub dataset repository in parquet, as `huggingface-cli "
+        "download --repo-type dataset ORG/NAME --local-dir DIR` leaves it: the image and label columns found "
+        "from its `datasets` Image and ClassLabel features, or named",
+        splits="train|validation|test|..., the repository's own",
+        flags=(
+            Flag(
+                "subset",
+                "the configuration (subset) to read, one of the README's configs: or a top folder; default: "
+                "the only one, or the one marked default",
+                metavar="NAME",
+            ),
+            Flag(
+                "image_column",
+                "the column of images (encoded image files, or the `datasets` Image struct); default: the "
+                "column the `datasets` features mark as Image",
+                metavar="NAME",
+            ),
+            Flag(
+                "label_column",
+                "the column of integer labels; default: the column the `datasets` features mark as "
+                "ClassLabel (its names become the class names), else none (unlabelled)",
+                metavar="NAME",
+            ),
+        ),
+    )
+)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.errors import UserError
 
 
@@ -32,7 +32,6 @@ def _read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(body, dtype=np.uint8).reshape(shape)
 
 
-@register("idx", argument="IMAGES[,LABELS]")
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """MNIST-family IDX images, and labels when a second file is given (unlabelled otherwise)."""
     image_path, _, label_path = arg.partition(",")
@@ -49,3 +48,6 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
     else:
         labels, class_names = np.full(len(images), -1), []
     return class_names, [(img, int(lab)) for img, lab in zip(images, labels)]
+
+
+register(SourceKind("idx", load, "IMAGES[,LABELS]"))

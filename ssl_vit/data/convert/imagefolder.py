@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.errors import UserError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 
 
-@register("imagefolder", argument="DIR")
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """DIR/CLASS/*.jpg (classes are the sorted sub-directory names); images directly in DIR are
     unlabelled. Files are checked when the writer's workers read them; unreadable ones are skipped
@@ -26,3 +25,6 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
     if not records:
         raise UserError(f"imagefolder:{arg}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
     return classes, records
+
+
+register(SourceKind("imagefolder", load, "DIR"))

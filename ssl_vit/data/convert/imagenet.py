@@ -22,7 +22,7 @@ import csv
 import re
 from pathlib import Path
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.errors import UserError
 
 WNID = re.compile(r"n\d{8}")
@@ -32,13 +32,6 @@ GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
-@register(
-    "imagenet",
-    argument="DIR",
-    help="ILSVRC-2012: DIR/train/nXXXXXXXX/*.JPEG; DIR/val in class folders or flat with "
-    "LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt plus the devkit's meta.mat in DIR",
-    splits="train|val",
-)
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """`(class_names, [(path, label)])` of split `train` or `val` of the ILSVRC-2012 tree at `arg`."""
     if split not in ("train", "val"):
@@ -186,3 +179,15 @@ def _ground_truth(top: Path, path: Path) -> dict[str, str]:
             raise UserError(f"{path}:{line}: expected a class ID 1-1000, got {text!r}")
         labels[f"ILSVRC2012_val_{line:08d}"] = wnids[int(text)]
     return labels
+
+
+register(
+    SourceKind(
+        "imagenet",
+        load,
+        "DIR",
+        help="ILSVRC-2012: DIR/train/nXXXXXXXX/*.JPEG; DIR/val in class folders or flat with "
+        "LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt plus the devkit's meta.mat in DIR",
+        splits="train|val",
+    )
+)

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from ssl_vit.data.convert.source import Flag, register
-from ssl_vit.data.convert.wds import Broken, ShardImage, ShardRecords, shard_inputs
+from ssl_vit.data.convert.encode import ImageBytes, encode_image
+from ssl_vit.data.convert.payload import Broken, Encoded, EncodeOptions
+from ssl_vit.data.convert.source import Flag, SourceKind, register
+from ssl_vit.data.convert.wds import ShardRecords, shard_inputs
 from ssl_vit.data.convert.wds import load as load_shards
 from ssl_vit.data.format.manifest import manifest_url
 from ssl_vit.data.format.masks import IGNORE_INDEX
@@ -45,9 +47,9 @@ BACKGROUND = "background"
 @dataclass(frozen=True)
 class Tiles:
     """The K*K tiles of one mosaic, row by row, and how to label its pixels (composed in a worker of the
-    writer, `compose`)."""
+    writer, `encode`)."""
 
-    tiles: tuple[ShardImage, ...]
+    tiles: tuple[ImageBytes, ...]
     labels: tuple[int, ...]
     grid: int
     threshold: int | None  # grey level below which a pixel is background
@@ -56,6 +58,10 @@ class Tiles:
     @property
     def where(self) -> str:
         return f"mosaic of {self.tiles[0].where} and the next {len(self.tiles) - 1} tiles"
+
+    def encode(self, options: EncodeOptions, mask: None) -> Encoded:
+        image, composed = self.compose()
+        return encode_image(image, options, composed)
 
     def compose(self) -> tuple[np.ndarray, np.ndarray]:
         """(image uint8 [K*h, K*w] or [K*h, K*w, 3], mask uint8 [K*h, K*w]); ValueError naming a tile
@@ -98,7 +104,7 @@ class MosaicRecords:
         self.manifest = {"mosaic": {"grid": grid, "background_threshold": threshold, "remainder": None}}
 
     def __iter__(self) -> Iterator[tuple[Tiles | Broken, int]]:
-        group: list[tuple[ShardImage, int]] = []
+        group: list[tuple[ImageBytes, int]] = []
         made = 0
         for payload, label in self.tiles:
             if isinstance(payload, Broken):
@@ -124,31 +130,6 @@ class MosaicRecords:
             )
 
 
-@register(
-    "mosaic",
-    argument="URLS",
-    help="K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with "
-    "its class: a dense task built from real images",
-    masks=True,
-    flags=(
-        Flag(
-            "grid",
-            "K x K tiles per image (e.g. --grid 2 for 2x2), consecutive groups of K*K samples in the shards' "
-            "order (a last group of fewer is left out); the mask labels each tile's pixels with its class",
-            type=int,
-            metavar="K",
-            required=True,
-        ),
-        Flag(
-            "background_threshold",
-            "pixels whose grey level (the maximum of R, G and B) is below T (0-255) get an extra class "
-            "'background', numbered after the tiles' classes",
-            type=int,
-            metavar="T",
-        ),
-    ),
-    inputs=shard_inputs,
-)
 def load(
     arg: str, split: str, grid: int, background_threshold: int | None
 ) -> tuple[list[str], MosaicRecords]:
@@ -190,3 +171,34 @@ def load(
             )
     records = MosaicRecords(tiles, grid, len(names), background_threshold)
     return names + [BACKGROUND] * (background_threshold is not None), records
+
+
+register(
+    SourceKind(
+        "mosaic",
+        load,
+        "URLS",
+        help="K x K grids of a labelled shard set's images, read like wds:, each tile's pixels labelled with "
+        "its class: a dense task built from real images",
+        masks=True,
+        flags=(
+            Flag(
+                "grid",
+                "K x K tiles per image (e.g. --grid 2 for 2x2), consecutive groups of K*K samples in the "
+                "shards' order (a last group of fewer is left out); the mask labels each tile's pixels with "
+                "its class",
+                type=int,
+                metavar="K",
+                required=True,
+            ),
+            Flag(
+                "background_threshold",
+                "pixels whose grey level (the maximum of R, G and B) is below T (0-255) get an extra class "
+                "'background', numbered after the tiles' classes",
+                type=int,
+                metavar="T",
+            ),
+        ),
+        inputs=shard_inputs,
+    )
+)

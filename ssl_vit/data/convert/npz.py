@@ -6,11 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.errors import UserError
 
 
-@register("npz", argument="FILE", help="arrays images (N, H, W[, 1|3]) uint8 and labels")
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """The arrays `images` and, when present, `labels` and `class_names` of a `.npz` file (no pickles)."""
     path = Path(arg)
@@ -44,3 +43,6 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
             [str(n) for n in names] if names is not None else [str(c) for c in range(int(labels.max()) + 1)]
         )
     return class_names, [(img, int(lab)) for img, lab in zip(images, labels)]
+
+
+register(SourceKind("npz", load, "FILE", help="arrays images (N, H, W[, 1|3]) uint8 and labels"))

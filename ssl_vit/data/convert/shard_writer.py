@@ -23,6 +23,7 @@ one complete, with the manifest that describes it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -38,7 +39,8 @@ import numpy as np
 import webdataset as wds
 
 from ssl_vit import progress
-from ssl_vit.data.convert.encode import encode_star
+from ssl_vit.data.convert.encode import encode_record
+from ssl_vit.data.convert.payload import Encoded, EncodeOptions
 from ssl_vit.data.convert.source import SOURCES, Source, open_source, source_inputs
 from ssl_vit.data.format.band_stats import BandStats, merged
 from ssl_vit.data.format.masks import IGNORE_INDEX, MASK_MEMBER
@@ -367,29 +369,20 @@ class _Shard:
         self.mask_pixels: Counter = Counter()
         self.stats: BandStats | None = None
 
-    def write(
-        self,
-        key: str,
-        image_format: str,
-        data: bytes,
-        size: tuple[int, int],
-        label: int,
-        mask: tuple | None,
-        stats: BandStats,
-    ) -> None:
-        """`mask`: None, or the encoder's `(PNG bytes, {class: pixels})`, stored as `KEY.seg.png`;
-        `stats`: the image's bands' statistics, merged into the shard's."""
-        sample = {"__key__": key, image_format: data}
+    def write(self, key: str, image_format: str, encoded: Encoded, label: int) -> None:
+        """The image as `KEY.{image_format}`, its mask (if any) as `KEY.seg.png`; its bands' statistics
+        merged into the shard's."""
+        sample = {"__key__": key, image_format: encoded.data}
         if label >= 0:
             sample["cls"] = str(label)
-        if mask is not None:
-            sample[MASK_MEMBER] = mask[0]
-            self.mask_pixels.update(mask[1])
+        if encoded.mask is not None:
+            sample[MASK_MEMBER] = encoded.mask[0]
+            self.mask_pixels.update(encoded.mask[1])
         self.tar.write(sample)
         self.samples += 1
         self.class_counts[label] += 1
-        self.sizes[size] += 1
-        self.stats = stats if self.stats is None else self.stats.merge(stats)
+        self.sizes[encoded.size] += 1
+        self.stats = encoded.stats if self.stats is None else self.stats.merge(encoded.stats)
 
     def abandon(self) -> None:
         """Close the tar, whatever state a signal left it in. Not deleted here: a signal right after
@@ -425,30 +418,27 @@ def _write_shards(
     consumed = shards[-1]["records"] if shards else 0
     index = sum(entry["num_samples"] for entry in shards)  # samples written: the next key's number
     mask_classes = len(source.class_names) if source.masks else None
-    jobs = (
-        (record, image_format, options["quality"], options["max_side"], mask_classes)
-        for record in itertools.islice(source.records, consumed, None)
-    )
+    asked = EncodeOptions(image_format, options["quality"], options["max_side"], mask_classes)
+    encode = functools.partial(encode_record, options=asked)
+    records = itertools.islice(source.records, consumed, None)
     pool = multiprocessing.get_context("fork").Pool(workers, _worker_start) if workers > 1 else None
-    encoded = pool.imap(encode_star, jobs, chunksize=16) if pool else map(encode_star, jobs)
+    samples = pool.imap(encode, records, chunksize=16) if pool else map(encode, records)
     shard, skipped = None, 0  # skipped: unreadable records since the last shard closed
     said = None  # the last reason a skipped record gave
     try:
         with progress.count(f"writing {split}", source.total, consumed, enabled=show) as shown:
-            for data, size, label, key, mask, stats in encoded:
+            for encoded, label in samples:
                 consumed += 1
                 shown.advance()
-                if data is None:
+                if isinstance(encoded, str):
                     skipped += 1
-                    if size != said:  # the rows of an unreadable parquet row group share theirs: said once
-                        log.warning("skipping unreadable image %s", size)
-                    said = size
+                    if encoded != said:  # the rows of an unreadable parquet row group share theirs: said once
+                        log.warning("skipping unreadable image %s", encoded)
+                    said = encoded
                     continue
                 if shard is None:
                     shard = _Shard(partial, f"{split}-{len(shards):06d}.tar")
-                shard.write(
-                    key or f"{source.name}-{split}-{index:08d}", image_format, data, size, label, mask, stats
-                )
+                shard.write(encoded.key or f"{source.name}-{split}-{index:08d}", image_format, encoded, label)
                 index += 1
                 if shard.samples == shard_size:
                     shards.append(shard.close(consumed, skipped))

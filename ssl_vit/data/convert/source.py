@@ -1,30 +1,31 @@
 """The registry of the image sources that `ssl-vit data convert` turns into shards (one module per source
 beside it, in `ssl_vit.data.convert`).
 
-A source module registers its loader with `register`: the source's name, the form of its argument
+A source module registers a `SourceKind`: the source's name, its loader, the form of its argument
 (`DIR`, `URLS`, ...), its help, what `--split` selects for it, whether its records carry segmentation
 masks or are stored as arrays, and its own `data convert` flags (`Flag`). The command's help, its
 `--split` help, its flags and the checks of a SOURCE string are all derived from the registry
 (`SOURCES`), so adding a source is one module and one registration. A plugin adds one the same way:
 
-    from ssl_vit.data.convert import Flag, register
+    from ssl_vit.data.convert import Flag, SourceKind, register
 
-    @register("tiles", argument="DIR", help="...", flags=(Flag("tile", "...", type=int, metavar="N"),))
     def load(arg: str, split: str, tile: int | None) -> tuple[list[str], list]:
         ...
+
+    register(SourceKind("tiles", load, "DIR", flags=(Flag("tile", "...", type=int, metavar="N"),)))
 
 A SOURCE string (`ssl-vit data convert SOURCE`) is parsed into a `Source`: a name, class names and its
 records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or `(H, W, 3)`, a
 path to an image file (read in the writer's worker processes, so the parent never holds a whole image
-folder in memory), or an image file's bytes read from a shard (`wds:`, see `ssl_vit.data.convert.wds`)
-or a parquet row (`hf:`, `ssl_vit.data.convert.hf`). `label` is -1 for unlabelled images. Records are a
-list, or for `wds:` and `hf:` an iterable read lazily (a large set of shards or parquet files is never
-held in memory); such an iterable says its length, where known, as `total`, and what it adds to the
-manifest as `manifest`.
+folder in memory), or a `Payload` that encodes itself there (`ssl_vit.data.convert.payload`: an image
+file's bytes read from a shard or a parquet row, a TIFF stored as an array, a mosaic's tiles, a
+plugin's own kind). `label` is -1 for unlabelled images. Records are a list, or for `wds:` and `hf:`
+an iterable read lazily (a large set of shards or parquet files is never held in memory); such an
+iterable says its length, where known, as `total`, and what it adds to the manifest as `manifest`.
 
 Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`) give each record a third element, its
-mask (`ssl_vit.data.format.masks.MaskFile`), or a payload that composes image and mask
-(`ssl_vit.data.convert.mosaic.Tiles`); their class names are the mask's classes.
+mask (a uint8 array or a `payload.MaskFile`), or a payload whose `encode` makes image and mask
+(`mosaic.Tiles`); their class names are the mask's classes.
 
 Each loader validates what it reads and raises `UserError` with a one-line message naming the file
 and what is wrong with it, before anything is written. Importing `ssl_vit.data.convert` registers the
@@ -48,7 +49,6 @@ CONVERT_OPTIONS = (
     "source", "outdir", "split", "shard_size", "image_format", "format", "quality", "max_side", "workers",
     "overwrite", "progress", "help",
 )  # fmt: skip
-_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a source's name starts its samples' keys: `{name}-{split}-N`
 
 
 @dataclass(frozen=True)
@@ -74,21 +74,23 @@ class Flag:
 
 @dataclass(frozen=True)
 class SourceKind:
-    """A registered source: what `register` was given, and its loader."""
+    """A source: `load(arg, split, **flags) -> (class names or None, records)` reads `name:ARG` on the
+    command line (`argument` None: `name` alone, and `arg` is ""). `splits`: the split names `--split`
+    selects among, for the help (the loader refuses others). `masks`: every record carries a
+    segmentation mask, and the class names are the mask's classes. `arrays`: its payloads encode arrays,
+    stored as `.npy` (`tiff.ArrayFile`). `flags`: the source's own `data convert` flags. `inputs`: the
+    local files and folders the SOURCE string names, which OUTDIR must keep out of (by default the
+    paths of `arg` split at commas)."""
 
     name: str
-    load: Callable[..., tuple[list[str] | None, Iterable]]  # (arg, split, **flags) -> (classes, records)
-    argument: str | None  # the argument's form in help (`DIR`); None: the source takes none
+    load: Callable[..., tuple[list[str] | None, Iterable]]
+    argument: str | None  # the argument's form in help (`DIR`)
     help: str = ""
-    splits: str | None = None  # the splits `--split` selects (`train|val`); None: any name, a prefix only
+    splits: str | None = None  # (`train|val`); None: any name, a prefix only
     masks: bool = False
     arrays: bool = False
     flags: tuple[Flag, ...] = ()
     inputs: Callable[[str], list[Input]] | None = None
-
-    def __post_init__(self) -> None:
-        # named by the module that registered it, as `Registry.add` names the two of a name taken twice
-        object.__setattr__(self, "__module__", getattr(self.load, "__module__", None))
 
     @property
     def form(self) -> str:
@@ -102,40 +104,24 @@ class SourceKind:
         return f"{self.form}{flags}" + (f" ({notes})" if notes else "")
 
 
-SOURCES: Registry = Registry("source")  # name -> SourceKind
+def _flags_free(kind: SourceKind) -> None:
+    """Refuses a source whose flag is `data convert`'s own or another source's, in one line."""
+    owners = {flag.name: other.form for other in SOURCES.values() for flag in other.flags}
+    for flag in kind.flags:
+        if flag.name in CONVERT_OPTIONS or flag.name in owners:
+            owner = owners.get(flag.name, "data convert itself")
+            raise BadValue(f"source {kind.name!r}: flag {flag.option} is taken ({owner}): name it otherwise")
 
 
-def register(
-    name: str,
-    *,
-    argument: str | None,
-    help: str = "",
-    splits: str | None = None,
-    masks: bool = False,
-    arrays: bool = False,
-    flags: tuple[Flag, ...] = (),
-    inputs: Callable[[str], list[Input]] | None = None,
-) -> Callable:
-    """Decorator: `load(arg, split, **flags) -> (class names or None, records)` becomes the source `name`
-    (`name:ARG` on the command line; `argument` None: `name` alone, and `arg` is ""). `splits`: the
-    split names `--split` selects among, for the help (the loader refuses others). `masks`: every record
-    carries a segmentation mask, and the class names are the mask's classes. `arrays`: records are
-    `tiff.ArrayFile`s, stored as `.npy`. `flags`: the source's own `data convert` flags. `inputs`: the
-    local files and folders the SOURCE string names, which OUTDIR must keep out of (by default the
-    paths of `arg` split at commas). Importing the module that calls it is all a source needs."""
-
-    def add(load: Callable) -> Callable:
-        if not _NAME.fullmatch(name):
-            raise BadValue(f"source {name!r}: not a lower-case name (a-z, 0-9, _): give it one")
-        owners = {flag.name: kind.form for kind in SOURCES.values() for flag in kind.flags}
-        for flag in flags if name not in SOURCES else ():  # a name taken twice: `Registry.add` says so
-            if flag.name in CONVERT_OPTIONS or flag.name in owners:
-                owner = owners.get(flag.name, "data convert itself")
-                raise BadValue(f"source {name!r}: flag {flag.option} is taken ({owner}): name it otherwise")
-        SOURCES.add(name, SourceKind(name, load, argument, help, splits, masks, arrays, tuple(flags), inputs))
-        return load
-
-    return add
+# A source's name starts its samples' keys (`{name}-{split}-N`): lower case, as keys are.
+SOURCES = Registry(
+    "source",
+    pattern=re.compile(r"[a-z][a-z0-9_]{0,63}"),
+    rule="lower-case letters, digits and _",
+    check=_flags_free,
+)
+# `register(SourceKind(...))`: importing the module that calls it is all a source needs
+register = SOURCES.add
 
 
 def source_flags() -> list[tuple[SourceKind, Flag]]:
@@ -193,11 +179,10 @@ class Source:
     name: str  # the SOURCE string's kind, used in sample keys and the manifest
     spec: str  # the SOURCE string as given
     class_names: list[str] | None  # None: "0" ... "K-1" from the labels written (wds: without a manifest)
-    records: Iterable  # of (payload, label); payload: uint8 array (H, W[, 3]), image file path, or
-    # `wds.ShardImage` / `wds.Broken`
+    records: Iterable  # of (payload, label[, mask]); payload: uint8 array (H, W[, 3]), image file path, or
+    # a `payload.Payload`
     total: int | None  # the number of records, where known before reading them (progress, resume)
     masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
-    arrays: bool = False  # records are `tiff.ArrayFile`s, stored as .npy
     manifest: dict = field(default_factory=dict)  # more to record in the manifest, complete once the
     # records have been read to their end
     options: dict = field(default_factory=dict)  # the source's own options (a rerun with others starts over)
@@ -227,7 +212,6 @@ def open_source(spec: str, split: str, **options: Any) -> Source:
         records,
         total,
         masks=kind.masks,
-        arrays=kind.arrays,
         manifest=getattr(records, "manifest", {}),  # what mosaic: and hf: record of themselves
         options=own,
     )

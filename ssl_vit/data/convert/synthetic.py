@@ -6,11 +6,10 @@ import zlib
 
 import numpy as np
 
-from ssl_vit.data.convert.source import no_inputs, register
+from ssl_vit.data.convert.source import SourceKind, no_inputs, register
 from ssl_vit.errors import UserError
 
 
-@register("synthetic", argument="N", inputs=no_inputs)
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """N deterministic 32x32 RGB images in 10 classes: class c is a gradient at angle c*36 degrees in
     its own colour, plus noise; seeded by the split name so train and val differ."""
@@ -31,3 +30,6 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
         img = ramp[:, :, None] * colour + rng.normal(0, 0.08, (32, 32, 3))
         records.append((np.clip(img * 255, 0, 255).astype(np.uint8), c))
     return [str(c) for c in range(10)], records
+
+
+register(SourceKind("synthetic", load, "N", inputs=no_inputs))

@@ -27,9 +27,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ssl_vit.data.convert.source import Flag, register
-from ssl_vit.data.format.arrays import BadArray, open_tiff
-from ssl_vit.data.format.members import MAX_CLASSES
+from ssl_vit.data.convert.payload import Encoded, EncodeOptions
+from ssl_vit.data.convert.source import Flag, SourceKind, register
+from ssl_vit.data.format.arrays import BadArray, npy_bytes, open_tiff
+from ssl_vit.data.format.band_stats import BandStats
+from ssl_vit.data.format.members import MAX_CLASSES, MAX_IMAGE_PIXELS
 from ssl_vit.errors import UserError, shown
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,23 @@ class ArrayFile:
     band_axis: str | None = None  # where the bands are when the TIFF's axes do not say (--band-axis)
 
     @property
-    def where(self) -> Path:
-        """What a warning about it names (`encode.encode_record`)."""
-        return self.path
+    def where(self) -> str:
+        return str(self.path)
+
+    def encode(self, options: EncodeOptions, mask: None) -> Encoded:
+        """Stored as a `.npy` member, its header judged before its pixels are decoded."""
+        member = open_tiff(self.path.read_bytes(), self.channels, self.band_axis)
+        if member.width * member.height > MAX_IMAGE_PIXELS or member.nbytes > 4 * MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"{member.shape_text()}: larger than {MAX_IMAGE_PIXELS:,} pixels or 4 bytes each"
+            )
+        if (member.bands, member.dtype) != (self.channels, self.dtype):
+            raise ValueError(
+                f"{member.bands} bands of {member.dtype}, the split's are {self.channels} of {self.dtype} "
+                f"(set by its first file, {self.first})"
+            )
+        array = member.read()
+        return Encoded(npy_bytes(array), (member.height, member.width), BandStats.of(array))
 
 
 class ArrayRecords(list):
@@ -64,21 +80,6 @@ class ArrayRecords(list):
         self.manifest = manifest
 
 
-@register(
-    "tiff",
-    argument="DIR",
-    help="DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, uint16, "
-    "int16 or float32",
-    arrays=True,
-    flags=(
-        Flag(
-            "band_axis",
-            "which axis holds the bands of TIFFs whose axes do not say (a cube, or a rectangle whose band "
-            "axis cannot be told from its shape): first or last",
-            metavar="first|last",
-        ),
-    ),
-)
 def load(arg: str, split: str, band_axis: str | None = None) -> tuple[list[str], ArrayRecords]:
     root = Path(arg)
     if not root.is_dir():
@@ -182,3 +183,23 @@ def _csv_image(root: Path, name: str, where: str) -> Path:
     if image.suffix.lower() not in TIFF_SUFFIXES or not image.is_file():
         raise UserError(f"{where}: {name!r} is not a TIFF file (*.tif, *.tiff) in {root}: {CSV_FIX}")
     return image
+
+
+register(
+    SourceKind(
+        "tiff",
+        load,
+        "DIR",
+        help="DIR/CLASS/*.tif, or DIR/*.tif with DIR/labels.csv of filename,label; any bands, uint8, uint16, "
+        "int16 or float32",
+        arrays=True,
+        flags=(
+            Flag(
+                "band_axis",
+                "which axis holds the bands of TIFFs whose axes do not say (a cube, or a rectangle whose "
+                "band axis cannot be told from its shape): first or last",
+                metavar="first|last",
+            ),
+        ),
+    )
+)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ssl_vit.data.convert.source import register
-from ssl_vit.data.format.masks import MaskFile
+from ssl_vit.data.convert.payload import MaskFile
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.errors import UserError
 
 # PASCAL VOC 2012's 20 object classes after its background (index 0), in the devkit's order
@@ -24,14 +24,6 @@ VOC_CLASSES = (
 VOC_ID = re.compile(r"[\w-]+")
 
 
-@register(
-    "voc",
-    argument="DIR",
-    help="VOCdevkit/VOC2012: ImageSets/Segmentation/SPLIT.txt, JPEGImages, SegmentationClass; 21 classes, "
-    "255 borders kept",
-    splits="train|val|trainval, its lists in ImageSets/Segmentation",
-    masks=True,
-)
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """VOC2012 (`DIR` is `VOCdevkit/VOC2012` or `VOCdevkit`): the image ids of
     `ImageSets/Segmentation/{split}.txt`, each `JPEGImages/ID.jpg` with `SegmentationClass/ID.png`
@@ -68,3 +60,16 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
     if not records:
         raise UserError(f"{listed}: lists no image: restore it from the VOC tar")
     return list(VOC_CLASSES), records
+
+
+register(
+    SourceKind(
+        "voc",
+        load,
+        "DIR",
+        help="VOCdevkit/VOC2012: ImageSets/Segmentation/SPLIT.txt, JPEGImages, SegmentationClass; 21 "
+        "classes, 255 borders kept",
+        splits="train|val|trainval, its lists in ImageSets/Segmentation",
+        masks=True,
+    )
+)

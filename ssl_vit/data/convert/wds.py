@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from ssl_vit.data.convert.source import register
+from ssl_vit.data.convert.encode import ImageBytes
+from ssl_vit.data.convert.payload import Broken
+from ssl_vit.data.convert.source import SourceKind, register
 from ssl_vit.data.format.manifest import read_manifest, samples_in
 from ssl_vit.data.format.members import (
     CONVERTIBLE_IMAGES,
@@ -36,23 +37,6 @@ from ssl_vit.storage.outdir import Input
 from ssl_vit.storage.remote import local_path
 
 log = logging.getLogger("ssl_vit.data")
-
-
-@dataclass(frozen=True)
-class ShardImage:
-    """A sample's image file as a shard stores it, and the key it has there (kept in the new shards); or
-    an image file a parquet row holds (`ssl_vit.data.convert.hf`), without a key (the writer numbers it)."""
-
-    key: str | None
-    data: bytes
-    where: str  # "URL: KEY", for messages
-
-
-@dataclass(frozen=True)
-class Broken:
-    """A sample, or the rest of a shard, that cannot be converted: skipped and counted by the writer."""
-
-    reason: str
 
 
 class ShardRecords:
@@ -70,7 +54,7 @@ class ShardRecords:
     ):
         self.urls, self.total, self.num_classes, self.labelled = urls, total, num_classes, labelled
 
-    def __iter__(self) -> Iterator[tuple[ShardImage | Broken, int]]:
+    def __iter__(self) -> Iterator[tuple[ImageBytes | Broken, int]]:
         import webdataset as wds  # (see `load`)
 
         from ssl_vit.data.stream.tar_reader import tar_samples
@@ -105,7 +89,7 @@ def member_key(key: str) -> str:
     return "/".join(part for part in key.replace("\\", "/").split("/") if part not in ("", ".", ".."))
 
 
-def _record(sample: dict, num_classes: int | None) -> tuple[ShardImage | Broken, int]:
+def _record(sample: dict, num_classes: int | None) -> tuple[ImageBytes | Broken, int]:
     where = f"{sample['__url__']}: {sample['__key__']}"
     ext = next((e for e in CONVERTIBLE_IMAGES if e in sample), None)
     if ext is None:
@@ -114,7 +98,7 @@ def _record(sample: dict, num_classes: int | None) -> tuple[ShardImage | Broken,
         label = parse_label(sample, num_classes)
     except BadSample as err:
         return Broken(f"{where}: {err}"), -1
-    return ShardImage(sample["__key__"], sample[ext], where), label
+    return ImageBytes(sample[ext], where, sample["__key__"]), label
 
 
 def shard_inputs(spec: str) -> list[Input]:
@@ -127,13 +111,6 @@ def shard_inputs(spec: str) -> list[Input]:
     return [Input(path, f"the source's shard {path}") for path in paths if path is not None]
 
 
-@register(
-    "wds",
-    argument="URLS",
-    help="existing WebDataset shards, re-sharded: image jpg/jpeg/png/webp, label from cls or a json "
-    "member's label/cls, keys kept",
-    inputs=shard_inputs,
-)
 def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None, ShardRecords]:
     """`(class_names or None for "from the labels seen", records)` of the shards URLS in `arg`; every
     shard is checked to exist before anything is written (messages name the source as `what`)."""
@@ -152,3 +129,15 @@ def load(arg: str, split: str, what: str = "wds:URLS") -> tuple[list[str] | None
         labelled = sum(n for label, n in manifest.get("class_counts", {}).items() if int(label) >= 0)
     names = manifest.get("class_names") or None  # optional: labels without names
     return names, ShardRecords(urls, total, len(names) if names else None, labelled)
+
+
+register(
+    SourceKind(
+        "wds",
+        load,
+        "URLS",
+        help="existing WebDataset shards, re-sharded: image jpg/jpeg/png/webp, label from cls or a json "
+        "member's label/cls, keys kept",
+        inputs=shard_inputs,
+    )
+)

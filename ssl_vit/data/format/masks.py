@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -117,20 +115,3 @@ def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
     """BadSample when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
     if wrong := size_mismatch(image_size, array_size(mask)):
         raise BadSample(f"{MASK_MEMBER} {wrong}")
-
-
-@dataclass(frozen=True)
-class MaskFile:
-    """A segmentation source's annotation PNG (`ade20k:`, `voc:`), and the lookup table from its values to
-    class indices (None: they are); its records' third element, decoded in the writer's workers."""
-
-    path: Path
-    to_classes: np.ndarray | None = None
-
-    def load(self) -> np.ndarray:
-        """uint8 [H, W] class indices (255 ignored); ValueError naming the file when it does not decode."""
-        try:
-            mask = decode_mask(self.path.read_bytes())
-        except Exception as err:
-            raise ValueError(f"mask {self.path} does not decode: {err}") from None
-        return mask if self.to_classes is None else self.to_classes[mask]
