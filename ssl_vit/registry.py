@@ -14,8 +14,8 @@ its names are valid wherever the built-in ones are: `Registry.choice` checks a v
 
 from __future__ import annotations
 
+import inspect
 import re
-import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -53,7 +53,7 @@ class Registry(dict):
         name = getattr(entry, self.key, None)
         if not isinstance(name, str) or not self.pattern.fullmatch(name):
             raise BadValue(f"{self.what} name {shown(name)}: give one of {self.rule}")
-        module = sys._getframe(1).f_globals.get("__name__")  # the registering module: the caller's
+        module = inspect.currentframe().f_back.f_globals.get("__name__")  # the caller: the registering module
         if name in self:
             by = f" (by {self.modules[name]} and {module})" if self.modules.get(name) and module else ""
             raise BadValue(f"{self.what} {name!r} is registered twice{by}: give one of them another name")

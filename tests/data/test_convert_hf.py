@@ -376,7 +376,8 @@ def expected(case: dict) -> tuple[list[int], list[int]] | None:
     return (written, skipped) if written else None  # nothing to write: refused
 
 
-@settings(max_examples=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+# Each example is a whole `data convert` (about a second): 25 tables
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=hostile_tables())
 def test_hostile_parquet_content_is_skipped_and_counted_or_refused_in_one_line(case):
     """Random bytes, truncated PNGs, nulls and path-only structs in the image column; labels null,
