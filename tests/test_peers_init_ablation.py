@@ -36,3 +36,17 @@ def test_each_start_trains_and_exports_the_encoder_it_says(digits_shards, tmp_pa
     qkv = {init: weights["blocks.0.attn.qkv.weight"] for init, weights in encoders.items()}
     assert qkv["mae"].std() > 0.05 and qkv["xavier"].std() > 0.05
     assert qkv["timm"].std() < 0.03 and qkv["sincos"].std() < 0.03
+
+
+def test_the_harness_builds_ssl_vits_simmim_with_the_recipes_cells(monkeypatch):
+    """ssl-vit's SimMIM in the peers' harness masks the study recipe's 4-pixel cells (the bench's own
+    default there would be one 28-pixel cell: the whole image)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks/peers"))
+    import quality
+    from common import sslvit
+
+    recipe = quality.study_recipe("simmim")
+    assert recipe["choices"] == {"cell_size": 4}
+    task = sslvit("simmim", recipe["settings"], **recipe["choices"]).model
+    assert task.cell_size == 4 and task.mask_shape == "cells"
+    assert quality.study_recipe("mae")["choices"] == {}

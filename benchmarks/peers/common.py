@@ -85,7 +85,7 @@ def sslvit(method: str, settings: Settings, **choices) -> Impl:
         config,
         preset=method,
         mask_ratio=settings.mask_ratio,  # None: the preset's (MASK_RATIOS)
-        cell_size=simmim_cell(config) if method == "simmim" else 32,
+        cell_size=choices.pop("cell_size", simmim_cell(config) if method == "simmim" else 32),
         decoder_dim=settings.decoder_dim,
         decoder_depth=settings.decoder_depth,
         decoder_heads=settings.decoder_heads,

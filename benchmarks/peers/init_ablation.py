@@ -33,12 +33,12 @@ from ssl_vit.models.init import fixed_sincos_positions, mae_init, mae_weights
 INITS = {"timm": None, "mae": mae_init, "sincos": fixed_sincos_positions, "xavier": mae_weights}
 
 
-def adapter(init: str) -> types.SimpleNamespace:
-    """ssl-vit's task as a harness adapter, its encoder started by `INITS[init]` (the task's own
-    `encoder_init` is timm's, so each part is applied alone)."""
+def adapter(init: str, choices: dict) -> types.SimpleNamespace:
+    """ssl-vit's task as a harness adapter, with the recipe's `choices` (SimMIM's cell size), its encoder
+    started by `INITS[init]` (the task's own `encoder_init` is timm's, so each part is applied alone)."""
 
     def build(method, settings):
-        impl = sslvit(method, settings, encoder_init="timm")
+        impl = sslvit(method, settings, encoder_init="timm", **choices)
         if INITS[init] is not None:
             INITS[init](impl.model.backbone)
         return impl
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = args.out / f"{init}_{method}_{seed}"
                 if not (out / "train.json").exists():  # a rerun keeps the runs done
                     quality.train(
-                        adapter(init), method, recipe, seed, args.steps or recipe["steps"],
+                        adapter(init, recipe["choices"]), method, recipe, seed, args.steps or recipe["steps"],
                         args.train_urls or recipe["data"]["train_urls"], out,
                     )  # fmt: skip
                 groups.setdefault(f"ssl-vit_{init}_{method}", []).append(str(out / "encoder.safetensors"))

@@ -62,6 +62,7 @@ def study_recipe(method: str) -> dict:
     )  # fmt: skip
     return dict(
         settings=settings,
+        choices={key: model[key] for key in ("cell_size",) if key in model},  # the task's own, for ssl-vit
         optimizer=model["optimizer"]["init_args"],
         schedule=model["lr_scheduler"]["init_args"],
         data=data,
