@@ -19,15 +19,13 @@ from ssl_vit.models.vit import ViT
 
 
 def xavier_linears(module: nn.Module) -> None:
-    """Every linear layer in `module`: xavier-uniform weights, zero biases; layer norms: 1 and 0."""
+    """Every linear layer in `module`: xavier-uniform weights, zero biases (its layer norms start at 1 and 0
+    as built, which MAE's code sets again)."""
     for layer in module.modules():
         if isinstance(layer, nn.Linear):
             nn.init.xavier_uniform_(layer.weight)
             if layer.bias is not None:
                 nn.init.zeros_(layer.bias)
-        elif isinstance(layer, nn.LayerNorm) and layer.elementwise_affine:
-            nn.init.ones_(layer.weight)
-            nn.init.zeros_(layer.bias)
 
 
 def mae_init(vit: ViT) -> None:
@@ -38,7 +36,7 @@ def mae_init(vit: ViT) -> None:
 
 def mae_weights(vit: ViT) -> None:
     """MAE's weights: xavier-uniform patch projection and linears, [class] N(0, 0.02), drawn in the order
-    of MAE's code (and lightly's), so one seed gives their numbers."""
+    of MAE's code (and lightly's)."""
     weight = vit.patch_embed.proj.weight.data
     nn.init.xavier_uniform_(weight.view(weight.shape[0], -1))
     if vit.cls_token is not None:
