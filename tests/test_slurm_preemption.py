@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import script_env
 from resume_helpers import ROOT, fit_args, read_steps
 from slurm_helpers import slurm_cluster_fixture  # noqa: F401 (fixture `slurm_cluster`)
 
@@ -19,15 +20,19 @@ HERE = Path(__file__).parent
 
 def submit(cluster, tmp_path, name, shards, steps_file, epochs=3) -> str:
     """The shipped sbatch script, on 1 node x 2 CPU tasks instead of its GPU defaults: 3 epochs x 6
-    steps of the quickstart MPP recipe (`resume_helpers.fit_args`), every step recorded per rank."""
+    steps of the quickstart MPP recipe (`resume_helpers.fit_args`), every step recorded per rank. Its
+    `ssl-vit` is the tests' fork server's client (`cli_helpers.script_env`): each task is that
+    command to srun (its signals, its output, its exit status), without importing torch again."""
     args = fit_args(shards, tmp_path / name, steps_file, epochs=epochs)
     at = args.index("--trainer.default_root_dir")
     run_dir, args = args[at + 1], args[3:at] + args[at + 2 :]  # RUN_DIR is the script's 2nd argument
-    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `ssl-vit` of this environment
+    client = script_env()
+    path = f"{Path(client['SSLVIT']).parent}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    served = ",".join(f"{k}={v}" for k, v in client.items() if k != "SSLVIT")
     options = [
         "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
         f"--output={tmp_path / name}.out",
-        f"--export=ALL,PATH={path},PYTHONPATH={HERE},WANDB_MODE=offline,OMP_NUM_THREADS=1",
+        f"--export=ALL,PATH={path},{served},PYTHONPATH={HERE},WANDB_MODE=offline,OMP_NUM_THREADS=1",
     ]  # fmt: skip
     overrides = [
         "--trainer.accelerator",
