@@ -7,10 +7,10 @@ Importing an old path warns (`DeprecationWarning`, naming the new path), attribu
 imported it: Python's default filters show it where that line is a script's (`__main__`), not where
 a library imports it for a config or a checkpoint. A module that was split answers at its old path with
 the part that kept its main names; a name that left it is found only at its new home. A module whose
-old path is now a package's (`ssl_vit.data.stream`, `ssl_vit.data.transforms`) cannot answer there:
-its names are found at `ssl_vit.data.stream.pipeline` and `ssl_vit.data.transforms.rgb`. The old
-package of sources, `ssl_vit.data.sources`, answers with `ssl_vit.data.convert`, which holds its
-modules and its registry's names."""
+old path is now a package's (`ssl_vit.data.stream`, `ssl_vit.data.transforms`, `ssl_vit.targets`)
+cannot answer there: its names are in `ssl_vit.data.stream.pipeline`, `ssl_vit.data.transforms.rgb`,
+`ssl_vit.targets.patches` and each target's module. The old package of sources, `ssl_vit.data.sources`,
+answers with `ssl_vit.data.convert`, which holds its modules and its registry's names."""
 
 from __future__ import annotations
 
@@ -92,6 +92,15 @@ MOVED = {
     "ssl_vit.data.mosaic": "ssl_vit.data.convert.mosaic",
     "ssl_vit.data.encode": "ssl_vit.data.convert.encode",
     "ssl_vit.data.writer": "ssl_vit.data.convert.shard_writer",
+    "ssl_vit.tasks.target": "ssl_vit.targets.target",
+    "ssl_vit.tasks.pictures": "ssl_vit.targets.masked_picture",
+    "ssl_vit.tasks.targets": "ssl_vit.targets",
+    "ssl_vit.tasks.targets.color3bit_target": "ssl_vit.targets.color3bit_target",
+    "ssl_vit.tasks.targets.color3bit_4x4_target": "ssl_vit.targets.color3bit_4x4_target",
+    "ssl_vit.tasks.targets.pixels_target": "ssl_vit.targets.pixels_target",
+    "ssl_vit.tasks.targets.norm_pixels_target": "ssl_vit.targets.norm_pixels_target",
+    "ssl_vit.tasks.targets.hog_target": "ssl_vit.targets.hog_target",
+    "ssl_vit.tasks.targets.teacher_target": "ssl_vit.targets.teacher_target",
 }
 
 

@@ -2,7 +2,7 @@
 it with its registry's `register(entry)` (a decorator for the classes):
 
 - masked-prediction presets, `ssl_vit.presets` (`Preset`, named by `name`);
-- masked-prediction targets, `ssl_vit.tasks.target` (`Target` subclasses, by `NAME`);
+- masked-prediction targets, `ssl_vit.targets` (`Target` subclasses, by `NAME`);
 - the features a backbone gives, `ssl_vit.models.feature` (`Feature`, by `name`);
 - suite protocol kinds, `ssl_vit.evaluation.protocol` (`Protocol` subclasses, by `KIND`);
 - `data convert` sources, `ssl_vit.data.convert.source` (`SourceKind`, by `name`).

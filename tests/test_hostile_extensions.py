@@ -126,16 +126,16 @@ def test_an_encoder_init_that_is_none_of_the_choices_is_one_line(digits_shards, 
 
 TARGET = """
 import torch
-from ssl_vit.tasks.target import Target, register
+from ssl_vit.targets import Target, register
 
 @register
 class Hostile(Target):
     NAME = "hostile"
 
-    def shape(self, task):
+    def shape(self, ctx):
         return {shape}
 
-    def make(self, task, images):
+    def make(self, ctx, images):
         return {made}
 """
 
@@ -146,7 +146,7 @@ class Hostile(Target):
     [
         ("(0,)", "None", ["target 'hostile' (hostile_target): shape() gave (0,): give a torch.Size of"]),
         ("[3]", "None", ["target 'hostile' (hostile_target): shape() gave [3]: give a torch.Size"]),
-        ("torch.Size([task.bands])", "images.mean()",
+        ("torch.Size([ctx.bands])", "images.mean()",
          ["target 'hostile' (hostile_target): make() gave a torch.float32 tensor of shape (), not",
           "(64, 64, 3)", "fix its make()"]),
     ],

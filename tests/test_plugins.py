@@ -20,8 +20,8 @@ from test_errors import error_line
 from ssl_vit.errors import BadValue
 from ssl_vit.presets import PRESETS, Preset
 from ssl_vit.registry import Registry
+from ssl_vit.targets import TARGETS
 from ssl_vit.tasks import MaskedPatchPretraining
-from ssl_vit.tasks.target import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from pydantic.dataclasses import dataclass
 
-from ssl_vit import targets
 from ssl_vit.data.convert.encode import encode_image
 from ssl_vit.data.convert.source import Flag, SourceKind, no_inputs, register as register_source
 from ssl_vit.errors import UserError
@@ -46,7 +45,8 @@ from ssl_vit.evaluation.scoring import restrict
 from ssl_vit.evaluation.stats import Score
 from ssl_vit.models.feature import Feature, register as register_feature
 from ssl_vit.presets import Preset, register as register_preset
-from ssl_vit.tasks.target import Target, register as register_target
+from ssl_vit.targets import Target, register as register_target
+from ssl_vit.targets.patches import patchify
 
 
 @register_target
@@ -55,12 +55,12 @@ class PatchStd(Target):
 
     NAME = "patch_std"
 
-    def shape(self, task):
-        return torch.Size([task.bands])
+    def shape(self, ctx):
+        return torch.Size([ctx.bands])
 
-    def make(self, task, images):
-        patches = targets.patchify(task.target_images(images), task.patch_size)  # (B, N, p*p*C)
-        return patches.unflatten(-1, (-1, task.bands)).std(dim=-2)  # (B, N, C)
+    def make(self, ctx, images):
+        patches = patchify(ctx.pixels(images), ctx.patch_size)  # (B, N, p*p*C)
+        return patches.unflatten(-1, (-1, ctx.bands)).std(dim=-2)  # (B, N, C)
 
 
 register_preset(Preset("texture", corruption="mask_token", target="patch_std", mask_ratio=0.5,
@@ -399,8 +399,8 @@ def test_every_target_predicts_its_shape_for_every_band_count_it_takes(digits_ba
                     MaskedPatchPretraining(_tiny(bands), **kwargs)
                 continue
             task = MaskedPatchPretraining(_tiny(bands), **kwargs)
-            made = task.target.make(task, x)
-            shape = task.target_shape()
+            made = task.target.make(task.context, x)
+            shape = task.target_shape
             expected = (2, 16, *shape) if made.dtype != torch.long else (2, 16, *shape[:-1])
             assert tuple(made.shape) == expected, name
 

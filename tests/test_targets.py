@@ -11,15 +11,11 @@ import skimage.feature
 import torch
 
 from ssl_vit.errors import BadValue
-from ssl_vit.targets import (
-    decode_mean_color_3bit,
-    hog,
-    mean_color_3bit,
-    mean_color_3bit_4x4,
-    patchify,
-    pixel_targets,
-    unpatchify,
-)
+from ssl_vit.targets.color3bit_4x4_target import mean_color_3bit_4x4
+from ssl_vit.targets.color3bit_target import decode_mean_color_3bit, mean_color_3bit
+from ssl_vit.targets.hog_target import hog
+from ssl_vit.targets.patches import patchify, unpatchify
+from ssl_vit.targets.pixels_target import pixel_targets
 
 
 def paint(colours: torch.Tensor, size: int) -> torch.Tensor:

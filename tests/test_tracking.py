@@ -8,11 +8,12 @@ from cli_helpers import run_cli, wandb_records
 from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
 from torchvision.utils import make_grid
 
-from ssl_vit import targets
 from ssl_vit.masking import token_index
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.targets.color3bit_target import _colour_image
+from ssl_vit.targets.masked_picture import band_stretch, false_colour, masked_prediction_picture
+from ssl_vit.targets.patches import patchify, unpatchify
 from ssl_vit.tasks import MaskedPatchPretraining
-from ssl_vit.tasks.pictures import _colour_image, band_stretch, false_colour, masked_prediction_picture
 from ssl_vit.tracking import RUN_ID_FILE, WandbLogger, wandb_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def _picture(preset, digits_batch, bands=3, **kwargs):
     if bands != 3:  # five bands in units far apart: the digits' bands, then two of them scaled
         images = torch.cat([images, 100 * images[:, :1], -7 * images[:, 1:2]], dim=1)
     out = model.forward_loss(images)
-    return model, images, out, masked_prediction_picture(model, images, out)
+    return model, images, out, masked_prediction_picture(model.target, model.context, images, out)
 
 
 @torch.no_grad()
@@ -70,11 +71,11 @@ def rgb_picture_before_bands(task, images, out, count=8):
     pixels = task.unnormalize(images[:count]).float()
     idx = out.idx[:count]
     if out.target.dtype == torch.long:
-        true = task.target.make(task, images[:count])
+        true = task.target.make(task.context, images[:count])
         pred = true.clone().scatter_(1, token_index(idx, true), out.pred[:count].argmax(-1))
         rows = [pixels, _colour_image(true, p, grid), _colour_image(pred, p, grid)]
     else:
-        patches = targets.patchify(pixels, p)
+        patches = patchify(pixels, p)
         pred = out.pred[:count].float()
         if task.target_kind == "norm_pixels":
             true = torch.gather(patches, 1, token_index(idx, patches))
@@ -86,7 +87,7 @@ def rgb_picture_before_bands(task, images, out, count=8):
             )
             pred = agreement[..., None].expand(-1, -1, patches.shape[-1])
         recon = patches.scatter(1, token_index(idx, patches), pred.clamp(0, 1))
-        rows = [pixels, targets.unpatchify(masked, p, grid), targets.unpatchify(recon, p, grid)]
+        rows = [pixels, unpatchify(masked, p, grid), unpatchify(recon, p, grid)]
     return make_grid(torch.cat(rows), nrow=pixels.shape[0], padding=1, pad_value=1.0)
 
 
@@ -148,7 +149,7 @@ def test_colour_picture_shows_true_and_predicted_mean_colours(digits_batch):
     model, images, out, picture = _picture("vit_mpp", digits_batch)
     assert picture.shape == (3, 3 * 33 + 1, 4 * 33 + 1)
     true_row = picture[:, 34:66, 1:33]
-    true = model.target.make(model, images)[0]  # (16,) classes of image 0
+    true = model.target.make(model.context, images)[0]  # (16,) classes of image 0
     colours = torch.stack([true % 8, true // 8 % 8, true // 64], -1).float().add(0.5).div(8)
     torch.testing.assert_close(true_row[:, 0, 0], colours[0])  # top-left patch, its true mean colour
 

@@ -11,8 +11,8 @@ Writes into OUT:
 
 Images of other than 3 bands (multispectral checkpoints) are drawn in false colour from three display
 bands (`--display-bands`; by default a masked-pretraining checkpoint's own `display_bands`, else the first
-three), each stretched between its 2nd and 98th percentile (`ssl_vit.tasks.pictures.false_colour`); the
-filter components are computed over all bands and drawn in those three (`embeddings`).
+three), each stretched between its 2nd and 98th percentile (`ssl_vit.targets.masked_picture.false_colour`);
+the filter components are computed over all bands and drawn in those three (`embeddings`).
 
 
 Everything is computed first; analysis.json is written into a temporary directory next to OUT and
@@ -41,9 +41,9 @@ from ssl_vit.errors import UserError
 from ssl_vit.internals import CLASS_PATH_KEY
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.storage.outdir import Input, Output, checkpoint_inputs
+from ssl_vit.targets.masked_picture import false_colour, masked_prediction_picture
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.masked import check_display_bands
-from ssl_vit.tasks.pictures import false_colour, masked_prediction_picture
 
 ROLLOUT_IMAGES = 8  # images in the rollout and masked-prediction pictures
 MASK_SEED = 0  # the masks of the masked-prediction picture, so reruns draw the same picture
@@ -203,7 +203,8 @@ def _masked_predictions(
         entry["masked_accuracy"] = round(out.accuracy.item(), 4)
     if task.teacher is not None:  # latent targets (I-JEPA, data2vec 2.0) have no picture
         return entry, None
-    return entry, masked_prediction_picture(task, images.to(device), out, count=len(images)).cpu()
+    picture = masked_prediction_picture(task.target, task.context, images.to(device), out, count=len(images))
+    return entry, picture.cpu()
 
 
 def _rounded(values: torch.Tensor) -> list:

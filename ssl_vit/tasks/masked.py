@@ -7,6 +7,8 @@ Legend: B batch, N patches, M tokens the loss is on, D width, T the target's sha
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
 from typing import Literal, NamedTuple
 
 import torch
@@ -23,19 +25,13 @@ from ssl_vit.models.heads import MAEDecoder, PatchHead
 from ssl_vit.models.init import mae_init
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.presets import PRESETS
-from ssl_vit.tasks import targets as _targets  # noqa: F401  (registers the targets)
+from ssl_vit.targets import TARGETS, TargetContext
+from ssl_vit.targets.masked_picture import masked_prediction_picture
+from ssl_vit.targets.target import check_made, checked_shape
+from ssl_vit.targets.teacher_target import TeacherFeatures, teacher_targets
 from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
-from ssl_vit.tasks.pictures import masked_prediction_picture
-from ssl_vit.tasks.target import TARGETS, check_made, checked_shape
-from ssl_vit.tasks.teacher import (
-    MomentumSchedule,
-    TeacherFeatures,
-    ema_update,
-    make_teacher,
-    momentum_at,
-    teacher_targets,
-)
+from ssl_vit.tasks.teacher import MomentumSchedule, ema_update, make_teacher, momentum_at
 from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
@@ -87,7 +83,7 @@ class MaskedPatchPretraining(BackboneTask):
             the full sequence; `drop` runs only kept tokens and an MAE decoder fills the rest;
             `mask_token` puts a learned token in the encoder (SimMIM).
         target: what is predicted at each masked patch: a registered target's name
-            (`ssl_vit.tasks.targets`, or a plugin's), whose module says what it is (3-bit mean colours,
+            (`ssl_vit.targets`, or a plugin's), whose module says what it is (3-bit mean colours,
             raw or normalised pixels, HOG, an EMA teacher's features kept in checkpoints under
             `teacher.`, ...) and which band counts it takes: with a backbone of C != 3 input bands
             (multispectral data) pixel targets are the standardised bands, and the colour targets,
@@ -101,8 +97,8 @@ class MaskedPatchPretraining(BackboneTask):
             that are not trained; `ssl_vit.models.init`). From a checkpoint (`init_from`) the encoder
             starts from its weights either way; `mae` still keeps the position embeddings fixed.
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only), I-JEPA's predictor.
-        teacher_features: what the teacher gives (`ssl_vit.tasks.teacher.teacher_targets`): `final_norm`
-            (I-JEPA) or `top_k_mean` of its top `teacher_top_k` blocks (data2vec).
+        teacher_features: what the teacher gives (`ssl_vit.targets.teacher_target.teacher_targets`):
+            `final_norm` (I-JEPA) or `top_k_mean` of its top `teacher_top_k` blocks (data2vec).
         views: masked views of each image per step (data2vec 2.0's `clone_batch`); the targets are
             computed once per image, the student runs on every view.
         ema_momentum, ema_momentum_end, ema_schedule: the teacher's EMA momentum, from the first to the
@@ -111,7 +107,7 @@ class MaskedPatchPretraining(BackboneTask):
             a target without a picture, an EMA teacher's latents, has none).
         display_bands: the three bands (0-based) drawn as red, green and blue in the pictures of images of
             C != 3 bands, each stretched between its 2nd and 98th percentile; unset: the first three
-            (`ssl_vit.tasks.pictures.false_colour`). RGB images are drawn as they are.
+            (`ssl_vit.targets.masked_picture.false_colour`). RGB images are drawn as they are.
         init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining;
             a facebookresearch/mae checkpoint starts the decoder (`drop`) from its own as well.
     """
@@ -183,7 +179,6 @@ class MaskedPatchPretraining(BackboneTask):
         # a target without a picture (an EMA teacher's latents) draws none
         self.picture_every_n_steps = picture_every_n_steps if self.target.picture is not None else 0
         self.bands = self.backbone.in_chans
-        self.display_bands = check_display_bands(display_bands, self.bands)
         self.patch_size = self.backbone.pixels_per_token
         self.grid = self.backbone.grid_size
         self.num_patches = self.grid[0] * self.grid[1]
@@ -195,21 +190,26 @@ class MaskedPatchPretraining(BackboneTask):
                 f"the {self.grid[0]}x{self.grid[1]} patch grid; pick another cell_size"
             )
         self.cell_size = cell_size
-        self._target_shape = checked_shape(self.target, self.target.shape(self))
-        target_shape = self.target_shape()
         width = self.backbone.embed_dim
+        shown = check_display_bands(display_bands, self.bands)
+        self.context = TargetContext(self.patch_size, self.grid, self.bands, width, shown, self.target_images)
+        self.target_shape = checked_shape(self.target, self.target.shape(self.context))  # T
         if self.corruption == "drop":
             self.decoder = MAEDecoder(
-                width, self.grid, target_shape.numel(), decoder_dim, decoder_depth, decoder_heads
+                width, self.grid, self.target_shape.numel(), decoder_dim, decoder_depth, decoder_heads
             )
             load_mae_decoder(self.decoder, init_from)  # an MAE checkpoint's decoder continues too
         else:
-            self.head = PatchHead(width, tuple(target_shape))
+            self.head = PatchHead(width, tuple(self.target_shape))
             # The learned [mask] embedding lives here, not in the backbone: its keys stay timm's.
             self.mask_embedding = nn.Parameter(torch.zeros(width))
             nn.init.normal_(self.mask_embedding, std=0.02)
         self.views = choices["views"]
         self.teacher = self.build_teacher(choices, ema_anneal_steps)
+        if self.teacher is not None:
+            features, top_k = choices["teacher_features"], choices["teacher_top_k"]
+            latents = partial(teacher_targets, self.teacher, features=features, top_k=top_k)
+            self.context = replace(self.context, latents=latents)
         if self.mask_shape == "jepa":
             self.tokens_per_image = None  # the context's size is drawn with each batch
         else:
@@ -227,14 +227,9 @@ class MaskedPatchPretraining(BackboneTask):
                 f"teacher_top_k {choices['teacher_top_k']} is more blocks than the backbone's {depth}: "
                 f"give at most {depth}"
             )
-        self.teacher_features, self.teacher_top_k = choices["teacher_features"], choices["teacher_top_k"]
         self.ema = (choices["ema_momentum"], choices["ema_momentum_end"], choices["ema_schedule"])
         self.ema_anneal_steps = anneal_steps
         return make_teacher(self.backbone, ViTConfig(**self.hparams.backbone))
-
-    def target_shape(self) -> torch.Size:
-        """T: the prediction per patch."""
-        return self._target_shape
 
     def no_weight_decay(self) -> set[str]:
         return super().no_weight_decay() | {"mask_embedding", "decoder.mask_token"}
@@ -257,8 +252,8 @@ class MaskedPatchPretraining(BackboneTask):
         """images: (B, C, H, W) normalised model inputs, each seen under `views` masks; the targets of the
         uncorrupted images are computed once."""
         pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
-        target = self.target.make(self, images)  # (B, N, ...)
-        check_made(self.target, target, len(images), self.num_patches, self.target_shape())
+        target = self.target.make(self.context, images)  # (B, N, ...)
+        check_made(self.target, target, len(images), self.num_patches, self.target_shape)
         out = self.compare(pred, masking.gather_tokens(self.repeat_views(target), idx), idx)
         monitor = {"student": features.detach()}
         if self.teacher is None:
@@ -293,7 +288,7 @@ class MaskedPatchPretraining(BackboneTask):
         encoded = self.backbone.encode(self.backbone.embed_patches(images), idx_keep=mask.idx_context)
         pred = self.decoder.predict_at(encoded, mask.idx_context, mask.idx_targets)  # (B, T, M, D)
         pred = pred.flatten(1, 2)  # (B, T*M, D), block after block
-        return pred.unflatten(-1, self.target_shape()), mask.idx_targets.flatten(1), encoded.patches.mean(1)
+        return pred.unflatten(-1, self.target_shape), mask.idx_targets.flatten(1), encoded.patches.mean(1)
 
     def predict(self, images: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
         """Corrupt, encode, predict every patch. Returns (pred (B, N, *T), idx of the loss tokens (B, M),
@@ -309,7 +304,7 @@ class MaskedPatchPretraining(BackboneTask):
         idx_keep, idx_mask = self.draw_mask(batch, generator, device)
         if self.corruption == "drop":
             encoded = self.backbone.encode(tokens, idx_keep=idx_keep)
-            pred = self.decoder(encoded, idx_keep).unflatten(-1, self.target_shape())
+            pred = self.decoder(encoded, idx_keep).unflatten(-1, self.target_shape)
             return pred, idx_mask, encoded.patches.mean(1)
         mask = masking.indices_to_mask(idx_mask, self.num_patches)
         encoded = self.backbone.encode(tokens, mask=mask, mask_token=self.mask_embedding)
@@ -329,8 +324,8 @@ class MaskedPatchPretraining(BackboneTask):
         )
 
     def target_images(self, images: Tensor) -> Tensor:
-        """Model inputs (B, C, H, W) -> what the targets are computed on: RGB pixels in [0, 1]; for other
-        band counts the standardised bands as they are (`ssl_vit.targets`)."""
+        """Model inputs (B, C, H, W) -> what the targets are made of (`TargetContext.pixels`): RGB pixels in
+        [0, 1]; for other band counts the standardised bands as they are."""
         return self.unnormalize(images) if self.bands == 3 else images
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
@@ -375,7 +370,7 @@ class MaskedPatchPretraining(BackboneTask):
             return
         # Eager, as the student's count is (compiled blocks under a dispatch mode stop running compiled).
         with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
-            teacher_targets(self.teacher, images[:1], self.teacher_features, self.teacher_top_k)
+            self.context.latents(images[:1])
         self.flops_per_image += counter.get_total_flops()
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -413,9 +408,8 @@ class MaskedPatchPretraining(BackboneTask):
             and self.trainer.global_step % every == 0
             and self.trainer.is_global_zero
         ):
-            log_picture(
-                self, "train/predictions", masked_prediction_picture(self, batch["image"], outputs["output"])
-            )
+            picture = masked_prediction_picture(self.target, self.context, batch["image"], outputs["output"])
+            log_picture(self, "train/predictions", picture)
 
 
 def check_target_bands(target: str, preset: str | None, bands: int) -> None:

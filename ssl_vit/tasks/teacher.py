@@ -1,6 +1,6 @@
 """The EMA teacher of the latent-target objectives (I-JEPA, data2vec 2.0): a copy of the student backbone
-whose weights follow the student's as an exponential moving average, never trained, and the features
-of the uncorrupted image it gives as targets.
+whose weights follow the student's as an exponential moving average, never trained. The features of the
+uncorrupted image it gives as targets are `ssl_vit.targets.teacher_target`.
 
 The teacher is a plain `ViT` the task holds as `teacher` beside `backbone`, so a checkpoint carries it
 under `teacher.` with timm's key names (`ssl_vit.checkpoints` loads and exports either). Its parameters
@@ -12,8 +12,6 @@ timm's `ModelEmaV3` performs the same update, but it keeps the copy as `module` 
 timm's under `teacher.`), cannot be built on the meta device where FLOPs are counted (its private
 rounding generator), and its decay warmup is not the papers' momentum ramp; the update itself is torch's
 EMA step (`torch.optim.swa_utils.get_ema_multi_avg_fn`), one fused kernel over every parameter.
-
-Legend: B batch, N patches, D width.
 """
 
 from __future__ import annotations
@@ -23,13 +21,10 @@ from dataclasses import replace
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from ssl_vit.models.vit import ViT, ViTConfig
 
-TeacherFeatures = Literal["final_norm", "top_k_mean"]
 MomentumSchedule = Literal["cosine", "linear"]
 
 
@@ -55,25 +50,3 @@ def ema_update(teacher: ViT, student: ViT, momentum: float) -> None:
     """teacher = momentum * teacher + (1 - momentum) * student, every parameter in one fused kernel
     (torch's multi-tensor lerp, through its public `get_ema_multi_avg_fn`)."""
     get_ema_multi_avg_fn(momentum)(list(teacher.parameters()), list(student.parameters()), None)
-
-
-@torch.no_grad()
-def teacher_targets(teacher: ViT, images: Tensor, features: TeacherFeatures, top_k: int) -> Tensor:
-    """images: (B, C, H, W) uncorrupted model inputs -> regression targets for every patch (B, N, D).
-
-    - `final_norm` (I-JEPA, sec 3 "Targets"): the last block's output after the encoder's final norm,
-      then a LayerNorm without affine parameters, as the paper's `forward_target` applies.
-    - `top_k_mean` (data2vec, Baevski et al. 2022 sec 3.3; data2vec 2.0's image config): the outputs
-      of the top `top_k` blocks, each instance-normalised (per channel over the patches), averaged and
-      layer-normalised (`instance_norm_target_layer`, `layer_norm_targets`). The block outputs are
-      timm's `forward_intermediates`; data2vec reads the FFN output before the last residual instead.
-    """
-    if features == "final_norm":
-        patches = teacher.forward_tokens(images).patches.float()
-        return F.layer_norm(patches, patches.shape[-1:])
-    blocks = teacher.forward_intermediates(
-        images, indices=top_k, output_fmt="NLC", intermediates_only=True
-    )  # top_k x (B, N, D), patch tokens only
-    normed = [F.instance_norm(x.float().transpose(1, 2)).transpose(1, 2) for x in blocks]
-    average = torch.stack(normed).mean(0)
-    return F.layer_norm(average, average.shape[-1:])
