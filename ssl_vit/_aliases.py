@@ -21,7 +21,7 @@ import sys
 import warnings
 
 MOVED = {
-    "ssl_vit.tasks.checkpointing": "ssl_vit.run.checkpointing",
+    "ssl_vit.tasks.checkpointing": "ssl_vit.checkpoints.store",
     "ssl_vit.tasks.nonfinite": "ssl_vit.run.nonfinite",
     "ssl_vit.tasks.preemption": "ssl_vit.run.preemption",
     "ssl_vit.tasks.rollback": "ssl_vit.run.rollback",
@@ -92,6 +92,8 @@ MOVED = {
     "ssl_vit.data.mosaic": "ssl_vit.data.convert.mosaic",
     "ssl_vit.data.encode": "ssl_vit.data.convert.encode",
     "ssl_vit.data.writer": "ssl_vit.data.convert.shard_writer",
+    "ssl_vit.run.checkpointing": "ssl_vit.checkpoints.store",
+    "ssl_vit.run.checks": "ssl_vit.run.preflight",
 }
 
 
