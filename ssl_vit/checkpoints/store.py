@@ -4,8 +4,7 @@
   loads with `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
   `link_atomically` puts a hard link (`last.ckpt`, `ssl_vit.run.last_link`) in place the same way.
 - Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
-  refused in one line, and `--ckpt_path last` resumes from the newest checkpoint that verifies
-  (`resumable`).
+  refused in one line, and `--ckpt_path last` resumes from the newest one that verifies (`resumable`).
 - A remote checkpoint (http(s), fsspec) is downloaded with retries and a read timeout
   (`ssl_vit.storage.remote`; `read_retries`, `read_timeout_s` of the plugin).
 - `--ckpt_path` as a file (`check_ckpt_path`), and a checkpoint that names a model class outside
@@ -27,6 +26,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -342,15 +342,12 @@ def _resume_order(path: Path) -> tuple:
     return (-step, not last, path.name)
 
 
-_warned: set[str] = set()
-
-
+@cache
 def _warn_once(message: str) -> None:
     # The CLI and Lightning both resolve `last` (same files, same answer): one line, on rank 0 only (the
     # rank the launcher's environment gives, before the trainer exists).
-    if message not in _warned and rank_zero_only.rank == 0:
+    if rank_zero_only.rank == 0:
         print(f"ssl-vit: warning: {message}", file=sys.stderr, flush=True)
-    _warned.add(message)
 
 
 def checkpoint_step(path: Path) -> int | None:
