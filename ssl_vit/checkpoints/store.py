@@ -271,6 +271,7 @@ def is_local(path: Path | str) -> bool:
 
 
 def local_file(path: Path | str) -> str:
+    """The file name of a local `path` (`is_local`): without its `file://`."""
     return str(path).removeprefix("file://")
 
 
