@@ -32,9 +32,10 @@ import pytorch_lightning as pl
 import torch
 
 from ssl_vit.benchmark.loop import BACKBONE, MAE, TRAIN_IMAGES, StepClock
+from ssl_vit.checkpoints.store import SafeCheckpointIO
 from ssl_vit.data import ShardDataModule
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.run.checkpointing import LastLinkCheckpoint, SafeCheckpointIO
+from ssl_vit.run.last_link import LastLinkCheckpoint
 from ssl_vit.run.nonfinite import NonFiniteGuard
 from ssl_vit.tasks import MaskedPatchPretraining
 from ssl_vit.tasks.optim import weight_decay_groups

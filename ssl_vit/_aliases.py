@@ -21,7 +21,7 @@ import sys
 import warnings
 
 MOVED = {
-    "ssl_vit.tasks.checkpointing": "ssl_vit.run.checkpointing",
+    "ssl_vit.tasks.checkpointing": "ssl_vit.checkpoints.store",
     "ssl_vit.tasks.nonfinite": "ssl_vit.run.nonfinite",
     "ssl_vit.tasks.preemption": "ssl_vit.run.preemption",
     "ssl_vit.tasks.rollback": "ssl_vit.run.rollback",
@@ -101,6 +101,8 @@ MOVED = {
     "ssl_vit.tasks.targets.norm_pixels_target": "ssl_vit.targets.norm_pixels_target",
     "ssl_vit.tasks.targets.hog_target": "ssl_vit.targets.hog_target",
     "ssl_vit.tasks.targets.teacher_target": "ssl_vit.targets.teacher_target",
+    "ssl_vit.run.checkpointing": "ssl_vit.checkpoints.store",
+    "ssl_vit.run.checks": "ssl_vit.run.preflight",
 }
 
 

@@ -1,6 +1,6 @@
 """Checkpoints and run configs written before the package's modules moved (tests/fixtures/before_refactor:
 one tiny run of each task kind, two steps each, written by `ssl-vit fit` of the quickstart recipes before
-the move; their config.yaml names `ssl_vit.run.checkpointing.SafeCheckpointIO` and the tasks by their
+the move; their config.yaml names `ssl_vit.tasks.checkpointing.SafeCheckpointIO` and the tasks by their
 old paths) still load, export, show in `info` and resume from their own config.yaml."""
 
 import shutil
@@ -69,10 +69,23 @@ def test_every_old_module_path_is_the_new_module(old):
     exec(f"from {old} import {public[0]}", {})
 
 
+@pytest.mark.parametrize("old", ["ssl_vit.tasks.checkpointing", "ssl_vit.run.checkpointing"])
+def test_the_checkpoint_plugin_keeps_its_old_class_paths(old):
+    """Run configs name the checkpoint plugin by the path it had when they were written (the fixtures'
+    config.yaml: ssl_vit.tasks.checkpointing; every run's before it moved: ssl_vit.run.checkpointing)."""
+    from ssl_vit.checkpoints.store import SafeCheckpointIO
+    from ssl_vit.cli.config_errors import import_class
+
+    assert import_class(f"{old}.SafeCheckpointIO") is SafeCheckpointIO
+
+
 @pytest.mark.parametrize(
     "old",
-    ["ssl_vit.outdir", "ssl_vit.lock", "ssl_vit.data.remote", "ssl_vit.run_lock", "ssl_vit.data.samples"],
-)
+    [
+        "ssl_vit.outdir", "ssl_vit.lock", "ssl_vit.data.remote", "ssl_vit.run_lock", "ssl_vit.data.samples",
+        "ssl_vit.run.checkpointing",
+    ],
+)  # fmt: skip
 def test_an_old_path_imported_from_code_warns_naming_the_new_one(old, monkeypatch):
     """Code that imports a module by its old path is told where it went (a `DeprecationWarning` naming
     the new path, attributed to the importing line), and still gets the module."""

@@ -15,9 +15,8 @@ from test_errors import error_line, listing
 from test_run_dir_safety import stamps
 
 from ssl_vit.checkpoints import integrity, read_weights
+from ssl_vit.checkpoints.store import SafeCheckpointIO, check_ckpt_path, load_checkpoint, resumable
 from ssl_vit.errors import UserError
-from ssl_vit.run.checkpointing import SafeCheckpointIO, load_checkpoint, resumable
-from ssl_vit.run.checks import check_ckpt_path
 from ssl_vit.storage.lock import LOCK_NAME
 
 ENV = {"PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}

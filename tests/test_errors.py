@@ -17,10 +17,10 @@ from cli_helpers import one_step_fit_args, run_cli
 from safetensors.torch import save_file
 
 from ssl_vit.checkpoints import config_metadata, load_backbone
+from ssl_vit.checkpoints.store import check_ckpt_path, local_ckpt_path
 from ssl_vit.data.format.manifest import check_manifest
 from ssl_vit.errors import BadValue, UserError, user_error_message
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.run.checks import check_ckpt_path, local_ckpt_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}

@@ -34,7 +34,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from ssl_vit.analysis import attention, embeddings, pictures
 from ssl_vit.analysis.images import read_images
-from ssl_vit.checkpoints import load_backbone
+from ssl_vit.checkpoints.load import load_backbone, mapped_checkpoint
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.stream.urls import shard_directories
 from ssl_vit.errors import UserError
@@ -87,7 +87,7 @@ def _analysis(
     source: str, urls: str, images: int, batch_size: int, display_bands: tuple[int, int, int] | None
 ) -> tuple[dict, dict]:
     """The json record of `analyze` and its pictures: name -> a function that draws it at a path."""
-    checkpoint = _lightning_checkpoint(source)
+    checkpoint = mapped_checkpoint(source)
     hparams = (checkpoint or {}).get("hyper_parameters") or {}
     backbone, config = load_backbone(source)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -164,19 +164,6 @@ def _analysis(
         drawings["masked_predictions.png"] = partial(pictures.image_grid, masked_picture, config.img_size)
     record["pictures"] = sorted(drawings)
     return record, drawings
-
-
-def _lightning_checkpoint(source: str) -> dict | None:
-    """The Lightning checkpoint `source` names (memory-mapped: only what is used is read), or None for
-    other kinds; `load_backbone` reports a file that does not load."""
-    path = Path(source)
-    if not path.is_file() or path.suffix == ".safetensors":
-        return None
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # not a zip checkpoint (or no mmap): load_backbone reads it again and says why
-        return None
-    return checkpoint if isinstance(checkpoint, dict) else None
 
 
 def _masked_predictions(

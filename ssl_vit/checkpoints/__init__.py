@@ -1,6 +1,6 @@
-"""Checkpoint I/O below the tasks: reading any checkpoint kind into a backbone (`load`), MAE's names
-(`mae`), the peers' MAE checkpoints (`peers`: lightly, stable-pretraining), and writing backbones (and
-classifiers) for timm (`export`).
+"""Checkpoint I/O below the tasks: any checkpoint read into a backbone (`load`, with MAE's names in
+`mae` and the peers' MAE checkpoints in `peers`), backbones written for timm (`export`), a run's
+Lightning checkpoint files (`store`) and the CRC-32 check every load makes first (`integrity`).
 
 The loader's names are imported on first use, so that `ssl-vit --help` and the parsers of `evaluate`,
 `compare` and `export` do not pay for importing torch and timm.

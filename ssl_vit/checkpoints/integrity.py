@@ -19,8 +19,8 @@ purpose (they could rewrite a hash file next to it as easily).
 Files without checksums load unchecked: torch's legacy (pre-zip) format, files of other tools, and zip
 archives written with torch's CRC computation switched off (`torch.serialization.set_crc32_options`).
 
-Stdlib only: the loaders below the tasks (`ssl_vit.checkpoints.load`) and the tasks' checkpoint IO
-(`ssl_vit.run.checkpointing`) both use it, without importing each other.
+Stdlib only: the loaders of backbones (`ssl_vit.checkpoints.load`) and of a run's checkpoints
+(`ssl_vit.checkpoints.store`) both use it.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ import re
 import sys
 import warnings
 from dataclasses import asdict, replace
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -66,7 +67,6 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 WeightsKind = Literal["student", "teacher"]
 PREFIXES: dict[str, str] = {"student": "backbone.", "teacher": "teacher."}
 RGB_BANDS = 3  # the band count whose weights adapt to any other (timm's `adapt_input_conv` base_chans)
-_noted: set[str] = set()  # the notes this process has printed, each once (a suite loads a checkpoint twice)
 
 
 class Weights(NamedTuple):
@@ -192,6 +192,22 @@ def torch_load(file, **kwargs) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PICKLE_PROTOCOL_WARNING, category=UserWarning)
         return torch.load(file, weights_only=True, **kwargs)
+
+
+def mapped_checkpoint(source: str) -> dict | None:
+    """The torch checkpoint file `source` as a dict, its tensors memory-mapped (only what is used is
+    read); None for other sources (`scratch`, `timm:`, .safetensors, a folder) and for a file that
+    cannot be mapped (torch's legacy format) or loaded: `read_weights` says what is wrong with it."""
+    path = Path(source)
+    if not path.is_file() or path.suffix == ".safetensors":
+        return None
+    try:
+        # MAE's training checkpoints keep their argparse.Namespace of arguments: plain data.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return checkpoint if isinstance(checkpoint, dict) else None
 
 
 def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
@@ -407,11 +423,10 @@ def _adapt_bands(vit: ViT, state: dict[str, Tensor], source: str) -> dict[str, T
     return {**state, key: adapt_input_conv(vit.in_chans, weight, base_chans=RGB_BANDS)}
 
 
+@cache
 def _note(message: str) -> None:
-    """`ssl-vit: note: MESSAGE` on stderr, once per process."""
-    if message not in _noted:
-        _noted.add(message)
-        print(f"ssl-vit: note: {message}", file=sys.stderr, flush=True)
+    """`ssl-vit: note: MESSAGE` on stderr, once per process (a suite loads a checkpoint twice)."""
+    print(f"ssl-vit: note: {message}", file=sys.stderr, flush=True)
 
 
 def _load_state(vit: ViT, state: dict, source: str) -> None:

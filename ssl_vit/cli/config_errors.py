@@ -21,7 +21,7 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from ssl_vit.internals import option_names
-from ssl_vit.run.checks import MISSING, config_files, lookup
+from ssl_vit.run.preflight import MISSING, config_files, lookup
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)":?\s*(.*)')
 _CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)':?")

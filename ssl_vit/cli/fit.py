@@ -8,7 +8,7 @@ Lightning's parsing and run:
   (`ssl_vit.storage.lock`) from before it reads anything there to its end;
 - `--ckpt_path` resolved (`last`: the newest intact checkpoint) and checked before Lightning reads it,
   and a checkpoint's model never replaced silently by the config's or the command line's (the checks:
-  `ssl_vit.run.checks`);
+  `ssl_vit.run.preflight`, `ssl_vit.checkpoints.store`);
 - checks of the values that would fail only after the run directory, config.yaml and the W&B run exist
   (optimizer values, compile options, shard URLs), made before anything is written;
 - a mistake in the config (an unknown key, a wrong type, a `class_path` that names no class, a file that
@@ -31,6 +31,7 @@ import torch
 from pytorch_lightning.callbacks import LearningRateMonitor
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 
+from ssl_vit.checkpoints import store
 from ssl_vit.cli.config_errors import config_error, import_class
 from ssl_vit.cli.moved_options import with_moved_options
 from ssl_vit.data import ShardDataModule
@@ -39,29 +40,25 @@ from ssl_vit.data.options import check_groups
 from ssl_vit.data.skip_log import LogSkippedSamples
 from ssl_vit.errors import UserError, user_error_message
 from ssl_vit.internals import LightningCLIHooks
-from ssl_vit.run.checkpointing import LastLinkCheckpoint, checkpoint_step, with_safe_io
-from ssl_vit.run.checks import (
+from ssl_vit.run.health import HealthMonitor
+from ssl_vit.run.last_link import LastLinkCheckpoint
+from ssl_vit.run.nonfinite import NonFiniteGuard, check_rollback
+from ssl_vit.run.preemption import Preemption
+from ssl_vit.run.preflight import (
     DATA_TO_MODEL,
     DEFAULT_ROOT,
     check_ckpt_choice,
-    check_ckpt_path,
     check_run_dir,
     checkpoint_dir,
     follow_run_dir,
-    local_ckpt_path,
     refuse_contradicting_config,
     refuse_contradicting_links,
-    refuse_foreign_model,
     refuse_other_bands,
     refuse_overridden_options,
     refuse_unknown_hparams,
     refuse_used_run_dir,
     resumed_checkpoint,
-    unparsable_model,
 )
-from ssl_vit.run.health import HealthMonitor
-from ssl_vit.run.nonfinite import NonFiniteGuard, check_rollback
-from ssl_vit.run.preemption import Preemption
 from ssl_vit.run.progress import ProgressLines, progress_bar
 from ssl_vit.run.resume import RandomState
 from ssl_vit.run.rollback import SafeSteps
@@ -116,7 +113,7 @@ class SslVitCLI(LightningCLIHooks):
                         Preemption(),  # SIGTERM / SLURM's SIGUSR1: save at the step's end (and requeue)
                     ],
                     # Atomic saves, weights-only loads (also of http(s) checkpoints).
-                    "plugins": [{"class_path": "ssl_vit.run.checkpointing.SafeCheckpointIO"}],
+                    "plugins": [{"class_path": "ssl_vit.checkpoints.store.SafeCheckpointIO"}],
                 },
                 # A mistake in the config raises, for `parse_arguments` to say in one line, instead of
                 # jsonargparse's usage message and nested union report (80 lines for a typo)
@@ -148,7 +145,7 @@ class SslVitCLI(LightningCLIHooks):
         return {self.argv[0]: LightningCLI.subcommands()[self.argv[0]]}
 
     def add_arguments_to_parser(self, parser) -> None:
-        # last.ckpt: a hard link to the newest checkpoint, not a second full write (checkpointing.py).
+        # last.ckpt: a hard link to the newest checkpoint, not a second full write (run/last_link.py).
         parser.add_lightning_class_args(LastLinkCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -198,13 +195,13 @@ class SslVitCLI(LightningCLIHooks):
         if given == "scratch":  # validate/test of the freshly initialised model, asked for by name
             config.ckpt_path = given = None
         path = resumed_checkpoint(given, checkpoint_dir(config)) if given == "last" else given
-        if path is None or local_ckpt_path(path) is None:
+        if path is None or store.local_ckpt_path(path) is None:
             return  # nothing yet to resume, or a URL: the checkpoint IO checks it when loading
-        checkpoint = check_ckpt_path(path)
+        checkpoint = store.check_ckpt_path(path)
         if subcommand == "fit":
             self.resumed = checkpoint
         hparams = checkpoint.get("hyper_parameters", {})
-        refuse_foreign_model(hparams, path)
+        store.refuse_foreign_model(hparams, path)
         before = copy.deepcopy(config.as_dict()) if hparams else None
         config = self._model_from_checkpoint(path, given)
         refuse_unknown_hparams(config, path)
@@ -238,7 +235,7 @@ class SslVitCLI(LightningCLIHooks):
         except ArgumentError as err:  # the model the checkpoint records, refused by this version's parser
             command = self.config.subcommand
             what = config_error(str(err), [command], self.subcommand_parser(command), err)
-            raise unparsable_model(path, what) from None
+            raise store.unparsable_model(path, what) from None
         finally:
             config = self.config[self.config.subcommand]
             config.ckpt_path = given
@@ -284,7 +281,7 @@ class SslVitCLI(LightningCLIHooks):
             if getattr(spec, "class_path", None) == "ssl_vit.tracking.WandbLogger":
                 init_args.continue_run = resumed is not None
                 if self.subcommand == "fit" and resumed is not None:
-                    init_args.resume_step = checkpoint_step(resumed)
+                    init_args.resume_step = store.checkpoint_step(resumed)
             if (
                 init_args is not None
                 and "save_dir" in init_args
@@ -304,7 +301,7 @@ class SslVitCLI(LightningCLIHooks):
         # A recipe's `trainer.plugins` replaces the default list (LightningCLI merges only callbacks
         # with trainer_defaults), so the checkpoint IO is (re)added here.
         plugins = self.config_init[self.subcommand].get("trainer", {}).get("plugins")
-        trainer = super().instantiate_trainer(plugins=with_safe_io(plugins), **kwargs)
+        trainer = super().instantiate_trainer(plugins=store.with_safe_io(plugins), **kwargs)
         progress_bar(trainer, sys.stdout.isatty())  # a terminal's bar; elsewhere the progress lines
         if not trainer.loggers:  # --trainer.logger false: the LR monitor has nowhere to log, and raises
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, LearningRateMonitor)]

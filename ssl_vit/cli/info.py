@@ -60,7 +60,7 @@ def _check_mae(args: argparse.Namespace, patches: int) -> None:
 def describe(source: str) -> list[str]:
     """What the checkpoint `source` holds, in a few lines: its kind, its backbone and parameter count,
     and what verified its bytes (a damaged one is refused in one line by the loader)."""
-    from ssl_vit.checkpoints.load import architecture, read_weights
+    from ssl_vit.checkpoints.load import architecture, mapped_checkpoint, read_weights
 
     if source == "scratch" or source.startswith("timm:"):
         raise UserError(f"info {source}: info describes a checkpoint file or an exported folder")
@@ -97,11 +97,9 @@ def describe(source: str) -> list[str]:
             "its bytes load as they are"
         )
     if weights.hparams:  # a fit's checkpoint: the steps its non-finite guard skipped, its rollbacks
-        import torch
-
         from ssl_vit.run.nonfinite import NonFiniteGuard, history
 
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # verified above
+        checkpoint = mapped_checkpoint(source) or {}  # verified above
         lines += history(checkpoint.get("callbacks", {}).get(NonFiniteGuard.__qualname__))
     return lines
 

@@ -21,7 +21,7 @@ import yaml
 
 from ssl_vit.cli.config_errors import moved_options
 from ssl_vit.errors import UserError, shown
-from ssl_vit.run.checks import DEFAULT_ROOT
+from ssl_vit.run.preflight import DEFAULT_ROOT
 
 log = logging.getLogger("ssl_vit.cli")
 

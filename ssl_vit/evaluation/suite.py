@@ -38,7 +38,6 @@ checkpoint recorded it (`ssl_vit.tasks.base.COST_KEY`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -47,13 +46,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
 from pydantic import TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from ssl_vit.analysis.attention import attention_distance
 from ssl_vit.analysis.images import read_images
-from ssl_vit.checkpoints import load_backbone
+from ssl_vit.checkpoints.load import load_backbone, mapped_checkpoint
 from ssl_vit.data.stream.urls import shard_directories
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.cache import FeatureCache
@@ -347,14 +345,5 @@ def pretraining_cost(source: str) -> dict[str, float] | None:
     did not record it (exported weights, timm:, checkpoints saved before the count existed)."""
     if source == "scratch":
         return {"steps": 0, "images": 0, "flops": 0, "seconds": 0.0}
-    path = Path(source)
-    if not path.is_file() or path.suffix == ".safetensors":
-        return None
-    try:
-        # mmap: only the small dicts are read, not the tensors (the weights loaded already).
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # a legacy (non-zip) torch file cannot be mapped; such files predate the count
-        return None
-    cost = checkpoint.get(COST_KEY) if isinstance(checkpoint, dict) else None
+    cost = (mapped_checkpoint(source) or {}).get(COST_KEY)  # mapped: the tensors are not read again
     return dict(cost) if isinstance(cost, dict) else None

@@ -34,9 +34,9 @@ from typing import Any, ClassVar, Literal
 import pytorch_lightning as pl
 import torch
 
+from ssl_vit.checkpoints.store import NothingIntact, resumable
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.internals import accumulating, count_skipped, logging_step, loss_scale, total_batch_idx
-from ssl_vit.run.checkpointing import NothingIntact, resumable
 from ssl_vit.run.preemption import last_path
 from ssl_vit.run.rollback import SafeSteps, restore_learner
 from ssl_vit.run.spikes import NON_FINITE, SPIKE, SpikeDetector

@@ -37,8 +37,8 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from ssl_vit.internals import RichProgressBarHooks, accumulating
 from ssl_vit.progress import clock
 from ssl_vit.run import record
-from ssl_vit.run.checks import DEFAULT_ROOT
 from ssl_vit.run.nonfinite import NonFiniteGuard
+from ssl_vit.run.preflight import DEFAULT_ROOT
 from ssl_vit.tracking import where
 
 

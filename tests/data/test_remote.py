@@ -17,13 +17,13 @@ import yaml
 from fsspec.implementations.memory import MemoryFileSystem
 from webdataset.gopen import gopen_pipe
 
+from ssl_vit.checkpoints.store import SafeCheckpointIO
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Limits
 from ssl_vit.data.stream.samples import SkipCounter
 from ssl_vit.data.stream.tar_reader import tar_file_members
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.suite import load_suite
-from ssl_vit.run.checkpointing import SafeCheckpointIO
 from ssl_vit.storage import remote
 from ssl_vit.storage.remote import ReadPolicy
 

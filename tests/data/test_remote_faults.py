@@ -287,7 +287,7 @@ def test_fit_stops_with_one_line_when_a_checkpoint_cannot_be_read(faulty_http, d
     faulty_http.fail("last.ckpt", "503")
     run = tmp_path / "run"
     plugin = (
-        '[{"class_path": "ssl_vit.run.checkpointing.SafeCheckpointIO", "init_args": {"read_retries": 1}}]'
+        '[{"class_path": "ssl_vit.checkpoints.store.SafeCheckpointIO", "init_args": {"read_retries": 1}}]'
     )
     proc, steps = fit(base, run, "--ckpt_path", f"{base}/last.ckpt", "--trainer.plugins", plugin)
     one_line_failure(proc, f"checkpoint {base}/last.ckpt cannot be read", "HTTP 503", "tried 2 times")

@@ -1,5 +1,6 @@
-"""How ssl-vit writes and reads checkpoints (ssl_vit.run.checkpointing): loading never runs code from
-a pickle (local file or http), saves survive SIGKILL, last.ckpt is a hard link, quickstart fits resume."""
+"""How ssl-vit writes and reads checkpoints (ssl_vit.checkpoints.store, ssl_vit.run.last_link): loading
+never runs code from a pickle (local file or http), saves survive SIGKILL, last.ckpt is a hard link,
+quickstart fits resume."""
 
 import errno
 import filecmp
@@ -23,10 +24,11 @@ from pytorch_lightning import Trainer
 from pytorch_lightning.demos.boring_classes import BoringModel
 from test_fit_cli import quickstart_overrides
 
+from ssl_vit.checkpoints import store
+from ssl_vit.checkpoints.store import SafeCheckpointIO
 from ssl_vit.cli import main
 from ssl_vit.errors import UserError
-from ssl_vit.run import checkpointing
-from ssl_vit.run.checkpointing import LastLinkCheckpoint, SafeCheckpointIO
+from ssl_vit.run.last_link import LastLinkCheckpoint
 from ssl_vit.storage.atomic import TEMP_NAME
 
 pytest_plugins = ["server_helpers"]  # the `nginx` fixture
@@ -125,7 +127,7 @@ def test_weights_only_defaults_to_true_and_false_is_refused(capsys, tmp_path):
         main(["fit", "--config", str(RECIPES / "mpp.yaml"), "--print_config"])
     printed = capsys.readouterr().out
     assert "\nweights_only: true\n" in printed
-    assert "class_path: ssl_vit.run.checkpointing.SafeCheckpointIO" in printed
+    assert "class_path: ssl_vit.checkpoints.store.SafeCheckpointIO" in printed
     assert "save_last: link" in printed
     code = main(
         ["fit", "--config", str(RECIPES / "mpp.yaml"), "--weights_only", "false",
@@ -140,13 +142,13 @@ def test_user_plugins_keep_the_checkpoint_io():
     from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     env = LightningEnvironment()
-    plugins = checkpointing.with_safe_io([env])
+    plugins = store.with_safe_io([env])
     assert plugins[0] is env and isinstance(plugins[1], SafeCheckpointIO)
     wrapped = AsyncCheckpointIO()
-    assert checkpointing.with_safe_io(wrapped) == [wrapped]
+    assert store.with_safe_io(wrapped) == [wrapped]
     assert isinstance(wrapped.checkpoint_io, SafeCheckpointIO)
     with pytest.raises(UserError, match="TorchCheckpointIO"):
-        checkpointing.with_safe_io([TorchCheckpointIO()])
+        store.with_safe_io([TorchCheckpointIO()])
 
 
 EVERY_STEP = {"filename": "step{step:07d}", "auto_insert_metric_name": False, "every_n_train_steps": 1}
@@ -216,8 +218,8 @@ def test_link_falls_back_to_an_atomic_copy(tmp_path, monkeypatch):
     def no_hard_links(src, dst):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(checkpointing.os, "link", no_hard_links)
-    checkpointing.link_atomically(str(source), str(target))
+    monkeypatch.setattr(store.os, "link", no_hard_links)
+    store.link_atomically(str(source), str(target))
     assert filecmp.cmp(source, target, shallow=False) and source.stat().st_ino != target.stat().st_ino
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step0000001.ckpt"]
 
@@ -231,7 +233,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         f.write(b"PK\x03\x04 half a checkpoint")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
+    monkeypatch.setattr(store.torch, "save", disk_full)
     with pytest.raises(OSError, match="No space"):
         SafeCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, target)
     assert target.read_bytes() == before

@@ -1,15 +1,14 @@
-"""How ssl-vit writes and reads Lightning checkpoints.
+"""The Lightning checkpoint files of a run: how ssl-vit writes, reads and checks them.
 
 - `SafeCheckpointIO` saves atomically (temp file in the target's directory, fsync, `os.replace`) and
   loads with `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
-- `LastLinkCheckpoint` makes `last.ckpt` a hard link to the newest checkpoint: no second write. With
-  `save_top_k: 1` (the default) it keeps the previous checkpoint too, so that one damaged file (the newest
-  and `last.ckpt` are one file) never leaves the run without an intact state to resume. It saves the
-  final state first of all the end-of-training hooks, so a callback that fails there cannot lose it.
+  `link_atomically` puts a hard link (`last.ckpt`, `ssl_vit.run.last_link`) in place the same way.
 - Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
-  refused in one line, and `--ckpt_path last` resumes from the newest checkpoint that verifies.
+  refused in one line, and `--ckpt_path last` resumes from the newest one that verifies (`resumable`).
 - A remote checkpoint (http(s), fsspec) is downloaded with retries and a read timeout
   (`ssl_vit.storage.remote`; `read_retries`, `read_timeout_s` of the plugin).
+- `--ckpt_path` as a file (`check_ckpt_path`), and a checkpoint that names a model class outside
+  ssl-vit's tasks (`refuse_foreign_model`), are refused before Lightning reads them.
 
 Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so neither Lightning's
 `ckpt_path="last"` search nor a `*.ckpt` glob takes a half-written one for a checkpoint.
@@ -27,20 +26,20 @@ import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
+from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from fsspec.utils import get_protocol
-from lightning_fabric.plugins import TorchCheckpointIO
+from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fabric.utilities.rank_zero import rank_zero_only
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
 from ssl_vit.errors import NO_ROOM, UserError, first_line
-from ssl_vit.internals import ModelCheckpointHooks, wraps_checkpoint_io
+from ssl_vit.internals import CLASS_PATH_KEY, wraps_checkpoint_io
 from ssl_vit.storage import remote
 from ssl_vit.storage.atomic import TEMP_NAME, Staged
 from ssl_vit.storage.remote import DEFAULT, ReadPolicy
@@ -65,7 +64,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})
 
     def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: Any = None) -> None:
-        if storage_options is not None or not _is_local(path):
+        if storage_options is not None or not is_local(path):
             # Remote targets (s3://, gs://, ...) keep Lightning's fs.transaction / multipart upload: an
             # object store has no rename-over or fsync, and an upload is all-or-nothing already.
             # storage_options: Lightning's TypeError, unchanged.
@@ -75,13 +74,13 @@ class SafeCheckpointIO(TorchCheckpointIO):
         # $TMPDIR is on the same filesystem, else a copy written into the target in place (a kill leaves
         # it truncated, and the full-size temp file in $TMPDIR); nothing is fsynced. Here the temp file is
         # next to the target, synced, and renamed over it: the target is only ever a whole checkpoint.
-        target = _local(path)
-        with _writable(os.path.dirname(target)):
+        target = local_file(path)
+        with writable(os.path.dirname(target)):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             _write_atomically(target, lambda f: torch.save(checkpoint, f))
 
     def remove_checkpoint(self, path: Path | str) -> None:
-        with _writable(os.path.dirname(_local(path))):
+        with writable(os.path.dirname(local_file(path))):
             super().remove_checkpoint(path)
 
     def load_checkpoint(
@@ -124,9 +123,9 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu", policy: ReadPol
         fs = get_filesystem(text)
         if not fs.exists(text):
             raise UserError(f"checkpoint {text} does not exist; give the path of a .ckpt file")
-        if _is_local(text):
+        if is_local(text):
             # Remote (fsspec) files are not checked: that would download them twice.
-            integrity.check(_local(text), DAMAGED_FIX)
+            integrity.check(local_file(text), DAMAGED_FIX)
         with fs.open(text, "rb") as f:
             return torch_load(f, map_location=map_location)
     except UserError:
@@ -158,8 +157,6 @@ def refused(path: str, err: Exception) -> UserError:
 def with_safe_io(plugins: Any) -> list:
     """`trainer.plugins` with a SafeCheckpointIO: added when none is there, set as the base of a wrapping
     IO (AsyncCheckpointIO) that has none; any other CheckpointIO is a UserError."""
-    from lightning_fabric.plugins import CheckpointIO
-
     plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
     ios = [p for p in plugins if isinstance(p, CheckpointIO)]
     if not ios:
@@ -172,170 +169,10 @@ def with_safe_io(plugins: Any) -> list:
         elif not isinstance(io, SafeCheckpointIO):
             raise UserError(
                 f"trainer.plugins holds {type(io).__name__}, but ssl-vit reads and writes checkpoints with "
-                "ssl_vit.run.checkpointing.SafeCheckpointIO (atomic saves, weights-only loads); remove it, "
+                "ssl_vit.checkpoints.store.SafeCheckpointIO (atomic saves, weights-only loads); remove it, "
                 "or subclass SafeCheckpointIO"
             )
     return plugins
-
-
-class LastLinkCheckpoint(ModelCheckpointHooks):
-    """Lightning's ModelCheckpoint whose `last.ckpt` is a hard link to the newest checkpoint.
-
-    `save_last="link"` (the default here) in Lightning removes `last.ckpt` and then makes a symlink: a
-    kill between the two leaves no last.ckpt, and the symlink dangles once the checkpoint it points to is
-    rotated away (save_top_k). A hard link is put in place by `os.replace` and keeps the data alive on
-    its own. `save_last=True` (a second full write) is used where links cannot help: a monitored metric
-    (Lightning would link last.ckpt to the best checkpoint, not the newest state) and remote dirpaths.
-    """
-
-    def __init__(self, *args: Any, save_last: bool | Literal["link"] | None = "link", **kwargs: Any) -> None:
-        super().__init__(*args, save_last=save_last, **kwargs)
-        self._previous_path = ""  # with save_top_k 1: the checkpoint before best_model_path, kept
-        if self.save_last == "link" and self.monitor is not None:
-            # With a monitor, Lightning links last.ckpt to the last *top-k* checkpoint, which can be
-            # older than the current state; `ckpt_path="last"` must resume from the newest state.
-            self.save_last = True
-
-    @property
-    def state_key(self) -> str:
-        # Lightning keys callback state by class name; ModelCheckpoint's keeps the state of checkpoints
-        # written before this class existed (best/last paths) restorable, and vice versa.
-        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        link = self.save_last == "link"
-        if link:
-            # Lightning raises for save_last="link" on a remote dirpath, which is only known after
-            # resolving it in setup; there, a full copy (save_last=True) is the fallback.
-            self.save_last = True
-        super().setup(trainer, pl_module, stage)
-        if link and _is_local(self.dirpath):
-            self.save_last = "link"
-        if stage == "fit" and trainer.is_global_zero and _is_local(self.dirpath):
-            # Only a fit owns its checkpoint directory (a validate may run beside a fit that is saving).
-            remove_stale_temp_files(_local(self.dirpath))
-        if stage == "fit" and not any(getattr(c, "checkpoint", None) is self for c in trainer.callbacks):
-            # A new list: Lightning is iterating over the current one to call this hook.
-            trainer.callbacks = [_SaveFinalFirst(self), *trainer.callbacks]
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if getattr(self, "_linked_as", None):
-            state["last_model_path"] = self._linked_as
-        state["previous_model_path"] = self._previous_path
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved_in = state_dict.get("dirpath", self.dirpath)
-        if saved_in != self.dirpath and saved_in and self.dirpath and _is_local(self.dirpath):
-            # A copied or moved run directory: its checkpoints are followed where they now are, so the
-            # rotation goes on among them (Lightning keeps only best_model_path, the original's file).
-            state_dict = _rebased(state_dict, _local(saved_in), _local(self.dirpath))
-        super().load_state_dict(state_dict)
-        if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # as Lightning restores its paths
-            self._previous_path = state_dict.get("previous_model_path", "")
-
-    def save_unmonitored(self, trainer, candidates) -> None:
-        """Lightning's, except that `save_top_k: 1` keeps the previous checkpoint until the next one is
-        written: Lightning's deletes it at once, and the newest step file and `last.ckpt` are one file,
-        so a single damaged file would leave nothing intact to resume (`--ckpt_path last` falls back to
-        the newest checkpoint that verifies). `save_top_k: -1` keeps every checkpoint anyway."""
-        if self.save_top_k != 1:
-            super().save_unmonitored(trainer, candidates)
-            return
-        filepath = self.interpolated_name(candidates, trainer, self.best_model_path)
-        older, previous = self._previous_path, self.best_model_path
-        # Set before saving, as Lightning sets best_model_path: both are part of the saved state.
-        self.best_model_path = filepath
-        if previous and previous != filepath:
-            self._previous_path = previous
-        self.write_checkpoint(trainer, filepath)
-        if older and older not in (previous, filepath) and self.should_remove(trainer, older, filepath):
-            self.remove_checkpoint(trainer, older)
-
-    def write_checkpoint(self, trainer, filepath: str) -> None:
-        # Lightning sets last_model_path in _save_last_checkpoint, after the periodic checkpoint was
-        # written; with "link" that checkpoint *is* last.ckpt, so its state would name the previous (or
-        # no) last path, and a run resumed from it would link last-v1.ckpt next and keep the old one.
-        self._linked_as = None
-        if self.save_last == "link" and self.save_top_k != 0:
-            last = self._last_path(trainer)
-            if os.path.abspath(last) != os.path.abspath(filepath):
-                self._linked_as = last
-        try:
-            super().write_checkpoint(trainer, filepath)
-        finally:
-            self._linked_as = None
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.save_final(trainer)  # done already, first of the end-of-training hooks (`_SaveFinalFirst`)
-        super().on_train_end(trainer, pl_module)
-
-    def save_final(self, trainer) -> None:
-        """The state at the end of training (periodic checkpoint + last), unless saved at this step.
-
-        With step- or time-based saving, Lightning saves nothing at the end of training and writes
-        last.ckpt there only if nothing was saved at all: the steps after the last periodic save would
-        be missing from last.ckpt."""
-        if self.save_last and not self.skips_saving(trainer):
-            candidates = self.monitor_candidates(trainer)
-            if self.monitor is None and self.save_top_k != 0:
-                self.save_topk(trainer, candidates)
-            self.save_last_checkpoint(trainer, candidates)
-
-    def save_rolled_back(self, trainer) -> None:
-        """Saves the state of a fit that a loss-spike rollback (`ssl_vit.run.nonfinite`) has returned to
-        the step of one of its checkpoints: over the checkpoint of that step, under its name, and
-        `last.ckpt` with it. The periodic saves, the rotation and the link Lightning makes again at the
-        end of an epoch then go on from it as from the checkpoint it replaces (a file beside it, which
-        Lightning knows nothing of, would be replaced by a link to the old one at the epoch's end)."""
-        candidates = self.monitor_candidates(trainer)
-        if self.save_top_k != 0:
-            self.write_checkpoint(trainer, self.format_checkpoint_name(candidates))
-        self.save_last_checkpoint(trainer, candidates)
-
-    def _last_path(self, trainer) -> str:
-        """The name `save_last_checkpoint` will give the link (Lightning's version counter included)."""
-        candidates = self.monitor_candidates(trainer)
-        filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST)
-        if self.version_counter:
-            version = self.STARTING_VERSION
-            while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
-                filepath = self.format_checkpoint_name(candidates, self.CHECKPOINT_NAME_LAST, ver=version)
-                version += 1
-        return filepath
-
-    def find_last_checkpoints(self, trainer) -> set[str]:
-        # What `ckpt_path="last"` resumes: `resumable` (the newest checkpoint that verifies). Lightning's
-        # finds only last*.ckpt: without one (deleted, or a kill before the link) it would start afresh
-        # and overwrite the step checkpoints, and it takes a damaged one as it is.
-        if self.dirpath is None or not _is_local(self.dirpath):
-            return super().find_last_checkpoints(trainer)
-        found = resumable(Path(_local(self.dirpath)))
-        return {os.path.normpath(found)} if found is not None else set()
-
-    def link_checkpoint(self, trainer, filepath: str, linkpath: str) -> None:
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            if os.path.isdir(filepath):
-                # Sharded (directory) checkpoints cannot be hard-linked: Lightning's symlink.
-                super().link_checkpoint(trainer, filepath, linkpath)
-                return
-            with _writable(os.path.dirname(linkpath)):
-                link_atomically(filepath, linkpath)
-        trainer.strategy.barrier()
-
-
-class _SaveFinalFirst(Callback):
-    """The final save of a `LastLinkCheckpoint`, as the first `on_train_end` hook of the trainer (its
-    setup puts it first). Lightning calls every checkpoint callback's hooks after all other callbacks'
-    (`_reorder_callbacks`): an end-of-training callback that failed (a monitor's last evaluation) would
-    otherwise end the fit before the steps since the last periodic save were saved."""
-
-    def __init__(self, checkpoint: LastLinkCheckpoint) -> None:
-        self.checkpoint = checkpoint
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.checkpoint.save_final(trainer)
 
 
 def link_atomically(source: str, target: str) -> None:
@@ -367,7 +204,7 @@ UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 @contextmanager
-def _writable(directory: str):
+def writable(directory: str):
     """An OSError that says `directory` does not take files any more, as one line naming it and the fix.
     A failed save leaves the checkpoints there as they were (`_write_atomically`): last.ckpt stays the
     newest good state."""
@@ -428,33 +265,14 @@ class _Recording:
         self.file.flush()
 
 
-def _rebased(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
-    """A ModelCheckpoint state saved in the folder `old`, its paths moved to `new`: each file of `old`
-    that `new` holds under the same name, the others dropped (never a path into `old`)."""
-
-    def moved(path: Any) -> str:
-        if not isinstance(path, str) or not path or os.path.dirname(path) != old.rstrip(os.sep):
-            return ""
-        there = os.path.join(new, os.path.basename(path))
-        return there if os.path.isfile(there) else ""
-
-    state = {**state, "dirpath": new}
-    for key in ("best_model_path", "last_model_path", "kth_best_model_path", "previous_model_path"):
-        if key in state:
-            state[key] = moved(state[key])
-    if isinstance(state.get("best_k_models"), dict):
-        state["best_k_models"] = {moved(k): v for k, v in state["best_k_models"].items() if moved(k)}
-    return state
-
-
-def _is_local(path: Path | str) -> bool:
+def is_local(path: Path | str) -> bool:
     """Whether `path` is on the local filesystem (a plain path or `file://`), as Lightning judges it."""
     return get_protocol(str(path)) == "file"
 
 
-def _local(path: Path | str) -> str:
-    text = str(path)
-    return text.removeprefix("file://") if text.startswith("file://") else text
+def local_file(path: Path | str) -> str:
+    """The file name of a local `path` (`is_local`): without its `file://`."""
+    return str(path).removeprefix("file://")
 
 
 # --- `last`: which checkpoint of a run directory a job resumes -----------------------------------------
@@ -525,15 +343,12 @@ def _resume_order(path: Path) -> tuple:
     return (-step, not last, path.name)
 
 
-_warned: set[str] = set()
-
-
+@cache
 def _warn_once(message: str) -> None:
     # The CLI and Lightning both resolve `last` (same files, same answer): one line, on rank 0 only (the
     # rank the launcher's environment gives, before the trainer exists).
-    if message not in _warned and rank_zero_only.rank == 0:
+    if rank_zero_only.rank == 0:
         print(f"ssl-vit: warning: {message}", file=sys.stderr, flush=True)
-    _warned.add(message)
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -544,7 +359,80 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
+# --- --ckpt_path as a file, and the model class a checkpoint names ------------------------------------
+
+
+# --ckpt_path values Lightning resolves itself (a checkpoint of the run, the model registry).
+CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
+
+
+def local_ckpt_path(value) -> str | None:
+    """`value` when it names a local checkpoint file for `--ckpt_path`; None for none, a keyword Lightning
+    resolves itself (last, best, ...) or a URL."""
+    value = str(value) if value is not None else ""
+    if not value or value.lower() in CKPT_KEYWORDS or value.lower().startswith("registry:") or "://" in value:
+        return None
+    return value
+
+
+def check_ckpt_path(path: str | Path) -> dict:
+    """The Lightning checkpoint `path`, its tensors memory-mapped; a one-line UserError unless it is one
+    that loads with weights only.
+
+    For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
+    hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
+    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
+    path = Path(path)
+    fix = (
+        "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
+        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
+    )
+    if not path.exists():
+        raise UserError(f"--ckpt_path {path} does not exist: {fix}")
+    if not path.is_file():
+        raise UserError(f"--ckpt_path {path} is not a file: {fix}")
+    # Before torch reads it: a damaged checkpoint would load silently (torch checks no CRC). A file
+    # without checksums (another tool's, torch's legacy format) goes on to torch.load unchecked.
+    integrity.check(path, DAMAGED_FIX, name=f"--ckpt_path {path}")
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
+            checkpoint = torch_load(path, map_location="cpu")
+    except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
+        raise UserError(
+            f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
+        ) from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
+    if not checkpoint["state_dict"]:
+        raise UserError(f"--ckpt_path {path} holds no weights (its state_dict is empty): {fix}")
+    if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
+        raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
+    return checkpoint
+
+
+def refuse_foreign_model(hparams: dict, path) -> None:
+    """A checkpoint whose hyperparameters name a model class outside ssl-vit's tasks: a checkpoint is
+    data, it never chooses code to run."""
+    class_path = hparams.get(CLASS_PATH_KEY)
+    if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
+        raise UserError(
+            f"--ckpt_path {path} names the model class {class_path!r}: ssl-vit only rebuilds its own "
+            "tasks (ssl_vit.tasks.*) from a checkpoint; give a checkpoint written by ssl-vit"
+        )
+
+
+def unparsable_model(path, what: str) -> UserError:
+    """The line for a `--ckpt_path` whose recorded model (its hyperparameters) this version cannot build."""
+    return UserError(
+        f"--ckpt_path {path}: the model its hyperparameters describe does not parse here ({what}); give a "
+        "checkpoint this version of ssl-vit wrote"
+    )
+
+
 __all__ = [
-    "LastLinkCheckpoint", "NothingIntact", "SafeCheckpointIO", "checkpoint_step", "link_atomically",
-    "load_checkpoint", "refused", "remove_stale_temp_files", "resumable", "with_safe_io",
+    "CKPT_KEYWORDS", "NothingIntact", "SafeCheckpointIO", "check_ckpt_path", "checkpoint_step",
+    "link_atomically", "load_checkpoint", "local_ckpt_path", "refuse_foreign_model", "refused",
+    "remove_stale_temp_files", "resumable", "unparsable_model", "with_safe_io", "writable",
 ]  # fmt: skip

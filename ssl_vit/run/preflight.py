@@ -5,10 +5,10 @@ reads either and before anything is written, each a one-line UserError naming th
   an earlier run's checkpoints, which it would overwrite (its lock, `ssl_vit.storage.lock`, keeps a second fit
   out);
 - `--ckpt_path`: a choice Lightning would refuse from deep inside (`best`, empty, none for validate/test),
-  `last` resolved to the newest intact checkpoint, and a local file that is a Lightning checkpoint that
-  loads with weights only (its CRC checked first);
-- the model the checkpoint records against the config: an ssl-vit task, options this version takes, the
-  data's bands, and no model value of the config or the command line that it would silently replace.
+  and `last` resolved to the newest intact checkpoint (the file itself is checked by
+  `ssl_vit.checkpoints.store`);
+- the model the checkpoint records against the config: options this version takes, the data's bands,
+  and no model value of the config or the command line that it would silently replace.
 
 The fit CLI (`ssl_vit.cli.fit`) calls them; they read a config as jsonargparse's Namespace gives it.
 """
@@ -19,18 +19,12 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-import torch
 import yaml
 
-from ssl_vit.checkpoints import integrity
-from ssl_vit.checkpoints.load import torch_load
+from ssl_vit.checkpoints.store import resumable, unparsable_model
 from ssl_vit.errors import UserError
-from ssl_vit.internals import CLASS_PATH_KEY
-from ssl_vit.run.checkpointing import DAMAGED_FIX, resumable
 
 DEFAULT_ROOT = "runs/default"  # the run directory without --trainer.default_root_dir
-# --ckpt_path values Lightning resolves itself (a checkpoint of the run, the model registry).
-CKPT_KEYWORDS = ("last", "best", "hpc", "null", "none", "registry")
 
 
 # --- the run directory ----------------------------------------------------------------------------------
@@ -226,72 +220,7 @@ def resumed_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> Path | No
     return Path(ckpt_path) if "://" not in str(ckpt_path) else None
 
 
-def local_ckpt_path(value) -> str | None:
-    """`value` when it names a local checkpoint file for `--ckpt_path`; None for none, a keyword Lightning
-    resolves itself (last, best, ...) or a URL."""
-    value = str(value) if value is not None else ""
-    if not value or value.lower() in CKPT_KEYWORDS or value.lower().startswith("registry:") or "://" in value:
-        return None
-    return value
-
-
-def check_ckpt_path(path: str | Path) -> dict:
-    """The Lightning checkpoint `path`, its tensors memory-mapped; a one-line UserError unless it is one
-    that loads with weights only.
-
-    For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
-    hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
-    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
-    path = Path(path)
-    fix = (
-        "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
-        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
-    )
-    if not path.exists():
-        raise UserError(f"--ckpt_path {path} does not exist: {fix}")
-    if not path.is_file():
-        raise UserError(f"--ckpt_path {path} is not a file: {fix}")
-    # Before torch reads it: a damaged checkpoint would load silently (torch checks no CRC). A file
-    # without checksums (another tool's, torch's legacy format) goes on to torch.load unchecked.
-    integrity.check(path, DAMAGED_FIX, name=f"--ckpt_path {path}")
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # not torch's zip format, or a filesystem without mmap: read it whole
-            checkpoint = torch_load(path, map_location="cpu")
-    except Exception as err:  # text, random bytes, a zip that is not torch's, pickled code: all one line
-        raise UserError(
-            f"--ckpt_path {path} is not a checkpoint torch can load safely ({type(err).__name__}): {fix}"
-        ) from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UserError(f"--ckpt_path {path} is not a Lightning checkpoint (no state_dict): {fix}")
-    if not checkpoint["state_dict"]:
-        raise UserError(f"--ckpt_path {path} holds no weights (its state_dict is empty): {fix}")
-    if not isinstance(checkpoint.get("hyper_parameters", {}), dict):
-        raise UserError(f"--ckpt_path {path} has hyper_parameters that are not a mapping: {fix}")
-    return checkpoint
-
-
 # --- the checkpoint's model against the config ------------------------------------------------------------
-
-
-def refuse_foreign_model(hparams: dict, path) -> None:
-    """A checkpoint whose hyperparameters name a model class outside ssl-vit's tasks: a checkpoint is
-    data, it never chooses code to run."""
-    class_path = hparams.get(CLASS_PATH_KEY)
-    if class_path is not None and not str(class_path).startswith("ssl_vit.tasks."):
-        raise UserError(
-            f"--ckpt_path {path} names the model class {class_path!r}: ssl-vit only rebuilds its own "
-            "tasks (ssl_vit.tasks.*) from a checkpoint; give a checkpoint written by ssl-vit"
-        )
-
-
-def unparsable_model(path, what: str) -> UserError:
-    """The line for a `--ckpt_path` whose recorded model (its hyperparameters) this version cannot build."""
-    return UserError(
-        f"--ckpt_path {path}: the model its hyperparameters describe does not parse here ({what}); give a "
-        "checkpoint this version of ssl-vit wrote"
-    )
 
 
 def refuse_unknown_hparams(config, path) -> None:
