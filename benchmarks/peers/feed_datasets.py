@@ -10,10 +10,10 @@ from feed import TRANSFORM, decode
 class LitdataImages(litdata.StreamingDataset):
     def __getitem__(self, index):
         item = super().__getitem__(index)
-        return TRANSFORM(decode(item["jpg"])), item["cls"]
+        return TRANSFORM(decode(item["jpg"])), item["cls"], item["key"]
 
 
 class MosaicImages(streaming.StreamingDataset):
     def __getitem__(self, index):
         item = super().__getitem__(index)
-        return TRANSFORM(decode(item["jpg"])), item["cls"]
+        return TRANSFORM(decode(item["jpg"])), item["cls"], item["key"]

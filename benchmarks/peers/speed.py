@@ -117,6 +117,16 @@ def summarise(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def beyond_noise(row: dict, rows: list[dict]) -> str:
+    """Whether `row` is slower than the fastest implementation of its method beyond the rounds' spread:
+    its fastest round slower than every round of the fastest's."""
+    group = [r for r in rows if (r["variant"], r["method"]) == (row["variant"], row["method"])]
+    fastest = max(group, key=lambda r: r["img_s"])
+    if min(row["times"]) > max(fastest["times"]):
+        return "beyond the spread"
+    return "the spreads overlap: no difference measured"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| variant | method | implementation | img/s | ratio to fastest "
@@ -209,7 +219,8 @@ def results_page(report: dict, rows_table: str) -> str:
     (start, *_), (end, *_) = report["load_average"]
     command = " ".join(["python", *report["argv"]])
     slower = [
-        f"{r['variant']} {r['method']}: ssl-vit {r['ratio']:.2f}x the fastest"
+        f"{r['variant']} {r['method']}: ssl-vit {r['ratio']:.3f}x the fastest, "
+        f"{beyond_noise(r, report['rows'])}"
         for r in report["rows"]
         if r["implementation"] == "ssl-vit" and r["ratio"] < 1.0
     ]

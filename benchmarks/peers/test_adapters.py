@@ -136,3 +136,26 @@ def test_quality_trains_each_peer_on_the_study_recipe_and_exports_a_loadable_enc
     suite = yaml.safe_load(written.read_text())
     kinds = {p["kind"] for p in suite["protocols"]}
     assert "finetune" not in kinds and {"fewshot", "knn", "linear_probe", "attentive_probe"} <= kinds
+
+
+def test_every_feed_gives_batches_and_says_whether_it_resumes_exactly(tmp_path):
+    """feed.py at a tiny size: 120 JPEGs, batches of 8 on 2 workers. Every feed gives (images, labels,
+    keys) batches of the crop's size; ssl-vit resumes mid-epoch to the same keys and pixels, litdata and
+    mosaicml-streaming to the same samples (their workers' augmentation draws are not in their state),
+    webdataset keeps no state."""
+    import feed
+
+    samples = feed.write_jpegs(tmp_path / "jpg", 120)
+    assert len(samples) == 120 and [label for _, label in samples] == sorted(label for _, label in samples)
+    for name, make in feed.FEEDS.items():
+        batches_of, _ = make(samples, tmp_path, 2, 8)
+        result = feed.measure(batches_of, 2, len(feed.PHOTOS))
+        del batches_of
+        assert result["img_s"] > 0 and 0 < result["mix"] <= 1.5, (name, result)
+    resumes = {name: feed.resumes_exactly(make, samples, tmp_path, 2, 8) for name, make in feed.FEEDS.items()}
+    assert resumes == {
+        "ssl-vit": "yes",
+        "webdataset": "no: no state to save",
+        "litdata": "order only: other augmentations",
+        "mosaicml-streaming": "order only: other augmentations",
+    }
