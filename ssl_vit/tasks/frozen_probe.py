@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
-from ssl_vit.tasks.optim import SchedulerCallable
+from ssl_vit.tasks.base import BackboneTask, Training, step_inputs
 
 
 class FrozenProbe(BackboneTask):
     """Heads (`self.heads`, built by the subclass, one per candidate) on a frozen backbone.
 
-    The backbone is loaded from `init_from`, frozen (`requires_grad=False`, outside the optimizer) and
-    kept in eval mode even while training, so drop path never acts; its features are computed without
-    gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else the optimizer's),
-    each head one param group: its gradient is its own loss's (`forward_loss` sums the heads' losses).
+    The backbone is loaded from `training.init_from`, frozen (`requires_grad=False`, outside the
+    optimizer) and kept in eval mode even while training, so drop path never acts; its features are
+    computed without gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else
+    the optimizer's), each head one param group: its gradient is its own loss's (`forward_loss` sums the
+    heads' losses).
 
     Subclasses define `features(images)` (the frozen input of the heads), `classify(features, head)`
     (every head's output, (H, B, ...), or one head's) and `head_loss(outputs (B, ...), targets)`;
@@ -39,15 +38,10 @@ class FrozenProbe(BackboneTask):
     def __init__(
         self,
         backbone: ViTConfig,
-        init_from: str,
         num_classes: int,
         lrs: list[float],
         weight_decays: list[float] | None,
-        optimizer: OptimizerCallable,
-        lr_scheduler: SchedulerCallable,
-        lr_reference_batch: int | None,
-        mean: Bands,
-        std: Bands,
+        training: Training,
         hparams: dict,
     ) -> None:
         lrs = [float(lr) for lr in lrs]
@@ -57,10 +51,7 @@ class FrozenProbe(BackboneTask):
             raise BadValue(f"weight_decays {weight_decays} must give one per lr of {lrs}")
         if num_classes < 1:
             raise BadValue(f"num_classes must be positive, got {num_classes}")
-        super().__init__(
-            backbone, init_from, optimizer, lr_scheduler, lr_reference_batch, mean, std,
-            hparams=dict(num_classes=num_classes, lrs=lrs, **hparams),
-        )  # fmt: skip
+        super().__init__(backbone, training, hparams=dict(num_classes=num_classes, lrs=lrs, **hparams))
         self.backbone.requires_grad_(False).eval()
         self.lrs = lrs
         self.weight_decays = None if weight_decays is None else [float(wd) for wd in weight_decays]

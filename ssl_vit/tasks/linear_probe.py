@@ -6,8 +6,6 @@ Legend: B batch, D width, K classes, H heads (one per learning rate).
 from __future__ import annotations
 
 import torch
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 from torch.optim import SGD, Optimizer
 from torchmetrics.classification import MulticlassAccuracy
@@ -15,9 +13,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig, WidthFeature
-from ssl_vit.tasks.base import Bands
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.frozen_probe import FrozenProbe
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 
 def sgd_momentum(params) -> Optimizer:
@@ -32,18 +29,17 @@ class LinearProbe(FrozenProbe):
     `FrozenProbe`: the backbone is frozen and in eval mode, a whole lr sweep costs one forward).
 
     Args:
-        init_from: a Lightning .ckpt of any ssl-vit task, an exported .safetensors, `timm:NAME` or
-            `scratch`; `backbone` says the architecture it must have and the image size.
         num_classes: classes of the heads (linked from the data).
         feature: `cls`, the [class] token (MAE's probe), or `mean` of the patch tokens.
         batch_norm: BatchNorm without affine parameters before the heads (MAE's protocol: it normalises
             the features, so one lr grid suits every checkpoint).
         lrs: one head per learning rate. They override the optimizer's own lr (each head is one param
-            group with its lr) and are per `lr_reference_batch` images when that is set (MAE: base lr 0.1,
-            lr = base x batch / 256). Metrics are named by these values: `val/accuracy_lr0.1`.
-        optimizer: SGD with momentum 0.9 and no weight decay by default; MAE's LARS is
-            `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's LARS adapts only with weight
-            decay otherwise, MAE's always does).
+            group with its lr) and are per `training.lr_reference_batch` images when that is set (MAE: base
+            lr 0.1, lr = base x batch / 256). Metrics are named by these values: `val/accuracy_lr0.1`.
+        training: see `Training`; `init_from` is the probed checkpoint (`backbone` says the architecture
+            it must have and the image size). The optimizer is SGD with momentum 0.9 and no weight decay
+            by default; MAE's LARS is `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's
+            LARS adapts only with weight decay otherwise, MAE's always does).
     Validation and test log `{val,test}/accuracy_lr{lr}` per head, `/accuracy` (the best head on that
     pass, as MAE reports its lr sweep), `/best_lr` and `/loss` (the heads' mean cross-entropy).
     """
@@ -52,23 +48,17 @@ class LinearProbe(FrozenProbe):
         self,
         backbone: ViTConfig,
         num_classes: int,
-        init_from: str = "scratch",
         feature: WidthFeature = "cls",
         batch_norm: bool = True,
         lrs: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
-        optimizer: OptimizerCallable = sgd_momentum,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(optimizer=sgd_momentum),
     ) -> None:
         lrs = [float(lr) for lr in lrs]
         if not lrs or len(set(lrs)) != len(lrs) or min(lrs) <= 0:
             raise BadValue(f"lrs must be distinct positive learning rates, got {lrs}")
         super().__init__(
-            backbone, init_from, num_classes, lrs, None, optimizer, lr_scheduler, lr_reference_batch, mean,
-            std, hparams=dict(feature=feature, batch_norm=batch_norm),
-        )  # fmt: skip
+            backbone, num_classes, lrs, None, training, hparams=dict(feature=feature, batch_norm=batch_norm)
+        )
         self.backbone.check_feature(feature, kinds=WidthFeature.valid())
         self.feature = feature
         width = self.backbone.embed_dim

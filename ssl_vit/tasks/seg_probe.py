@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 
 from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.models.feature import FEATURES
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import LAST_K, ViTConfig
-from ssl_vit.tasks.base import Bands
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.linear_probe import sgd_momentum
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # The per-token features over the patch grid: the last block's patch tokens, or the last LAST_K blocks'
 # concatenated per token.
@@ -40,8 +37,7 @@ class LinearSegProbe(FrozenProbe):
     """Per-patch linear classifiers on a frozen backbone, one per learning rate.
 
     Args:
-        init_from, num_classes, lrs, optimizer, lr_scheduler, lr_reference_batch, mean, std: as
-            `LinearProbe` (num_classes: the mask's classes, 255 aside).
+        num_classes, lrs, training: as `LinearProbe` (num_classes: the mask's classes, 255 aside).
         feature: `patches` (the last block's patch tokens) or `patches_lastk` (the last 4 blocks').
         batch_norm: BatchNorm without affine parameters over the tokens' channels before the heads.
     `classify` gives each head's class map at the patch grid, (H, B, K, h, w); the loss upsamples it
@@ -55,20 +51,13 @@ class LinearSegProbe(FrozenProbe):
         self,
         backbone: ViTConfig,
         num_classes: int,
-        init_from: str = "scratch",
         feature: PatchFeature = "patches",
         batch_norm: bool = True,
         lrs: tuple[float, ...] = (0.01, 0.1),
-        optimizer: OptimizerCallable = sgd_momentum,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(optimizer=sgd_momentum),
     ) -> None:
-        super().__init__(
-            backbone, init_from, num_classes, list(lrs), None, optimizer, lr_scheduler, lr_reference_batch,
-            mean, std, hparams=dict(feature=feature, batch_norm=batch_norm),
-        )  # fmt: skip
+        hparams = dict(feature=feature, batch_norm=batch_norm)
+        super().__init__(backbone, num_classes, list(lrs), None, training, hparams=hparams)
         self.backbone.check_feature(feature, LAST_K, kinds=PatchFeature.valid())
         self.feature = feature
         width = FEATURES[feature].size(0, 0, self.backbone.embed_dim, LAST_K)[1]
