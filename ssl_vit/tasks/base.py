@@ -144,6 +144,16 @@ class BackboneTask(pl.LightningModule):
         host (either breaks the graph in two)."""
         raise NotImplementedError
 
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("val", batch, batch_idx)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("test", batch, batch_idx)
+
+    def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
+        """Validation (`stage` val) or test of one batch: the task logs its metrics under `{stage}/`."""
+        raise NotImplementedError
+
     def unnormalize(self, images: Tensor) -> Tensor:
         """Model inputs (B, 3, H, W) of RGB data -> pixels in [0, 1]."""
         return (images * self.std + self.mean).clamp(0, 1)

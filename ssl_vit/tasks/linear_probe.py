@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.optim import SGD, Optimizer
-from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
@@ -40,8 +39,6 @@ class LinearProbe(FrozenProbe):
             it must have and the image size). The optimizer is SGD with momentum 0.9 and no weight decay
             by default; MAE's LARS is `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's
             LARS adapts only with weight decay otherwise, MAE's always does).
-    Validation and test log `{val,test}/accuracy_lr{lr}` per head, `/accuracy` (the best head on that
-    pass, as MAE reports its lr sweep), `/best_lr` and `/loss` (the heads' mean cross-entropy).
     """
 
     def __init__(
@@ -65,13 +62,6 @@ class LinearProbe(FrozenProbe):
         # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.
         self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()
         self.heads.extend(zero_linear(width, num_classes) for _ in lrs)
-        # One per head and evaluation stage, computed and reset at the end of that stage's pass.
-        self.val_accuracy = nn.ModuleList(
-            MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
-        )
-        self.test_accuracy = nn.ModuleList(
-            MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
-        )
         self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
 
     @torch.no_grad()
@@ -83,37 +73,6 @@ class LinearProbe(FrozenProbe):
         """features: (B, D) -> logits of every head (H, B, K), or of head `head` only (1, B, K)."""
         features = self.norm(features)
         return torch.stack([h(features) for h in self.chosen(head)])
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("val", batch)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("test", batch)
-
-    def eval_step(self, stage: str, batch: dict) -> None:
-        logits = self(batch["image"])
-        for metric, head_logits in zip(getattr(self, f"{stage}_accuracy"), logits):
-            metric.update(head_logits, batch["label"])
-        loss = self.forward_loss(logits, batch["label"]) / self.num_heads
-        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=batch["image"].shape[0])
-
-    def on_validation_epoch_end(self) -> None:
-        self.log_accuracies("val")
-
-    def on_test_epoch_end(self) -> None:
-        self.log_accuracies("test")
-
-    def log_accuracies(self, stage: str) -> None:
-        """Each head's accuracy over the pass, and the best head's with its lr."""
-        # compute() gathers every rank's counts, so each sample counts once across ranks.
-        metrics = getattr(self, f"{stage}_accuracy")
-        accuracies = torch.stack([metric.compute() for metric in metrics])
-        for lr, accuracy, metric in zip(self.lrs, accuracies, metrics):
-            self.log(f"{stage}/accuracy_lr{lr:g}", accuracy)
-            metric.reset()
-        best = accuracies.argmax()
-        self.log(f"{stage}/accuracy", accuracies[best], prog_bar=True)
-        self.log(f"{stage}/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
 
 
 __all__ = ["LinearProbe", "sgd_momentum"]

@@ -365,12 +365,6 @@ class MaskedPatchPretraining(BackboneTask):
             teacher_targets(self.teacher, images[:1], self.teacher_features, self.teacher_top_k)
         self.flops_per_image += counter.get_total_flops()
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("val", batch, batch_idx)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("test", batch, batch_idx)
-
     def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
         """Masked loss (and accuracy) under a mask fixed by the batch index, drawn from its own generator
         whatever the global RNG state: validation losses of different epochs compare, and two tests of

@@ -11,6 +11,8 @@ Legend: B batch, N = h x w patch tokens, D width (k x D for `lastk`), K classes,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,6 +47,7 @@ class LinearSegProbe(FrozenProbe):
     """
 
     TARGET = "mask"
+    IGNORED = IGNORE_INDEX  # mask pixels without a class
     NEEDS_LABELS = False  # masks, not image labels
 
     def __init__(
@@ -76,6 +79,11 @@ class LinearSegProbe(FrozenProbe):
         tokens = self.norm(features.transpose(1, 2)).transpose(1, 2)
         h, w = self.backbone.grid_size
         return torch.stack([c(tokens).transpose(1, 2).unflatten(2, (h, w)) for c in self.chosen(head)])
+
+    def scored(self, outputs: Tensor, targets: Tensor) -> Iterator[Tensor]:
+        """Each head's class map upsampled to the masks (B, K, Hm, Wm), one head at a time: its pixels'
+        accuracy."""
+        return (upsample(head, targets.shape[-2:]) for head in outputs)
 
     def head_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Every head's (H, B, K, h, w) class map against masks (B, Hm, Wm): each head's cross-entropy per

@@ -83,13 +83,7 @@ class SupervisedPretraining(BackboneTask):
         self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch["image"].shape[0])
         return loss
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("val", batch)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("test", batch)
-
-    def eval_step(self, stage: str, batch: dict) -> None:
+    def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
         """`{stage}/loss` and `{stage}/accuracy` over the whole pass (every rank's samples once)."""
         logits = self(batch["image"])
         accuracy = getattr(self, f"{stage}_accuracy")
