@@ -198,7 +198,9 @@ def test_evaluate_export_and_init_from_refuse_a_damaged_checkpoint(digits_shards
         assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no output, no temp folder
     fresh = tmp_path / "fresh"
     proc = run_cli(
-        *args(digits_shards, fresh, tmp_path / "r.jsonl", "--model.init_args.init_from", str(damaged)),
+        *args(
+            digits_shards, fresh, tmp_path / "r.jsonl", "--model.init_args.training.init_from", str(damaged)
+        ),
         cwd=ROOT, env=ENV, check=False,
     )  # fmt: skip
     error_line(proc, f"{damaged} is damaged")

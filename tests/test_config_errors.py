@@ -39,8 +39,8 @@ MISTAKES = {
     ),
     "wrong-type-of-a-nested-option": (
         None,
-        ["--model.init_args.optimizer.init_args.lr", "abc"],
-        ["--model.init_args.optimizer.init_args.lr: 'abc' is not a float"],
+        ["--model.init_args.training.optimizer.init_args.lr", "abc"],
+        ["--model.init_args.training.optimizer.init_args.lr: 'abc' is not a float"],
     ),
     "unknown-choice": (
         None,
@@ -68,6 +68,23 @@ MISTAKES = {
         "data:\n  init_args:\n    shuffle_buffer: 10\n",
         [],
         ["data.init_args.shuffle_buffer (in {recipe}): moved to data.init_args.stream.shuffle_buffer"],
+    ),
+    "moved-task-option": (
+        None,
+        ["--model.init_args.init_from", "x.ckpt"],
+        ["--model.init_args.init_from: moved to --model.init_args.training.init_from"],
+    ),
+    "option-inside-a-moved-one": (
+        None,
+        ["--model.init_args.optimizer.init_args.lr", "0.1"],
+        ["--model.init_args.optimizer.init_args.lr: moved to",
+         "--model.init_args.training.optimizer.init_args.lr"],
+    ),
+    "moved-task-key-in-recipe": (
+        "model:\n  init_args:\n    lr_reference_batch: 256\n",
+        [],
+        ["model.init_args.lr_reference_batch (in {recipe}): moved to",
+         "model.init_args.training.lr_reference_batch"],
     ),
 }  # fmt: skip
 

@@ -80,8 +80,8 @@ def test_fit_with_an_unknown_variant(digits_shards, tmp_path):
         (("--data.init_args.limits.read_timeout_s", "0"), ("read_timeout_s is 0", "a positive number")),
         (("--model.init_args.mask_ratio", "1.5"), ("mask_ratio must be in (0, 1)", "got 1.5")),
         (
-            ("--model.init_args.optimizer.init_args.lr", "-1"),
-            ("model.init_args.optimizer (AdamW): Invalid learning rate: -1.0", "give a valid value"),
+            ("--model.init_args.training.optimizer.init_args.lr", "-1"),
+            ("model.init_args.training.optimizer (AdamW): Invalid learning rate: -1.0", "give a valid value"),
         ),
         (("--checkpoint.every_n_train_steps", "-3"), ("every_n_train_steps=-3. Must be >= 0",)),
         (("--data.init_args.augment.crop_scale", "[1.5, 2.0]"), ("crop_scale [1.5, 2.0]", "0 < min <= max")),

@@ -22,6 +22,7 @@ from ssl_vit.presets import PRESETS, Preset
 from ssl_vit.registry import Registry
 from ssl_vit.targets import TARGETS
 from ssl_vit.tasks import MaskedPatchPretraining
+from ssl_vit.tasks.base import Training
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -390,8 +391,9 @@ def test_every_target_predicts_its_shape_for_every_band_count_it_takes(digits_ba
         for bands in (3, 5):
             x = images if bands == 3 else torch.cat([images, images[:, :2]], dim=1)
             kwargs = dict(
-                target=name, corruption="mask_token", mask_ratio=0.5, mean=(0.5,) * bands, std=(0.2,) * bands
-            )
+                target=name, corruption="mask_token", mask_ratio=0.5,
+                training=Training(mean=(0.5,) * bands, std=(0.2,) * bands),
+            )  # fmt: skip
             if not target.accepts(bands):
                 with pytest.raises(
                     BadValue, match=f"target '{name}' {target.REFUSES}, and the data has {bands}"

@@ -112,7 +112,9 @@ def test_resume_refuses_a_config_whose_model_the_checkpoint_contradicts(digits_s
         proc = run_cli(
             *fit_args(digits_shards, target, "--ckpt_path", ckpt, config="mae"), cwd=ROOT, check=False
         )
-        error_line(proc, "--ckpt_path", "preset mae (checkpoint: vit_mpp)", "--model.init_args.init_from")
+        error_line(
+            proc, "--ckpt_path", "preset mae (checkpoint: vit_mpp)", "--model.init_args.training.init_from"
+        )
         assert listing(tmp_path) == before and stamps(tmp_path) == written
 
 

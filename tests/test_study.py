@@ -65,7 +65,7 @@ def test_every_method_gets_the_same_budget_and_backbone(gpu, capsys, monkeypatch
             config["model"]["init_args"]["backbone"],
         )  # fmt: skip
         if gpu:  # as every GPU recipe: bf16 and a fused optimizer
-            assert config["model"]["init_args"]["optimizer"]["init_args"]["fused"] is True
+            assert config["model"]["init_args"]["training"]["optimizer"]["init_args"]["fused"] is True
     assert len(set(map(repr, budgets.values()))) == 1, budgets
     steps, accelerator, _, batch, size, backbone = budgets["mae"]
     suite = load_suite(STUDY / ("eval_gpu.yaml" if gpu else "eval.yaml"))

@@ -41,7 +41,7 @@ def fit(recipe: str, shards: Path, run_dir: Path, *extra: str) -> Path:
 def checkpoints(digits_shards, tmp_path_factory) -> dict[str, Path]:
     runs = tmp_path_factory.mktemp("runs")
     mpp = fit(RECIPES["mpp"], digits_shards, runs / "mpp")
-    from_mpp = ["--model.init_args.init_from", str(mpp)]
+    from_mpp = ["--model.init_args.training.init_from", str(mpp)]
     return {
         "mpp": mpp,
         "supervised": fit(RECIPES["supervised"], digits_shards, runs / "supervised"),

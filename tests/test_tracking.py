@@ -14,6 +14,7 @@ from ssl_vit.targets.color3bit_target import _colour_image
 from ssl_vit.targets.masked_picture import band_stretch, false_colour, masked_prediction_picture
 from ssl_vit.targets.patches import patchify, unpatchify
 from ssl_vit.tasks import MaskedPatchPretraining
+from ssl_vit.tasks.base import Training
 from ssl_vit.tracking import RUN_ID_FILE, WandbLogger, wandb_opted_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def test_a_restarted_job_continues_its_run(tmp_path, monkeypatch):
 
 def _picture(preset, digits_batch, bands=3, **kwargs):
     torch.manual_seed(0)
-    normalisation = {} if bands == 3 else {"mean": (0.5,) * bands, "std": (0.25,) * bands}
+    normalisation = {} if bands == 3 else {"training": Training(mean=(0.5,) * bands, std=(0.25,) * bands)}
     model = MaskedPatchPretraining(
         ViTConfig("S/8", 32, width=64, depth=2, heads=2, in_chans=bands),
         preset=preset,

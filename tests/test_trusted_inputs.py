@@ -38,7 +38,7 @@ def test_resume_refuses_a_model_option_the_checkpoint_would_override(digits_shar
         )  # fmt: skip
         error_line(
             proc, "--model.init_args.backbone.width 32 contradicts --ckpt_path", "whose model has 64",
-            "--model.init_args.init_from",
+            "--model.init_args.training.init_from",
         )  # fmt: skip
         assert listing(tmp_path) == before  # nothing written, the checkpoints untouched
     # The same option with the checkpoint's own value is not a contradiction: the run resumes.

@@ -63,8 +63,8 @@ def study_recipe(method: str) -> dict:
     return dict(
         settings=settings,
         choices={key: model[key] for key in ("cell_size",) if key in model},  # the task's own, for ssl-vit
-        optimizer=model["optimizer"]["init_args"],
-        schedule=model["lr_scheduler"]["init_args"],
+        optimizer=model["training"]["optimizer"]["init_args"],
+        schedule=model["training"]["lr_scheduler"]["init_args"],
         data=data,
         steps=trainer["max_steps"],
     )

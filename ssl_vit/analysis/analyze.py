@@ -43,6 +43,7 @@ from ssl_vit.models.vit import ViTConfig
 from ssl_vit.storage.outdir import Input, Output, checkpoint_inputs
 from ssl_vit.targets.masked_picture import false_colour, masked_prediction_picture
 from ssl_vit.tasks import MaskedPatchPretraining
+from ssl_vit.tasks.base import Training, upgraded_hparams
 from ssl_vit.tasks.masked import check_display_bands
 
 ROLLOUT_IMAGES = 8  # images in the rollout and masked-prediction pictures
@@ -88,7 +89,8 @@ def _analysis(
 ) -> tuple[dict, dict]:
     """The json record of `analyze` and its pictures: name -> a function that draws it at a path."""
     checkpoint = mapped_checkpoint(source)
-    hparams = (checkpoint or {}).get("hyper_parameters") or {}
+    hparams = upgraded_hparams((checkpoint or {}).get("hyper_parameters") or {})
+    training = hparams.get("training", {})
     backbone, config = load_backbone(source)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backbone.to(device).eval()
@@ -97,8 +99,8 @@ def _analysis(
     # The normalisation the checkpoint was trained with; for files that do not record it (exported
     # .safetensors, timm: weights) timm's ImageNet statistics for RGB, the manifest's for other bands.
     mean, std = (
-        tuple(hparams["mean"]) if "mean" in hparams else IMAGENET_DEFAULT_MEAN if rgb else "auto",
-        tuple(hparams["std"]) if "std" in hparams else IMAGENET_DEFAULT_STD if rgb else "auto",
+        tuple(training["mean"]) if "mean" in training else IMAGENET_DEFAULT_MEAN if rgb else "auto",
+        tuple(training["std"]) if "std" in training else IMAGENET_DEFAULT_STD if rgb else "auto",
     )
     # A few hundred images: decoded in this process, without starting DataLoader workers.
     data = ShardDataModule(
@@ -177,7 +179,8 @@ def _masked_predictions(
         return {"skipped": f"only for masked-pretraining checkpoints ({MASKED_TASK}); this one: {kind}"}, None
     arguments = {key: value for key, value in hparams.items() if key != CLASS_PATH_KEY}
     # Weights come from the checkpoint's state dict below, not from where the run started.
-    arguments.update(backbone=ViTConfig(**hparams["backbone"]), init_from="scratch", picture_every_n_steps=0)
+    training = Training(**{**hparams["training"], "init_from": "scratch"})
+    arguments.update(backbone=ViTConfig(**hparams["backbone"]), training=training, picture_every_n_steps=0)
     arguments["display_bands"] = display_bands
     task = MaskedPatchPretraining(**arguments)
     task.load_state_dict(checkpoint["state_dict"])

@@ -37,7 +37,7 @@ from ssl_vit.internals import inductor_cudagraph_skips
 from ssl_vit.models.vit import ViTConfig, build_vit, parse_variant
 from ssl_vit.quiet import lightning_info_dropped
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
-from ssl_vit.tasks.base import BackboneTask
+from ssl_vit.tasks.base import BackboneTask, Training
 from ssl_vit.tasks.compile import CUDA_GRAPH_MODES, compile_blocks, compiled_step
 
 NUM_CLASSES = 1000
@@ -56,13 +56,13 @@ def build_task(name: str, config: ViTConfig) -> BackboneTask:
     """The task as a recipe builds it: MAE's 8 x 512 decoder (`DECODERS` for the teacher presets, whose
     EMA teacher runs too), SimMIM's 32-pixel cells (or the nearest that tile the grid, `simmim_cell`),
     fused AdamW. A `config.depth` (`--depth`) is the decoder's depth too."""
-    optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True)  # noqa: E731
+    training = Training(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True))
     if name == "supervised":
-        return SupervisedPretraining(config, num_classes=NUM_CLASSES, optimizer=optimizer)
+        return SupervisedPretraining(config, num_classes=NUM_CLASSES, training=training)
     cell = simmim_cell(config) if name == "simmim" else 32
     decoder = DECODERS.get(name, {}) | ({"decoder_depth": config.depth} if config.depth else {})
     return MaskedPatchPretraining(
-        config, preset=name, cell_size=cell, picture_every_n_steps=0, optimizer=optimizer, **decoder
+        config, preset=name, cell_size=cell, picture_every_n_steps=0, training=training, **decoder
     )
 
 

@@ -111,7 +111,8 @@ def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: Wei
     num_classes = head["head.weight"].shape[0] if head else 0
     carrier = timm_model(weights.config)
     model = timm_module(carrier, num_classes, {**weights.backbone, **head})
-    mean, std = weights.hparams.get("mean"), weights.hparams.get("std")
+    training = weights.hparams.get("training", weights.hparams)  # flat in checkpoints before the group
+    mean, std = training.get("mean"), training.get("std")
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     except OSError as err:

@@ -1,4 +1,5 @@
-"""One loader for every place that takes a checkpoint (`--model.init_args.init_from`, `evaluate`, `compare`):
+"""One loader for every place that takes a checkpoint (`--model.init_args.training.init_from`, `evaluate`,
+`compare`):
 
 - a Lightning `.ckpt` of any ssl-vit task (backbone under `backbone.`, its `ViTConfig` in the hparams;
   with `weights="teacher"`, the EMA teacher of a latent-target task under `teacher.` instead),

@@ -385,7 +385,7 @@ def check_ckpt_path(path: str | Path) -> dict:
     path = Path(path)
     fix = (
         "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
-        "--trainer.default_root_dir; to start from other weights use --model.init_args.init_from"
+        "--trainer.default_root_dir; to start from other weights use --model.init_args.training.init_from"
     )
     if not path.exists():
         raise UserError(f"--ckpt_path {path} does not exist: {fix}")

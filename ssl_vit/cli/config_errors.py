@@ -147,11 +147,12 @@ def _kind(body: str, rest: list[str], stack: list, number: int) -> list[_Finding
 
 def _unknown_key(argv: list[str], keys: tuple[str, ...], name: str, cls: str | None, parser) -> str:
     """`KEY: no such option`, with the closest of the options of the class (or command) it was given to;
-    `KEY: moved to NEW` for an option the class moved (`moved_options`)."""
+    `KEY: moved to NEW` for an option the class moved (`moved_options`), or one inside it."""
     where = _where(argv, ".".join([*keys, name]))
-    moved = moved_options(cls).get(name) if cls else None
+    option, dot, inside = name.partition(".")  # `optimizer.init_args.lr`: inside the moved `optimizer`
+    moved = moved_options(cls).get(option) if cls else None
     if moved is not None:
-        return f"{where}: moved to {where.split(' (in ')[0].removesuffix(name)}{moved}"
+        return f"{where}: moved to {where.split(' (in ')[0].removesuffix(name)}{moved}{dot}{inside}"
     options = _class_options(cls) if cls else option_names(parser)
     close = difflib.get_close_matches(name, [o for o in options if not o.endswith("help")], n=1)
     dash = "--" if where.startswith("--") else ""

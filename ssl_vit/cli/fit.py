@@ -63,7 +63,7 @@ from ssl_vit.run.progress import ProgressLines, progress_bar
 from ssl_vit.run.resume import RandomState
 from ssl_vit.run.rollback import SafeSteps
 from ssl_vit.storage.lock import LOCK_NAME, RunLock, job_leader
-from ssl_vit.tasks.base import Throughput
+from ssl_vit.tasks.base import Throughput, upgraded_hparams
 from ssl_vit.tasks.compile import CompileTask, check_compile
 
 # What the model takes from the data module once that is built (`link_arguments(..., apply_on=
@@ -71,8 +71,8 @@ from ssl_vit.tasks.compile import CompileTask, check_compile
 # statistics) and the number of classes. Until then the config holds the model's defaults there, not
 # values anyone gave: a resumed checkpoint's differing values contradict nothing.
 FROM_DATA = {
-    "data.mean": "model.init_args.mean",
-    "data.std": "model.init_args.std",
+    "data.mean": "model.init_args.training.mean",
+    "data.std": "model.init_args.training.std",
     "data.num_classes": "model.init_args.num_classes",
 }
 
@@ -232,6 +232,7 @@ class SslVitCLI(LightningCLIHooks):
         config.ckpt_path = str(path)
         try:
             super().parse_ckpt_path()
+            self._upgrade_model()
         except ArgumentError as err:  # the model the checkpoint records, refused by this version's parser
             command = self.config.subcommand
             what = config_error(str(err), [command], self.subcommand_parser(command), err)
@@ -240,6 +241,15 @@ class SslVitCLI(LightningCLIHooks):
             config = self.config[self.config.subcommand]
             config.ckpt_path = given
         return config
+
+    def _upgrade_model(self) -> None:
+        """The options of a checkpoint written before they moved into `training` (LightningCLI keeps
+        them, unknown, as `dict_kwargs`) read at their new places (`upgraded_hparams`)."""
+        model = self.config[self.config.subcommand].model
+        old = model.pop("dict_kwargs", None)
+        if old:
+            moved = {"class_path": model.class_path, "dict_kwargs": upgraded_hparams(old)}
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": moved}}, self.config)
 
     def _remove_if_failed(self, failed: type | None, *_) -> None:
         """After a fit that made its run directory failed before its first training step: what it wrote
@@ -347,7 +357,7 @@ def check_optimizer(config) -> None:
     """The model's optimizer built once on a dummy parameter, before anything is written: torch checks
     its values (a negative learning rate, betas outside [0, 1), ...) only when the task builds it, after
     the run directory, config.yaml and the W&B run exist."""
-    spec = getattr(getattr(config.get("model"), "init_args", None), "optimizer", None)
+    spec = config.get("model.init_args.training.optimizer")
     class_path = getattr(spec, "class_path", None)
     if class_path is None:
         return
@@ -357,6 +367,7 @@ def check_optimizer(config) -> None:
         optimizer([torch.nn.Parameter(torch.zeros(1))], **init_args)
     except (ValueError, TypeError) as err:
         raise UserError(
-            f"model.init_args.optimizer ({class_path.rsplit('.', 1)[-1]}): {err}: give a valid value in the "
-            "recipe or on the command line (--model.init_args.optimizer.init_args.NAME VALUE)"
+            f"model.init_args.training.optimizer ({class_path.rsplit('.', 1)[-1]}): {err}: give a valid "
+            "value in the recipe or on the command line "
+            "(--model.init_args.training.optimizer.init_args.NAME VALUE)"
         ) from None

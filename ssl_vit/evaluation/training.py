@@ -48,6 +48,7 @@ from ssl_vit.evaluation.scoring import class_mask
 from ssl_vit.evaluation.stats import ACCURACY, Metric, Score
 from ssl_vit.models.vit import WidthFeature
 from ssl_vit.quiet import lightning_info_dropped
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 if TYPE_CHECKING:
@@ -368,6 +369,15 @@ def schedule(protocol: TrainedProtocol) -> SchedulerCallable:
         warmup_steps=protocol.warmup_steps,
         decay=protocol.decay,
         min_lr_ratio=protocol.min_lr_ratio,
+    )
+
+
+def task_training(protocol: TrainedProtocol, lr: float, features: FeatureCache) -> Training:
+    """The `training` of a task the protocol trains: its optimizer at `lr`, its schedule and the data's
+    normalisation, from a scratch backbone (the scored backbone's weights come next:
+    `start_from_scored_backbone`)."""
+    return Training(
+        optimizer=optimizer(protocol, lr), lr_scheduler=schedule(protocol), **features.normalisation()
     )
 
 

@@ -262,7 +262,7 @@ def refuse_overridden_options(argv: list[str], before: dict, config, path) -> No
             raise UserError(
                 f"--{'.'.join(keys)} {old} contradicts --ckpt_path {path}, whose model has {new}: drop the "
                 "option to resume that model, or start a new run from its weights with "
-                f"--model.init_args.init_from {path}"
+                f"--model.init_args.training.init_from {path}"
             )
 
 
@@ -285,7 +285,7 @@ def refuse_contradicting_config(before: dict, config, path, linked: Collection[s
             f"the config's model contradicts --ckpt_path {path}, whose model differs in "
             f"{'; '.join(differing)}: "
             "resume it with the config and --model options it was trained with, or start a new run from its "
-            f"weights with --model.init_args.init_from {path}"
+            f"weights with --model.init_args.training.init_from {path}"
         )
 
 

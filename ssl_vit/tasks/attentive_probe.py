@@ -16,8 +16,6 @@ Legend: B batch, T tokens, D width, K classes, H probes (one per candidate), Q q
 from __future__ import annotations
 
 import torch
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
@@ -25,9 +23,8 @@ from ssl_vit.errors import BadValue
 from ssl_vit.models.feature import FEATURES
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import Bands
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.frozen_probe import FrozenProbe
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # What the queries attend over: the per-token features of the final layer (`tokens`: every output token,
 # [class] token included; `patches`: the patch tokens only).
@@ -76,35 +73,29 @@ class AttentiveProbe(FrozenProbe):
     """Attentive probes on a frozen backbone, one per candidate (`lrs[i]`, `weight_decays[i]`).
 
     Args:
-        init_from, num_classes, lr_scheduler, lr_reference_batch, mean, std: as `LinearProbe`.
+        num_classes: as `LinearProbe`.
         feature: `tokens` (every output token, the [class] token included) or `patches`.
         queries: learned queries per probe (AIM: 1), their outputs averaged.
         heads: attention heads (the width must divide by them).
         lrs, weight_decays: one probe per pair (the same length), each its own param group.
-        optimizer: AdamW by default.
+        training: as `LinearProbe`'s, the optimizer AdamW by default.
     """
 
     def __init__(
         self,
         backbone: ViTConfig,
         num_classes: int,
-        init_from: str = "scratch",
         feature: TokenFeature = "tokens",
         queries: int = 1,
         heads: int = 8,
         lrs: tuple[float, ...] = (1e-3,),
         weight_decays: tuple[float, ...] = (0.0,),
-        optimizer: OptimizerCallable = adamw,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(optimizer=adamw),
     ) -> None:
         if queries < 1:
             raise BadValue(f"queries must be at least 1, got {queries}")
         super().__init__(
-            backbone, init_from, num_classes, list(lrs), list(weight_decays), optimizer, lr_scheduler,
-            lr_reference_batch, mean, std,
+            backbone, num_classes, list(lrs), list(weight_decays), training,
             hparams=dict(feature=feature, queries=queries, heads=heads, weight_decays=list(weight_decays)),
         )  # fmt: skip
         self.backbone.check_feature(feature, kinds=TokenFeature.valid())

@@ -6,12 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.throughput import get_available_flops
 from pytorch_lightning.cli import OptimizerCallable
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.vision_transformer import Block
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
@@ -20,7 +21,7 @@ from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.internals import CLASS_PATH_KEY, accumulating
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.optim import SchedulerCallable, weight_decay_groups
+from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
 
 # A per-band statistic (the data's input normalisation): one value per input band, `backbone.in_chans`.
 Bands = tuple[float, ...]
@@ -42,39 +43,51 @@ def step_loss(out) -> Tensor:
     return out if isinstance(out, Tensor) else out.loss
 
 
+@dataclass(frozen=True)
+class Training:
+    """What every task takes besides its own choices (`model.init_args.training`): where its backbone
+    starts, how it learns, and the data's input normalisation.
+
+    Args:
+        init_from: the backbone's starting weights: a Lightning .ckpt of any ssl-vit task, an exported
+            .safetensors, `timm:NAME` or `scratch` (`ssl_vit.checkpoints.load_backbone`; the
+            architecture must match `backbone`, position embeddings follow its img_size).
+        optimizer: e.g. `torch.optim.AdamW` with its init args (LightningCLI `OptimizerCallable`).
+        lr_scheduler: called with (optimizer, total optimizer steps), e.g. `WarmupDecay`.
+        lr_reference_batch: when set, the optimizer's lr is per this many images and is scaled by
+            global batch / lr_reference_batch (MAE: lr = base_lr x batch / 256).
+        mean: the input normalisation of the data, one value per input band (`backbone.in_chans`; the
+            fit CLI takes it from the data module), to recover [0, 1] pixels of RGB images for targets
+            and pictures; recorded in checkpoints.
+        std: as `mean`.
+    """
+
+    init_from: str = "scratch"
+    optimizer: OptimizerCallable = torch.optim.AdamW
+    lr_scheduler: SchedulerCallable = WarmupDecay
+    lr_reference_batch: int | None = None
+    mean: Bands = IMAGENET_DEFAULT_MEAN
+    std: Bands = IMAGENET_DEFAULT_STD
+
+
 class BackboneTask(pl.LightningModule):
     """Base of the Lightning tasks. Subclasses build their heads; their `forward(images)` is the
     compute of one training step without the loss (what the FLOPs are counted on).
 
     Args:
         backbone: the ViT to build; stored as plain hyperparameters so any checkpoint rebuilds it.
-        init_from: its starting weights: a Lightning .ckpt of any ssl-vit task, an exported
-            .safetensors, `timm:NAME` or `scratch` (`ssl_vit.checkpoints.load_backbone`;
-            the architecture must match `backbone`, position embeddings follow its img_size).
-        optimizer: e.g. `torch.optim.AdamW` with its init args (LightningCLI `OptimizerCallable`).
-        lr_scheduler: called with (optimizer, total optimizer steps), e.g. `WarmupDecay`.
-        lr_reference_batch: when set, the optimizer's lr is per this many images and is scaled by
-            global batch / lr_reference_batch (MAE: lr = base_lr x batch / 256).
-        mean, std: the input normalisation of the data, one value per input band (`backbone.in_chans`;
-            the fit CLI takes them from the data module), to recover [0, 1] pixels of RGB images for
-            targets and pictures; recorded in checkpoints.
+        training: its starting weights, optimizer, schedule and the data's normalisation (`Training`).
     """
 
-    def __init__(
-        self,
-        backbone: ViTConfig,
-        init_from: str,
-        optimizer: OptimizerCallable,
-        lr_scheduler: SchedulerCallable,
-        lr_reference_batch: int | None,
-        mean: Bands,
-        std: Bands,
-        hparams: dict,
-    ) -> None:
+    # Options that were the tasks' own before `training` grouped them (`ssl_vit.cli.moved_options`).
+    MOVED_OPTIONS = {field.name: f"training.{field.name}" for field in fields(Training)}
+
+    def __init__(self, backbone: ViTConfig, training: Training, hparams: dict) -> None:
         super().__init__()
+        mean, std = training.mean, training.std
         check_band_stats(mean, std, backbone.in_chans)
         # The backbone's weights: a checkpoint of any kind, or `scratch` (random init of `backbone`).
-        self.backbone, backbone = load_backbone(init_from, backbone)
+        self.backbone, backbone = load_backbone(training.init_from, backbone)
         # Plain values only, so checkpoints load with torch.load(weights_only=True); and constructor
         # arguments only, plus the class (LightningCLI's `CLASS_PATH_KEY`), so `ssl-vit validate/test/fit
         # --ckpt_path` can rebuild the task from them. The variant string ("B/16") carries the patch size.
@@ -82,14 +95,17 @@ class BackboneTask(pl.LightningModule):
             {
                 CLASS_PATH_KEY: f"{type(self).__module__}.{type(self).__name__}",
                 "backbone": asdict(backbone),
-                "init_from": init_from,
-                "lr_reference_batch": lr_reference_batch,
-                "mean": list(mean),
-                "std": list(std),
+                # the callables are code: a resumed run takes them from its config
+                "training": {
+                    "init_from": training.init_from,
+                    "lr_reference_batch": training.lr_reference_batch,
+                    "mean": list(mean),
+                    "std": list(std),
+                },
                 **hparams,
             }
         )
-        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.optimizer_factory, self.scheduler_factory = training.optimizer, training.lr_scheduler
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
         self.flops_per_image: int | None = None
@@ -128,6 +144,16 @@ class BackboneTask(pl.LightningModule):
         host (either breaks the graph in two)."""
         raise NotImplementedError
 
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("val", batch, batch_idx)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.eval_step("test", batch, batch_idx)
+
+    def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
+        """Validation (`stage` val) or test of one batch: the task logs its metrics under `{stage}/`."""
+        raise NotImplementedError
+
     def unnormalize(self, images: Tensor) -> Tensor:
         """Model inputs (B, 3, H, W) of RGB data -> pixels in [0, 1]."""
         return (images * self.std + self.mean).clamp(0, 1)
@@ -152,7 +178,7 @@ class BackboneTask(pl.LightningModule):
         when set, then by the group's `lr_scale` (timm's layer decay: timm's schedulers apply it, torch's
         and ours do not, so it is applied here once and the schedule multiplies the result)."""
         optimizer = self.optimizer_factory(self.param_groups())
-        reference = self.hparams.lr_reference_batch
+        reference = self.hparams.training["lr_reference_batch"]
         scale = self.global_batch_size() / reference if reference else 1.0
         for group in optimizer.param_groups:
             group["lr"] *= scale * group.get("lr_scale", 1.0)
@@ -198,6 +224,16 @@ class BackboneTask(pl.LightningModule):
         saved = checkpoint.get(COST_KEY)
         if saved:
             self.cost = {key: saved[key] for key in self.cost}
+
+
+def upgraded_hparams(hparams: dict) -> dict:
+    """A checkpoint's hyperparameters with the options it holds flat (written before they moved into
+    `training`) moved there."""
+    flat = {name: hparams[name] for name in BackboneTask.MOVED_OPTIONS if name in hparams}
+    if not flat:
+        return hparams
+    rest = {key: value for key, value in hparams.items() if key not in flat}
+    return {**rest, "training": {**hparams.get("training", {}), **flat}}
 
 
 def check_band_stats(mean: Bands, std: Bands, bands: int) -> None:

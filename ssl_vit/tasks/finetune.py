@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.optim import param_groups_layer_decay
 from torch import Tensor, nn
 
 from ssl_vit.errors import BadValue
 from ssl_vit.models.vit import ViTConfig, WidthFeature, parse_variant
-from ssl_vit.tasks.base import Bands
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
+from ssl_vit.tasks.base import Training
+from ssl_vit.tasks.optim import weight_decay_groups
 from ssl_vit.tasks.supervised import SupervisedPretraining
 
 Preset = Literal["vit_paper", "mae"]
@@ -73,8 +70,6 @@ class FineTune(SupervisedPretraining):
       50 (L).
 
     Args:
-        init_from: a Lightning .ckpt of any ssl-vit task, an exported .safetensors, `timm:NAME` or
-            `scratch`; its architecture must match `backbone`, whose img_size and drop_path_rate win.
         num_classes: classes of the new head (linked from the data).
         preset: `vit_paper` or `mae`; fills the choices below that are left unset.
         feature: `cls`, the [class] token, or `mean`, the average of the patch tokens followed by a new
@@ -85,30 +80,25 @@ class FineTune(SupervisedPretraining):
             `param_groups_layer_decay`; the scale multiplies each group's lr once, after the scaling by
             global batch, because our schedule does not read timm's `lr_scale`). None or 1: off.
         loss, head_bias_init: as in `SupervisedPretraining` (`softmax` unless set).
+        training: see `Training`; the pretrained checkpoint is `training.init_from`, whose architecture
+            must match `backbone` (its img_size and drop_path_rate win).
     """
 
     def __init__(
         self,
         backbone: ViTConfig,
         num_classes: int,
-        init_from: str = "scratch",
         preset: Preset | None = None,
         feature: WidthFeature | None = None,
         layer_decay: float | None = None,
         loss: Loss | None = None,
         head_bias_init: float | None = None,
-        optimizer: OptimizerCallable = torch.optim.AdamW,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(),
     ) -> None:
         choices = resolve_choices(preset, backbone.variant, feature, layer_decay, loss)
         super().__init__(
-            backbone, num_classes, loss=choices["loss"], init_from=init_from, head_bias_init=head_bias_init,
-            optimizer=optimizer, lr_scheduler=lr_scheduler, lr_reference_batch=lr_reference_batch, mean=mean,
-            std=std,
-        )  # fmt: skip
+            backbone, num_classes, loss=choices["loss"], head_bias_init=head_bias_init, training=training
+        )
         self.backbone.check_feature(choices["feature"], kinds=WidthFeature.valid())
         self.save_hyperparameters({**self.hparams, "preset": preset, **choices})  # both saved and logged copy
         self.feature, self.layer_decay = choices["feature"], choices["layer_decay"]

@@ -9,45 +9,48 @@ Legend: B batch, T tokens, D width, K classes, H heads (one per candidate).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.cli import OptimizerCallable
 from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
-from ssl_vit.tasks.optim import SchedulerCallable
+from ssl_vit.tasks.base import BackboneTask, Training, step_inputs
 
 
 class FrozenProbe(BackboneTask):
     """Heads (`self.heads`, built by the subclass, one per candidate) on a frozen backbone.
 
-    The backbone is loaded from `init_from`, frozen (`requires_grad=False`, outside the optimizer) and
-    kept in eval mode even while training, so drop path never acts; its features are computed without
-    gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else the optimizer's),
-    each head one param group: its gradient is its own loss's (`forward_loss` sums the heads' losses).
+    The backbone is loaded from `training.init_from`, frozen (`requires_grad=False`, outside the
+    optimizer) and kept in eval mode even while training, so drop path never acts; its features are
+    computed without gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else
+    the optimizer's), each head one param group: its gradient is its own loss's (`forward_loss` sums the
+    heads' losses).
 
     Subclasses define `features(images)` (the frozen input of the heads), `classify(features, head)`
     (every head's output, (H, B, ...), or one head's) and `head_loss(outputs (B, ...), targets)`;
     `TARGET` names the batch entry the loss reads (`label`, or `mask` for a segmentation).
+
+    Validation and test log `{val,test}/accuracy_lr{lr}` per head (a segmentation's: of its pixels),
+    `/accuracy` (the best head on that pass, as MAE reports its lr sweep), `/best_lr` and `/loss` (the
+    heads' mean loss).
     """
 
     TARGET = "label"
+    IGNORED = -1  # the target of what has no class (an unlabelled image): left out of the accuracy
     NEEDS_LABELS = True  # the data module skips and counts unlabelled samples (label -1)
 
     def __init__(
         self,
         backbone: ViTConfig,
-        init_from: str,
         num_classes: int,
         lrs: list[float],
         weight_decays: list[float] | None,
-        optimizer: OptimizerCallable,
-        lr_scheduler: SchedulerCallable,
-        lr_reference_batch: int | None,
-        mean: Bands,
-        std: Bands,
+        training: Training,
         hparams: dict,
     ) -> None:
         lrs = [float(lr) for lr in lrs]
@@ -57,14 +60,15 @@ class FrozenProbe(BackboneTask):
             raise BadValue(f"weight_decays {weight_decays} must give one per lr of {lrs}")
         if num_classes < 1:
             raise BadValue(f"num_classes must be positive, got {num_classes}")
-        super().__init__(
-            backbone, init_from, optimizer, lr_scheduler, lr_reference_batch, mean, std,
-            hparams=dict(num_classes=num_classes, lrs=lrs, **hparams),
-        )  # fmt: skip
+        super().__init__(backbone, training, hparams=dict(num_classes=num_classes, lrs=lrs, **hparams))
         self.backbone.requires_grad_(False).eval()
         self.lrs = lrs
         self.weight_decays = None if weight_decays is None else [float(wd) for wd in weight_decays]
         self.heads = nn.ModuleList()
+        # One per head and evaluation stage, computed and reset at the end of that stage's pass.
+        accuracy = partial(MulticlassAccuracy, num_classes, average="micro", ignore_index=self.IGNORED)
+        self.val_accuracy = nn.ModuleList(accuracy() for _ in lrs)
+        self.test_accuracy = nn.ModuleList(accuracy() for _ in lrs)
 
     @property
     def num_heads(self) -> int:
@@ -115,6 +119,35 @@ class FrozenProbe(BackboneTask):
         size = batch["image"].shape[0]
         self.log("train/loss", loss / self.num_heads, on_step=True, prog_bar=True, batch_size=size)
         return loss
+
+    def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
+        outputs, targets = self(batch["image"]), batch[self.TARGET]
+        for metric, scored in zip(getattr(self, f"{stage}_accuracy"), self.scored(outputs, targets)):
+            metric.update(scored, targets)
+        loss = self.forward_loss(outputs, targets) / self.num_heads
+        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=batch["image"].shape[0])
+
+    def scored(self, outputs: Tensor, targets: Tensor) -> Iterable[Tensor]:
+        """Each head's output (H, B, ...) as its accuracy reads it against `targets`."""
+        return outputs
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_accuracies("val")
+
+    def on_test_epoch_end(self) -> None:
+        self.log_accuracies("test")
+
+    def log_accuracies(self, stage: str) -> None:
+        """Each head's accuracy over the pass, and the best head's with its lr."""
+        # compute() gathers every rank's counts, so each sample counts once across ranks.
+        metrics = getattr(self, f"{stage}_accuracy")
+        accuracies = torch.stack([metric.compute() for metric in metrics])
+        for lr, accuracy, metric in zip(self.lrs, accuracies, metrics):
+            self.log(f"{stage}/accuracy_lr{lr:g}", accuracy)
+            metric.reset()
+        best = accuracies.argmax()
+        self.log(f"{stage}/accuracy", accuracies[best], prog_bar=True)
+        self.log(f"{stage}/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
 
     def param_groups(self) -> list[dict]:
         """One group per head, with that head's lr (and weight decay); the frozen backbone is in none."""

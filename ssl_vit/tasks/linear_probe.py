@@ -6,18 +6,14 @@ Legend: B batch, D width, K classes, H heads (one per learning rate).
 from __future__ import annotations
 
 import torch
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 from torch.optim import SGD, Optimizer
-from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig, WidthFeature
-from ssl_vit.tasks.base import Bands
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.frozen_probe import FrozenProbe
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 
 def sgd_momentum(params) -> Optimizer:
@@ -32,56 +28,40 @@ class LinearProbe(FrozenProbe):
     `FrozenProbe`: the backbone is frozen and in eval mode, a whole lr sweep costs one forward).
 
     Args:
-        init_from: a Lightning .ckpt of any ssl-vit task, an exported .safetensors, `timm:NAME` or
-            `scratch`; `backbone` says the architecture it must have and the image size.
         num_classes: classes of the heads (linked from the data).
         feature: `cls`, the [class] token (MAE's probe), or `mean` of the patch tokens.
         batch_norm: BatchNorm without affine parameters before the heads (MAE's protocol: it normalises
             the features, so one lr grid suits every checkpoint).
         lrs: one head per learning rate. They override the optimizer's own lr (each head is one param
-            group with its lr) and are per `lr_reference_batch` images when that is set (MAE: base lr 0.1,
-            lr = base x batch / 256). Metrics are named by these values: `val/accuracy_lr0.1`.
-        optimizer: SGD with momentum 0.9 and no weight decay by default; MAE's LARS is
-            `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's LARS adapts only with weight
-            decay otherwise, MAE's always does).
-    Validation and test log `{val,test}/accuracy_lr{lr}` per head, `/accuracy` (the best head on that
-    pass, as MAE reports its lr sweep), `/best_lr` and `/loss` (the heads' mean cross-entropy).
+            group with its lr) and are per `training.lr_reference_batch` images when that is set (MAE: base
+            lr 0.1, lr = base x batch / 256). Metrics are named by these values: `val/accuracy_lr0.1`.
+        training: see `Training`; `init_from` is the probed checkpoint (`backbone` says the architecture
+            it must have and the image size). The optimizer is SGD with momentum 0.9 and no weight decay
+            by default; MAE's LARS is `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's
+            LARS adapts only with weight decay otherwise, MAE's always does).
     """
 
     def __init__(
         self,
         backbone: ViTConfig,
         num_classes: int,
-        init_from: str = "scratch",
         feature: WidthFeature = "cls",
         batch_norm: bool = True,
         lrs: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0),
-        optimizer: OptimizerCallable = sgd_momentum,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(optimizer=sgd_momentum),
     ) -> None:
         lrs = [float(lr) for lr in lrs]
         if not lrs or len(set(lrs)) != len(lrs) or min(lrs) <= 0:
             raise BadValue(f"lrs must be distinct positive learning rates, got {lrs}")
         super().__init__(
-            backbone, init_from, num_classes, lrs, None, optimizer, lr_scheduler, lr_reference_batch, mean,
-            std, hparams=dict(feature=feature, batch_norm=batch_norm),
-        )  # fmt: skip
+            backbone, num_classes, lrs, None, training, hparams=dict(feature=feature, batch_norm=batch_norm)
+        )
         self.backbone.check_feature(feature, kinds=WidthFeature.valid())
         self.feature = feature
         width = self.backbone.embed_dim
         # MAE: BatchNorm1d(affine=False, eps=1e-6) in front of the head; shared, as it learns nothing.
         self.norm = nn.BatchNorm1d(width, affine=False, eps=1e-6) if batch_norm else nn.Identity()
         self.heads.extend(zero_linear(width, num_classes) for _ in lrs)
-        # One per head and evaluation stage, computed and reset at the end of that stage's pass.
-        self.val_accuracy = nn.ModuleList(
-            MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
-        )
-        self.test_accuracy = nn.ModuleList(
-            MulticlassAccuracy(num_classes, average="micro", ignore_index=-1) for _ in lrs
-        )
         self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
 
     @torch.no_grad()
@@ -93,37 +73,6 @@ class LinearProbe(FrozenProbe):
         """features: (B, D) -> logits of every head (H, B, K), or of head `head` only (1, B, K)."""
         features = self.norm(features)
         return torch.stack([h(features) for h in self.chosen(head)])
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("val", batch)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("test", batch)
-
-    def eval_step(self, stage: str, batch: dict) -> None:
-        logits = self(batch["image"])
-        for metric, head_logits in zip(getattr(self, f"{stage}_accuracy"), logits):
-            metric.update(head_logits, batch["label"])
-        loss = self.forward_loss(logits, batch["label"]) / self.num_heads
-        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=batch["image"].shape[0])
-
-    def on_validation_epoch_end(self) -> None:
-        self.log_accuracies("val")
-
-    def on_test_epoch_end(self) -> None:
-        self.log_accuracies("test")
-
-    def log_accuracies(self, stage: str) -> None:
-        """Each head's accuracy over the pass, and the best head's with its lr."""
-        # compute() gathers every rank's counts, so each sample counts once across ranks.
-        metrics = getattr(self, f"{stage}_accuracy")
-        accuracies = torch.stack([metric.compute() for metric in metrics])
-        for lr, accuracy, metric in zip(self.lrs, accuracies, metrics):
-            self.log(f"{stage}/accuracy_lr{lr:g}", accuracy)
-            metric.reset()
-        best = accuracies.argmax()
-        self.log(f"{stage}/accuracy", accuracies[best], prog_bar=True)
-        self.log(f"{stage}/best_lr", torch.tensor(self.lrs, device=accuracies.device)[best])
 
 
 __all__ = ["LinearProbe", "sgd_momentum"]

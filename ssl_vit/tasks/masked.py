@@ -13,8 +13,6 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -29,8 +27,7 @@ from ssl_vit.targets import TARGETS, TargetContext
 from ssl_vit.targets.masked_picture import masked_prediction_picture
 from ssl_vit.targets.target import check_made, checked_shape
 from ssl_vit.targets.teacher_target import TeacherFeatures, teacher_targets
-from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
+from ssl_vit.tasks.base import BackboneTask, Training, step_inputs
 from ssl_vit.tasks.teacher import MomentumSchedule, ema_update, make_teacher, momentum_at
 from ssl_vit.tracking import log_picture
 
@@ -94,7 +91,7 @@ class MaskedPatchPretraining(BackboneTask):
         pixel_loss: `mse`, `l1` or `smooth_l1` for pixel, HOG and teacher targets.
         encoder_init: how a `scratch` encoder starts: `timm` (timm's truncated normals, learned position
             embeddings) or `mae` (MAE's: xavier-uniform linears, fixed 2-D sin-cos position embeddings
-            that are not trained; `ssl_vit.models.init`). From a checkpoint (`init_from`) the encoder
+            that are not trained; `ssl_vit.models.init`). From a checkpoint (`training.init_from`) the encoder
             starts from its weights either way; `mae` still keeps the position embeddings fixed.
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only), I-JEPA's predictor.
         teacher_features: what the teacher gives (`ssl_vit.targets.teacher_target.teacher_targets`):
@@ -108,8 +105,8 @@ class MaskedPatchPretraining(BackboneTask):
         display_bands: the three bands (0-based) drawn as red, green and blue in the pictures of images of
             C != 3 bands, each stretched between its 2nd and 98th percentile; unset: the first three
             (`ssl_vit.targets.masked_picture.false_colour`). RGB images are drawn as they are.
-        init_from: starting weights of the backbone (see `BackboneTask`), e.g. to continue pretraining;
-            a facebookresearch/mae checkpoint starts the decoder (`drop`) from its own as well.
+        training: see `Training`; `training.init_from` continues pretraining from a checkpoint, and a
+            facebookresearch/mae one starts the decoder (`drop`) from its own as well.
     """
 
     def __init__(
@@ -135,12 +132,7 @@ class MaskedPatchPretraining(BackboneTask):
         ema_anneal_steps: int | None = None,
         picture_every_n_steps: int = 500,
         display_bands: tuple[int, int, int] | None = None,
-        init_from: str = "scratch",
-        optimizer: OptimizerCallable = torch.optim.AdamW,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(),
     ) -> None:
         choices = resolve_choices(
             preset, corruption, target, mask_ratio, mask_shape, pixel_loss,
@@ -151,12 +143,7 @@ class MaskedPatchPretraining(BackboneTask):
         check_target_bands(choices["target"], preset, backbone.in_chans)
         super().__init__(
             backbone,
-            init_from,
-            optimizer,
-            lr_scheduler,
-            lr_reference_batch,
-            mean,
-            std,
+            training,
             hparams=dict(
                 preset=preset,
                 **choices,
@@ -169,7 +156,7 @@ class MaskedPatchPretraining(BackboneTask):
             ),
         )
         if choices["encoder_init"] == "mae":
-            if init_from == "scratch":
+            if training.init_from == "scratch":
                 mae_init(self.backbone)
             self.backbone.pos_embed.requires_grad_(False)
         self.corruption, self.target_kind = choices["corruption"], choices["target"]
@@ -198,7 +185,7 @@ class MaskedPatchPretraining(BackboneTask):
             self.decoder = MAEDecoder(
                 width, self.grid, self.target_shape.numel(), decoder_dim, decoder_depth, decoder_heads
             )
-            load_mae_decoder(self.decoder, init_from)  # an MAE checkpoint's decoder continues too
+            load_mae_decoder(self.decoder, training.init_from)  # an MAE checkpoint's decoder continues too
         else:
             self.head = PatchHead(width, tuple(self.target_shape))
             # The learned [mask] embedding lives here, not in the backbone: its keys stay timm's.
@@ -372,12 +359,6 @@ class MaskedPatchPretraining(BackboneTask):
         with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
             self.context.latents(images[:1])
         self.flops_per_image += counter.get_total_flops()
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("val", batch, batch_idx)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("test", batch, batch_idx)
 
     def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
         """Masked loss (and accuracy) under a mask fixed by the batch index, drawn from its own generator

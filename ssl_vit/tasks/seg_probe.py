@@ -11,20 +11,19 @@ Legend: B batch, N = h x w patch tokens, D width (k x D for `lastk`), K classes,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor, nn
 
 from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.models.feature import FEATURES
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import LAST_K, ViTConfig
-from ssl_vit.tasks.base import Bands
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.linear_probe import sgd_momentum
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
 
 # The per-token features over the patch grid: the last block's patch tokens, or the last LAST_K blocks'
 # concatenated per token.
@@ -40,8 +39,7 @@ class LinearSegProbe(FrozenProbe):
     """Per-patch linear classifiers on a frozen backbone, one per learning rate.
 
     Args:
-        init_from, num_classes, lrs, optimizer, lr_scheduler, lr_reference_batch, mean, std: as
-            `LinearProbe` (num_classes: the mask's classes, 255 aside).
+        num_classes, lrs, training: as `LinearProbe` (num_classes: the mask's classes, 255 aside).
         feature: `patches` (the last block's patch tokens) or `patches_lastk` (the last 4 blocks').
         batch_norm: BatchNorm without affine parameters over the tokens' channels before the heads.
     `classify` gives each head's class map at the patch grid, (H, B, K, h, w); the loss upsamples it
@@ -49,26 +47,20 @@ class LinearSegProbe(FrozenProbe):
     """
 
     TARGET = "mask"
+    IGNORED = IGNORE_INDEX  # mask pixels without a class
     NEEDS_LABELS = False  # masks, not image labels
 
     def __init__(
         self,
         backbone: ViTConfig,
         num_classes: int,
-        init_from: str = "scratch",
         feature: PatchFeature = "patches",
         batch_norm: bool = True,
         lrs: tuple[float, ...] = (0.01, 0.1),
-        optimizer: OptimizerCallable = sgd_momentum,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(optimizer=sgd_momentum),
     ) -> None:
-        super().__init__(
-            backbone, init_from, num_classes, list(lrs), None, optimizer, lr_scheduler, lr_reference_batch,
-            mean, std, hparams=dict(feature=feature, batch_norm=batch_norm),
-        )  # fmt: skip
+        hparams = dict(feature=feature, batch_norm=batch_norm)
+        super().__init__(backbone, num_classes, list(lrs), None, training, hparams=hparams)
         self.backbone.check_feature(feature, LAST_K, kinds=PatchFeature.valid())
         self.feature = feature
         width = FEATURES[feature].size(0, 0, self.backbone.embed_dim, LAST_K)[1]
@@ -87,6 +79,11 @@ class LinearSegProbe(FrozenProbe):
         tokens = self.norm(features.transpose(1, 2)).transpose(1, 2)
         h, w = self.backbone.grid_size
         return torch.stack([c(tokens).transpose(1, 2).unflatten(2, (h, w)) for c in self.chosen(head)])
+
+    def scored(self, outputs: Tensor, targets: Tensor) -> Iterator[Tensor]:
+        """Each head's class map upsampled to the masks (B, K, Hm, Wm), one head at a time: its pixels'
+        accuracy."""
+        return (upsample(head, targets.shape[-2:]) for head in outputs)
 
     def head_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """Every head's (H, B, K, h, w) class map against masks (B, Hm, Wm): each head's cross-entropy per

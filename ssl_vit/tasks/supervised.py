@@ -5,18 +5,14 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import torch
 import torch.nn.functional as F
-from pytorch_lightning.cli import OptimizerCallable
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue
 from ssl_vit.models.heads import zero_linear
 from ssl_vit.models.vit import ViTConfig
-from ssl_vit.tasks.base import BackboneTask, Bands, step_inputs
-from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay
+from ssl_vit.tasks.base import BackboneTask, Training, step_inputs
 
 
 class SupervisedPretraining(BackboneTask):
@@ -27,9 +23,9 @@ class SupervisedPretraining(BackboneTask):
         loss: `softmax` cross-entropy, or `sigmoid` cross-entropy for multi-label sets (ViT paper on
             JFT). Soft targets (the datamodule's `target`: timm's mixup/cutmix/label smoothing, applied to
             whole batches on the device) are used when present, hard labels otherwise.
-        init_from: starting weights of the backbone (see `BackboneTask`), e.g. an SSL checkpoint.
         head_bias_init: initial bias of the zero-initialised head; default 0 for softmax and -log(K)
             for sigmoid, so the initial sigmoid loss is small (big_vision's `head_bias_init`).
+        training: see `Training`; `training.init_from` starts the backbone from e.g. an SSL checkpoint.
     """
 
     NEEDS_LABELS = True  # the data module skips and counts unlabelled samples (label -1)
@@ -40,12 +36,7 @@ class SupervisedPretraining(BackboneTask):
         num_classes: int,
         loss: Literal["softmax", "sigmoid"] = "softmax",
         head_bias_init: float | None = None,
-        init_from: str = "scratch",
-        optimizer: OptimizerCallable = torch.optim.AdamW,
-        lr_scheduler: SchedulerCallable = WarmupDecay,
-        lr_reference_batch: int | None = None,
-        mean: Bands = IMAGENET_DEFAULT_MEAN,
-        std: Bands = IMAGENET_DEFAULT_STD,
+        training: Training = Training(),
     ) -> None:
         if loss not in ("softmax", "sigmoid"):
             raise BadValue(f"unknown loss {loss!r}; valid: 'softmax', 'sigmoid'")
@@ -53,12 +44,7 @@ class SupervisedPretraining(BackboneTask):
             raise BadValue(f"num_classes must be positive, got {num_classes}")
         super().__init__(
             backbone,
-            init_from,
-            optimizer,
-            lr_scheduler,
-            lr_reference_batch,
-            mean,
-            std,
+            training,
             hparams=dict(num_classes=num_classes, loss=loss),
         )
         if head_bias_init is None:
@@ -97,13 +83,7 @@ class SupervisedPretraining(BackboneTask):
         self.log("train/loss", loss, on_step=True, prog_bar=True, batch_size=batch["image"].shape[0])
         return loss
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("val", batch)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self.eval_step("test", batch)
-
-    def eval_step(self, stage: str, batch: dict) -> None:
+    def eval_step(self, stage: str, batch: dict, batch_idx: int) -> None:
         """`{stage}/loss` and `{stage}/accuracy` over the whole pass (every rank's samples once)."""
         logits = self(batch["image"])
         accuracy = getattr(self, f"{stage}_accuracy")

@@ -17,6 +17,7 @@ from ssl_vit.analysis.analyze import analyze
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.storage.outdir import MARKER, is_ours, mark
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
+from ssl_vit.tasks.base import Training
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPTH, HEADS, GRID, PATCH = 2, 2, 8, 4  # the quickstart's S/4 at 32 px, narrowed and shortened
@@ -197,8 +198,9 @@ def five_band_mae_ckpt(tmp_path_factory):
     torch.manual_seed(0)
     mean, std = (0.5, 0.5, 0.5, 50.0, -3.0), (0.25, 0.25, 0.25, 25.0, 1.5)
     model = MaskedPatchPretraining(
-        ViTConfig("S/4", 32, width=32, depth=DEPTH, heads=HEADS, in_chans=5), preset="mae", mean=mean,
-        std=std, decoder_dim=32, decoder_depth=1, decoder_heads=2, display_bands=(3, 1, 0),
+        ViTConfig("S/4", 32, width=32, depth=DEPTH, heads=HEADS, in_chans=5), preset="mae",
+        training=Training(mean=mean, std=std), decoder_dim=32, decoder_depth=1, decoder_heads=2,
+        display_bands=(3, 1, 0),
     )  # fmt: skip
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, max_steps=0)
     trainer.strategy.connect(model)

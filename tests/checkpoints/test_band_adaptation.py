@@ -20,6 +20,7 @@ from ssl_vit.checkpoints.mae import decoder_state
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
+from ssl_vit.tasks.base import Training
 
 RGB = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
 
@@ -46,7 +47,7 @@ def rgb_ckpt(tmp_path_factory):
 def five_band_ckpt(tmp_path_factory):
     torch.manual_seed(0)
     mean, std = (0.1, 0.2, 0.3, 0.4, 0.5), (1.0, 2.0, 3.0, 4.0, 5.0)
-    task = SupervisedPretraining(bands(RGB, 5), num_classes=10, mean=mean, std=std)
+    task = SupervisedPretraining(bands(RGB, 5), num_classes=10, training=Training(mean=mean, std=std))
     with torch.no_grad():  # a trained head, so that --with-head exports something other than zeros
         task.head.weight.normal_()
     return saved(task, tmp_path_factory.mktemp("five") / "five.ckpt"), task.eval()
@@ -133,7 +134,10 @@ def test_mae_pretraining_continues_in_five_bands_with_a_fresh_pixel_layer(rgb_ck
     mae = tmp_path / "checkpoint-799.pth"
     torch.save({"model": {**rgb_model.state_dict(), **decoder.state_dict()}}, mae)
     task = MaskedPatchPretraining(
-        bands(RGB, 5), preset="mae", init_from=str(mae), mean=(0.5,) * 5, std=(0.2,) * 5, **DECODER
+        bands(RGB, 5),
+        preset="mae",
+        training=Training(init_from=str(mae), mean=(0.5,) * 5, std=(0.2,) * 5),
+        **DECODER,
     )
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"ssl-vit: note: the MAE decoder of {mae} predicts 192 values per patch and this task 320: its "

@@ -16,6 +16,7 @@ from ssl_vit.errors import UserError
 from ssl_vit.masking import random_keep
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
+from ssl_vit.tasks.base import Training
 
 CONFIG = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
 DECODER = dict(decoder_dim=32, decoder_depth=1, decoder_heads=4)
@@ -91,7 +92,9 @@ def test_mae_encoder_gives_timm_features(mae_checkpoint):
 
 def test_continuing_mae_pretraining_loads_its_decoder(mae_checkpoint):
     path, encoder, reference = mae_checkpoint
-    task = MaskedPatchPretraining(CONFIG, preset="mae", init_from=str(path), **DECODER).eval()
+    task = MaskedPatchPretraining(
+        CONFIG, preset="mae", training=Training(init_from=str(path)), **DECODER
+    ).eval()
     torch.testing.assert_close(task.decoder.pred.bias, reference.decoder_pred.bias)
     images = torch.randn(2, 3, 32, 32)
     idx_keep, idx_mask = random_keep(2, 16, 0.75)
@@ -110,7 +113,8 @@ def test_a_decoder_of_another_size_is_a_one_line_error(mae_checkpoint):
         UserError,
         match=r"mask_token \(1, 1, 32\) \(ours \(1, 1, 512\)\); set decoder_dim 32 and decoder_depth 1",
     ) as info:
-        MaskedPatchPretraining(CONFIG, preset="mae", init_from=str(path))  # default 8 x 512 decoder
+        # the default 8 x 512 decoder
+        MaskedPatchPretraining(CONFIG, preset="mae", training=Training(init_from=str(path)))
     assert "\n" not in str(info.value)
 
 
@@ -120,7 +124,9 @@ def test_a_decoder_pos_embed_that_is_not_mae_sincos_is_refused(mae_checkpoint, t
     checkpoint["model"]["decoder_pos_embed"] = torch.randn_like(checkpoint["model"]["decoder_pos_embed"])
     torch.save({"model": checkpoint["model"]}, tmp_path / "odd.pth")
     with pytest.raises(UserError, match="not MAE's fixed 2-D sin-cos"):
-        MaskedPatchPretraining(CONFIG, preset="mae", init_from=str(tmp_path / "odd.pth"), **DECODER)
+        MaskedPatchPretraining(
+            CONFIG, preset="mae", training=Training(init_from=str(tmp_path / "odd.pth")), **DECODER
+        )
 
 
 def test_mae_global_pool_finetuned_norm_becomes_the_final_norm(tmp_path):

@@ -43,7 +43,7 @@ def test_the_13_band_recipe_pretrains_evaluates_and_exports(tmp_path):
         "--model.init_args.backbone", json.dumps(TINY),
         "--model.init_args.decoder_dim", "32", "--model.init_args.decoder_depth", "1",
         "--model.init_args.decoder_heads", "2",
-        "--model.init_args.optimizer.init_args.fused", "false",
+        "--model.init_args.training.optimizer.init_args.fused", "false",
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
         "--trainer.precision", "32-true", "--trainer.max_epochs", "1", "--trainer.max_steps", "2",
         "--trainer.limit_val_batches", "1", "--trainer.logger", "false",

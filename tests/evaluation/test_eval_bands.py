@@ -17,6 +17,7 @@ from ssl_vit.evaluation.monitor import FewShotMonitor
 from ssl_vit.evaluation.suite import evaluate, load_suite
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
+from ssl_vit.tasks.base import Training
 
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 # The masks' normalisation given by hand; the labelled shards' is `auto` (their manifest's).
@@ -93,7 +94,9 @@ def test_a_suites_channels_build_scratch_and_decide_what_loads(band_shards, band
     assert vit.in_chans == config.in_chans == 5
     rgb = saved(SupervisedPretraining(ViTConfig(**BACKBONE), num_classes=4), tmp_path / "rgb.ckpt")
     assert load_backbone(rgb, suite.backbone)[0].in_chans == 5
-    four = SupervisedPretraining(ViTConfig(**BACKBONE, in_chans=4), num_classes=4, mean=MEAN[:4], std=STD[:4])
+    four = SupervisedPretraining(
+        ViTConfig(**BACKBONE, in_chans=4), num_classes=4, training=Training(mean=MEAN[:4], std=STD[:4])
+    )
     with pytest.raises(UserError, match="holds weights for 4 input bands and the backbone reads 5"):
         load_backbone(saved(four, tmp_path / "four.ckpt"), suite.backbone)
 
@@ -128,8 +131,8 @@ def test_the_fewshot_monitor_reads_the_training_datas_bands(band_shards, tmp_pat
     )
     torch.manual_seed(0)
     model = MaskedPatchPretraining(
-        ViTConfig(**BACKBONE, in_chans=5), preset="mae", mean=data.mean, std=data.std, decoder_dim=32,
-        decoder_depth=1, decoder_heads=2, picture_every_n_steps=0,
+        ViTConfig(**BACKBONE, in_chans=5), preset="mae", training=Training(mean=data.mean, std=data.std),
+        decoder_dim=32, decoder_depth=1, decoder_heads=2, picture_every_n_steps=0,
     )  # fmt: skip
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=2, callbacks=[monitor], logger=CSVLogger(tmp_path), limit_val_batches=0,

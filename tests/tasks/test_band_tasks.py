@@ -15,6 +15,7 @@ from task_helpers import trainer
 from ssl_vit.errors import BadValue
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining, SupervisedPretraining
+from ssl_vit.tasks.base import Training
 
 ROOT = Path(__file__).resolve().parents[2]
 BANDS = 5
@@ -60,7 +61,12 @@ def fit(task: pl.LightningModule, tmp_path: Path) -> dict:
 def test_every_masked_preset_but_mpp_fits_five_bands(preset, values, tmp_path):
     torch.manual_seed(0)
     task = MaskedPatchPretraining(
-        BACKBONE, preset=preset, mean=MEAN, std=STD, picture_every_n_steps=1, **SMALL, **TINY.get(preset, {})
+        BACKBONE,
+        preset=preset,
+        training=Training(mean=MEAN, std=STD),
+        picture_every_n_steps=1,
+        **SMALL,
+        **TINY.get(preset, {}),
     )
     assert task.target_shape == (values,)  # p*p*C pixels, C x 9 HOG bins of one 8-pixel cell, D latents
     out = task.forward_loss(torch.randn(2, BANDS, 32, 32))
@@ -68,7 +74,7 @@ def test_every_masked_preset_but_mpp_fits_five_bands(preset, values, tmp_path):
     checkpoint = fit(task, tmp_path)
     hparams = checkpoint["hyper_parameters"]
     assert hparams["backbone"]["in_chans"] == BANDS
-    assert hparams["mean"] == list(MEAN) and hparams["std"] == list(STD)
+    assert hparams["training"]["mean"] == list(MEAN) and hparams["training"]["std"] == list(STD)
     assert checkpoint["state_dict"]["backbone.patch_embed.proj.weight"].shape == (64, BANDS, 8, 8)
     pictures = sorted((tmp_path / "pictures").glob("*.png"))
     if preset in ("ijepa", "data2vec2"):  # latent targets have no picture
@@ -81,17 +87,22 @@ def test_every_masked_preset_but_mpp_fits_five_bands(preset, values, tmp_path):
 
 def test_supervised_pretraining_fits_five_bands(tmp_path):
     torch.manual_seed(0)
-    task = SupervisedPretraining(BACKBONE, num_classes=4, mean=MEAN, std=STD)
+    task = SupervisedPretraining(BACKBONE, num_classes=4, training=Training(mean=MEAN, std=STD))
     checkpoint = fit(task, tmp_path)
     assert checkpoint["hyper_parameters"]["backbone"]["in_chans"] == BANDS
-    assert checkpoint["hyper_parameters"]["mean"] == list(MEAN)
+    assert checkpoint["hyper_parameters"]["training"]["mean"] == list(MEAN)
 
 
 @pytest.mark.parametrize("preset, target", [("vit_mpp", None), (None, "color3bit_4x4")])
 def test_colour_targets_on_five_bands_are_one_line_naming_what_works(preset, target):
     with pytest.raises(BadValue) as error:
         MaskedPatchPretraining(
-            BACKBONE, preset=preset, target=target, corruption="bert", mean=MEAN, std=STD, mask_ratio=0.5
+            BACKBONE,
+            preset=preset,
+            target=target,
+            corruption="bert",
+            training=Training(mean=MEAN, std=STD),
+            mask_ratio=0.5,
         )
     given = "preset 'vit_mpp''s target 'color3bit'" if preset else "target 'color3bit_4x4'"
     assert str(error.value) == (
@@ -107,17 +118,19 @@ def test_normalisation_of_another_band_count_is_one_line(mean, std, what):
     with pytest.raises(
         BadValue, match=f"{what} values and the backbone reads 5 input bands: give one per band"
     ):
-        SupervisedPretraining(BACKBONE, num_classes=4, mean=mean, std=std)
+        SupervisedPretraining(BACKBONE, num_classes=4, training=Training(mean=mean, std=std))
 
 
 def test_display_bands_are_checked():
     with pytest.raises(BadValue, match=r"display_bands \[0, 1, 5\]: give three band indices in \[0, 4\]"):
-        MaskedPatchPretraining(BACKBONE, preset="mae", mean=MEAN, std=STD, display_bands=(0, 1, 5), **SMALL)
+        MaskedPatchPretraining(
+            BACKBONE, preset="mae", training=Training(mean=MEAN, std=STD), display_bands=(0, 1, 5), **SMALL
+        )
     task = MaskedPatchPretraining(
-        BACKBONE, preset="mae", mean=MEAN, std=STD, display_bands=(3, 2, 1), **SMALL
+        BACKBONE, preset="mae", training=Training(mean=MEAN, std=STD), display_bands=(3, 2, 1), **SMALL
     )
     assert task.context.display_bands == (3, 2, 1) and task.hparams.display_bands == (3, 2, 1)
-    default = MaskedPatchPretraining(BACKBONE, preset="mae", mean=MEAN, std=STD, **SMALL)
+    default = MaskedPatchPretraining(BACKBONE, preset="mae", training=Training(mean=MEAN, std=STD), **SMALL)
     assert default.context.display_bands == (0, 1, 2)
 
 
@@ -146,8 +159,9 @@ def test_fit_links_the_data_bands_into_the_task_and_resumes_them(band_shards, di
     hparams = checkpoint["hyper_parameters"]
     stats = json.loads((band_shards / "train.json").read_text())["band_stats"]
     assert hparams["backbone"]["in_chans"] == 5
-    assert hparams["mean"] == pytest.approx(stats["mean"]) and hparams["std"] == pytest.approx(stats["std"])
-    assert 1000 < hparams["mean"][1] - hparams["mean"][0] < 1001  # band b holds 1000 b + ...
+    training = hparams["training"]
+    assert training["mean"] == pytest.approx(stats["mean"]) and training["std"] == pytest.approx(stats["std"])
+    assert 1000 < training["mean"][1] - training["mean"][0] < 1001  # band b holds 1000 b + ...
     assert checkpoint["state_dict"]["backbone.patch_embed.proj.weight"].shape[1] == 5
     assert len(list((run / "pictures").glob("train_predictions_*.png"))) == 2
     proc = bands_fit(band_shards, run, "--trainer.max_steps", "3", "--ckpt_path", "last")

@@ -11,6 +11,7 @@ from timm.layers import resample_abs_pos_embed
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import FineTune, WarmupDecay
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.finetune import mae_layer_decay
 
 BACKBONE = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
@@ -25,7 +26,7 @@ def pretrained_ckpt(supervised_ckpt):
 def test_higher_resolution_starts_from_interpolated_position_embeddings(pretrained_ckpt, digits_batch):
     saved = torch.load(pretrained_ckpt, weights_only=True)["state_dict"]
     at_48 = ViTConfig("S/8", 48, width=64, depth=2, heads=2)
-    model = FineTune(at_48, num_classes=10, init_from=str(pretrained_ckpt))
+    model = FineTune(at_48, num_classes=10, training=Training(init_from=str(pretrained_ckpt)))
     assert model.backbone.grid_size == (6, 6)
     expected = resample_abs_pos_embed(saved["backbone.pos_embed"], new_size=(6, 6), num_prefix_tokens=1)
     assert expected.shape == (1, 1 + 36, 64)
@@ -40,7 +41,9 @@ def test_higher_resolution_starts_from_interpolated_position_embeddings(pretrain
 
 def test_new_head_starts_at_zero(pretrained_ckpt, digits_batch):
     for preset in ("vit_paper", "mae"):
-        model = FineTune(BACKBONE, num_classes=7, init_from=str(pretrained_ckpt), preset=preset)
+        model = FineTune(
+            BACKBONE, num_classes=7, training=Training(init_from=str(pretrained_ckpt)), preset=preset
+        )
         assert torch.equal(model(digits_batch["image"][:4]), torch.zeros(4, 7))
         assert torch.equal(model.head.weight, torch.zeros(7, 64))
 
@@ -64,9 +67,12 @@ def test_presets_set_feature_and_layer_decay_and_arguments_override_them():
 
 def test_layer_decay_scales_lrs_from_the_head_down_and_fine_tunes(pretrained_ckpt, digits_batch, tmp_path):
     model = FineTune(
-        BACKBONE, num_classes=10, init_from=str(pretrained_ckpt), preset="mae", layer_decay=0.5,
-        lr_reference_batch=16, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05),
-        lr_scheduler=lambda optimizer, steps: WarmupDecay(optimizer, steps, warmup_steps=1),
+        BACKBONE, num_classes=10, preset="mae", layer_decay=0.5,
+        training=Training(
+            init_from=str(pretrained_ckpt), lr_reference_batch=16,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05),
+            lr_scheduler=lambda optimizer, steps: WarmupDecay(optimizer, steps, warmup_steps=1),
+        ),
     )  # fmt: skip
     before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
     run = trainer(tmp_path, max_steps=3, num_sanity_val_steps=0)
@@ -99,12 +105,14 @@ def test_layer_decay_scales_lrs_from_the_head_down_and_fine_tunes(pretrained_ckp
 def test_checkpoint_loads_safely_and_feeds_load_backbone(pretrained_ckpt, tmp_path, digits_batch):
     from ssl_vit.checkpoints import load_backbone
 
-    model = FineTune(BACKBONE, num_classes=10, init_from=str(pretrained_ckpt), preset="mae")
+    model = FineTune(
+        BACKBONE, num_classes=10, training=Training(init_from=str(pretrained_ckpt)), preset="mae"
+    )
     run = trainer(tmp_path, max_steps=1, limit_val_batches=0)
     run.fit(model, datamodule=DigitBatches(digits_batch, steps=1))
     run.save_checkpoint(tmp_path / "ft.ckpt")
     hparams = torch.load(tmp_path / "ft.ckpt", weights_only=True)["hyper_parameters"]
-    assert hparams["preset"] == "mae" and hparams["init_from"] == str(pretrained_ckpt)
+    assert hparams["preset"] == "mae" and hparams["training"]["init_from"] == str(pretrained_ckpt)
     vit, _ = load_backbone(str(tmp_path / "ft.ckpt"), None)
     assert all(torch.equal(v, model.backbone.state_dict()[k]) for k, v in vit.state_dict().items())
 

@@ -319,7 +319,7 @@ def test_gpu_recipes_use_bf16_and_a_fused_optimizer(path):
     trainer = recipe["trainer"]
     trainer = yaml.safe_load((path.parent / trainer).read_text()) if isinstance(trainer, str) else trainer
     assert trainer["precision"] == "bf16-mixed"
-    optimizer = recipe["model"]["init_args"]["optimizer"]
+    optimizer = recipe["model"]["init_args"]["training"]["optimizer"]
     assert optimizer["init_args"].get("fused") is True, f"{path}: the optimizer should be fused on CUDA"
 
 

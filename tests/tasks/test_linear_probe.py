@@ -9,6 +9,7 @@ from task_helpers import DigitBatches, trainer
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import LinearProbe, WarmupDecay
+from ssl_vit.tasks.base import Training
 
 BACKBONE = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
 LRS = (0.01, 0.1, 1.0)
@@ -49,9 +50,11 @@ def test_training_leaves_the_backbone_bit_identical_and_each_head_gets_its_lr(
 ):
     path, _ = supervised_ckpt
     model = probe(
-        init_from=str(path), lr_reference_batch=16,
-        optimizer=lambda p: torch.optim.SGD(p, lr=123.0, momentum=0.9),  # its lr is overridden per head
-        lr_scheduler=lambda optimizer, steps: WarmupDecay(optimizer, steps, warmup_steps=0, decay="linear"),
+        training=Training(
+            init_from=str(path), lr_reference_batch=16,
+            optimizer=lambda p: torch.optim.SGD(p, lr=123.0, momentum=0.9),  # its lr is overridden per head
+            lr_scheduler=lambda opt, steps: WarmupDecay(opt, steps, warmup_steps=0, decay="linear"),
+        )
     )  # fmt: skip
     before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
     heads_before = [head.weight.clone() for head in model.heads]
@@ -90,12 +93,12 @@ def test_the_best_head_is_reported_with_its_lr(digits_batch):
 
 def test_loads_a_supervised_checkpoint_and_rejects_another_architecture(supervised_ckpt):
     path, weights = supervised_ckpt
-    model = probe(init_from=str(path))
+    model = probe(training=Training(init_from=str(path)))
     assert all(torch.equal(weights[k], v) for k, v in model.backbone.state_dict().items())
-    assert model.hparams.init_from == str(path) and model.hparams.lrs == list(LRS)
+    assert model.hparams.training["init_from"] == str(path) and model.hparams.lrs == list(LRS)
     deeper = ViTConfig("S/8", 32, width=64, depth=3, heads=2)
     with pytest.raises(UserError, match="depth 2 \\(asked for 3\\)") as error:
-        LinearProbe(deeper, num_classes=10, init_from=str(path))
+        LinearProbe(deeper, num_classes=10, training=Training(init_from=str(path)))
     assert "\n" not in str(error.value)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import MaskedPatchPretraining
+from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.masked import PRESETS
 
 BACKBONE = ViTConfig("S/8", 32, width=64, depth=2, heads=2)
@@ -138,9 +139,9 @@ def test_mask_embedding_and_decoder_token_get_no_weight_decay():
 def test_pretraining_can_start_from_any_checkpoint(supervised_ckpt):
     """`init_from` is the base task's: masked pretraining continues from a supervised checkpoint."""
     path, weights = supervised_ckpt
-    model = task(preset="mae", init_from=str(path))
+    model = task(preset="mae", training=Training(init_from=str(path)))
     assert all(torch.equal(model.backbone.state_dict()[k], v) for k, v in weights.items())
-    assert model.hparams["init_from"] == str(path) and model.hparams["backbone"]["width"] == 64
+    assert model.hparams["training"]["init_from"] == str(path) and model.hparams["backbone"]["width"] == 64
 
 
 def test_mae_starts_its_encoder_as_maes_code_does_and_never_trains_its_position_embeddings(digits_batch):
@@ -169,7 +170,7 @@ def test_mae_starts_its_encoder_as_maes_code_does_and_never_trains_its_position_
 
 def test_mae_from_a_checkpoint_keeps_its_weights_and_fixes_its_position_embeddings(supervised_ckpt):
     path, weights = supervised_ckpt
-    model = task(preset="mae", init_from=str(path))
+    model = task(preset="mae", training=Training(init_from=str(path)))
     assert (
         torch.equal(model.backbone.pos_embed, weights["pos_embed"])
         and not model.backbone.pos_embed.requires_grad
@@ -197,7 +198,7 @@ def test_an_mae_run_begun_with_learned_position_embeddings_resumes_as_it_began(d
     def constant(optimizer, total_steps):  # the lr of the resumed steps is not 0 (a cosine to 2 steps)
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
-    optimizer = dict(optimizer=optimizer, lr_scheduler=constant)
+    optimizer = dict(training=Training(optimizer=optimizer, lr_scheduler=constant))
     old = task(preset="mae", encoder_init="timm", **optimizer)
     run = trainer(tmp_path, max_steps=2)
     run.fit(old, datamodule=DigitBatches(digits_batch))

@@ -8,6 +8,7 @@ import torch
 
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import SupervisedPretraining, WarmupDecay
+from ssl_vit.tasks.base import Training
 
 
 def lrs(decay, steps=10, warmup=4, floor=0.0):
@@ -51,9 +52,11 @@ def test_lr_is_scaled_by_global_batch_and_follows_the_schedule(tmp_path):
     model = SupervisedPretraining(
         ViTConfig("S/8", 16, width=32, depth=1, heads=2),
         num_classes=2,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.3),
-        lr_scheduler=lambda optimizer, steps: WarmupDecay(optimizer, steps, warmup_steps=2),
-        lr_reference_batch=256,
+        training=Training(
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.3),
+            lr_scheduler=lambda optimizer, steps: WarmupDecay(optimizer, steps, warmup_steps=2),
+            lr_reference_batch=256,
+        ),
     )
     trainer = pl.Trainer(
         accelerator="cpu",

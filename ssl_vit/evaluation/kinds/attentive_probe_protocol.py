@@ -14,7 +14,7 @@ from pydantic.dataclasses import dataclass
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, PositiveInt, check_unique, register
-from ssl_vit.evaluation.training import OptimizerName, optimizer, schedule
+from ssl_vit.evaluation.training import OptimizerName, task_training
 from ssl_vit.models.vit import parse_variant
 from ssl_vit.tasks.attentive_probe import AttentiveProbe, TokenFeature
 
@@ -68,14 +68,11 @@ class AttentiveProbeProtocol(ProbeProtocol):
         grid = self.grid()
         return AttentiveProbe(
             backbone=config,
-            init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
-            **features.normalisation(),
             num_classes=features.num_classes(),
             feature=self.feature,
             queries=self.queries,
             heads=self.heads,
             lrs=[lr for lr, _ in grid],
             weight_decays=[wd for _, wd in grid],
-            optimizer=optimizer(self, grid[0][0]),
-            lr_scheduler=schedule(self),
+            training=task_training(self, grid[0][0], features),
         )

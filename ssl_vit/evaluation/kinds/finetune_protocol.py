@@ -19,8 +19,7 @@ from ssl_vit.evaluation.training import (
     OptimizerName,
     TrainedProtocol,
     TrainingSet,
-    optimizer,
-    schedule,
+    task_training,
     train_streamed,
 )
 from ssl_vit.tasks import FineTune
@@ -69,13 +68,10 @@ class FineTuneProtocol(TrainedProtocol):
         for lr in self.lrs:
             model = FineTune(
                 backbone=config,
-                init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
-                **features.normalisation(),
                 num_classes=features.num_classes(),
                 feature=self.feature,
                 layer_decay=self.layer_decay,
-                optimizer=optimizer(self, lr),
-                lr_scheduler=schedule(self),
+                training=task_training(self, lr, features),
             )
             found.append(train_streamed(model, self, features, plan))
             if plan.selection is not None:

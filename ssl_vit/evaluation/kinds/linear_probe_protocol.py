@@ -10,7 +10,7 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, register
-from ssl_vit.evaluation.training import optimizer, schedule
+from ssl_vit.evaluation.training import task_training
 from ssl_vit.tasks import LinearProbe
 
 
@@ -33,13 +33,10 @@ class LinearProbeProtocol(ProbeProtocol):
     def build(self, features, config):
         return LinearProbe(
             backbone=config,
-            init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
-            **features.normalisation(),
             num_classes=features.num_classes(),
             feature=self.feature,
             lrs=list(self.lrs),
             batch_norm=self.batch_norm,
             # each head's lr is its own param group's (FrozenProbe.param_groups)
-            optimizer=optimizer(self, self.lrs[0]),
-            lr_scheduler=schedule(self),
+            training=task_training(self, self.lrs[0], features),
         )

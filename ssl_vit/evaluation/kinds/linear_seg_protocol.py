@@ -27,7 +27,7 @@ from ssl_vit.evaluation.segmentation import (
     pixel_counts,
 )
 from ssl_vit.evaluation.stats import Metric, Score
-from ssl_vit.evaluation.training import optimizer, schedule
+from ssl_vit.evaluation.training import task_training
 from ssl_vit.models.feature import FEATURES
 from ssl_vit.tasks.seg_probe import LinearSegProbe, upsample
 
@@ -119,12 +119,9 @@ class LinearSegProtocol(ProbeProtocol):
     def build(self, features, config):
         return LinearSegProbe(
             backbone=config,
-            init_from="scratch",  # the scored backbone's weights come next (start_from_scored_backbone)
-            **features.normalisation(),
             num_classes=features.num_classes(),
             feature=self._kind(),
             lrs=list(self.lrs),
             batch_norm=self.batch_norm,
-            optimizer=optimizer(self, self.lrs[0]),
-            lr_scheduler=schedule(self),
+            training=task_training(self, self.lrs[0], features),
         )
