@@ -38,6 +38,7 @@ MOVED = {
     "ssl_vit.fit": "ssl_vit.cli.fit",
     "ssl_vit.data.commands": "ssl_vit.cli.data",
     "ssl_vit.evaluation.commands": "ssl_vit.cli.evaluate",
+    "ssl_vit.evaluation.training": "ssl_vit.evaluation.trained",
     "ssl_vit.analysis.commands": "ssl_vit.cli.analyze",
     "ssl_vit.checkpoints.commands": "ssl_vit.cli.export",
     "ssl_vit.benchmark.commands": "ssl_vit.cli.bench",

@@ -1,7 +1,5 @@
-"""`ssl-vit evaluate` and `ssl-vit compare`: argparse front-ends over `evaluation.suite.evaluate`, and
-`compare`: the checkpoints evaluated on the ranks (`evaluation.ranks`), then the report written from
-their records (`report.writer`). The two meet here, at the top, so that imports run one way: the report
-reads what evaluation computed, and evaluation knows nothing of the report."""
+"""`ssl-vit evaluate` and `ssl-vit compare`: argparse front-ends over `evaluation.suite.evaluate` and
+`report.compare.compare`."""
 
 from __future__ import annotations
 
@@ -9,17 +7,10 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ssl_vit.checkpoints import SOURCES
 from ssl_vit.errors import UserError
-
-if TYPE_CHECKING:  # the command imports what it runs (`--help` stays light)
-    from ssl_vit.evaluation.suite import Suite
-    from ssl_vit.report.verdicts import Claim
-    from ssl_vit.storage.outdir import Input
 
 CHECKPOINT_HELP = SOURCES
 OVERWRITE_HELP = "replace a non-empty --out directory (once the new results are complete)"
@@ -133,45 +124,11 @@ def repeated_checkpoints(checkpoints: dict[str, list[str]]) -> list[str]:
     ]
 
 
-def compare(
-    checkpoints: dict[str, list[str]],
-    suite: Suite,
-    out_dir: str | Path,
-    baseline: str | None = None,
-    overwrite: bool = False,
-    claims: list[Claim] | None = None,
-    inputs: Iterable[Input] = (),
-) -> list[dict] | None:
-    """The suite on every checkpoint, then the report: checkpoints: name -> sources (path, timm:NAME or
-    scratch), several for replicate pretraining runs of one method. baseline: a
-    name; adds the paired differences of every other row against it. claims: `verdicts.Claim`s (checked
-    against the rows and columns) to give verdicts on in verdicts.md; without them a baseline's
-    differences are the verdicts. inputs: files read besides the checkpoints and the suite (the
-    claims file), which out_dir must keep out of.
-    out_dir is checked and locked before anything is evaluated (`outdir.Output`: a non-empty one only with
-    `overwrite`, never one that is, holds or lies inside an input) and replaced whole once the numbers
-    are written, so it never mixes two comparisons; the pictures and the W&B run follow
-    (`report.writer.write_report`). Returns the rows written; under torchrun the runs are spread over the
-    ranks (`evaluation.ranks`) and only rank 0 writes and returns them (None on the others); every rank
-    checks out_dir alike."""
-    from ssl_vit.evaluation.ranks import evaluate_checkpoints
-    from ssl_vit.evaluation.suite import check_inputs, evaluation_inputs
-    from ssl_vit.report.writer import write_report
-    from ssl_vit.storage.outdir import Output
-
-    check_inputs(checkpoints, suite)
-    inputs = [*evaluation_inputs(checkpoints, suite), *inputs]
-    with Output(out_dir, "compare", inputs, overwrite) as output:
-        outcomes = evaluate_checkpoints(checkpoints, suite)
-        if outcomes is None:  # a rank other than 0 under torchrun: rank 0 reports
-            return None
-        return write_report(outcomes, checkpoints, suite, output, baseline, claims).rows
-
-
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ssl_vit.evaluation.suite import load_suite
+    from ssl_vit.report.compare import compare
     from ssl_vit.report.verdicts import load_claims
     from ssl_vit.report.writer import OUTPUTS
     from ssl_vit.storage.outdir import Input

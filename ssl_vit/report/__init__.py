@@ -1,3 +1,3 @@
-"""The report stage of `ssl-vit evaluate` and `compare`: tables, paired differences and verdicts, plots
-and the writer of the output directory. It reads the results the ranks computed and computes nothing
-a rank could have."""
+"""The report stage of `ssl-vit evaluate` and `compare`: tables, paired differences and verdicts, plots,
+the writer of the output directory, and `compare`, which has the ranks evaluate and then writes. It
+reads the results the ranks computed and computes nothing a rank could have."""

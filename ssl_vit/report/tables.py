@@ -9,7 +9,7 @@ from pathlib import Path
 from ssl_vit.evaluation.protocol import Protocol
 from ssl_vit.evaluation.stats import LEVEL, Difference, Interval, finite, scored
 from ssl_vit.evaluation.suite import Suite
-from ssl_vit.evaluation.training import STILL_FALLING
+from ssl_vit.evaluation.trained import STILL_FALLING
 
 COST = ("steps", "images", "flops", "seconds")  # pretraining cost columns, as the checkpoint records them
 

@@ -12,7 +12,7 @@ import yaml
 from cli_helpers import run_cli
 from PIL import Image
 
-from ssl_vit.evaluation.training import label_subset
+from ssl_vit.evaluation.trained import label_subset
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks import SupervisedPretraining
 

@@ -17,7 +17,7 @@ from ssl_vit.evaluation.cache import FeatureCache
 from ssl_vit.evaluation.kinds import probe_protocol as probe_kind
 from ssl_vit.evaluation.stats import ACCURACY
 from ssl_vit.evaluation.suite import evaluate, load_suite
-from ssl_vit.evaluation.training import label_subset, selection_split
+from ssl_vit.evaluation.trained import label_subset, selection_split
 
 BACKBONE = {"variant": "S/8", "img_size": 32, "width": 32, "depth": 1, "heads": 2}
 LRS = [0.03, 0.3]

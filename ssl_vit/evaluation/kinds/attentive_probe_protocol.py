@@ -14,7 +14,7 @@ from pydantic.dataclasses import dataclass
 from ssl_vit.errors import UserError
 from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, PositiveInt, check_unique, register
-from ssl_vit.evaluation.training import OptimizerName, task_training
+from ssl_vit.evaluation.trained import OptimizerName, task_training
 from ssl_vit.models.vit import parse_variant
 from ssl_vit.tasks.attentive_probe import AttentiveProbe, TokenFeature
 

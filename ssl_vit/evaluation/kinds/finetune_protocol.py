@@ -15,7 +15,7 @@ from ssl_vit.evaluation.protocol import STRICT, NonNegative, Positive, register
 from ssl_vit.evaluation.scoring import statistics
 from ssl_vit.evaluation.selection import choose
 from ssl_vit.evaluation.stats import Score
-from ssl_vit.evaluation.training import (
+from ssl_vit.evaluation.trained import (
     OptimizerName,
     TrainedProtocol,
     TrainingSet,

@@ -10,7 +10,7 @@ from pydantic.dataclasses import dataclass
 
 from ssl_vit.evaluation.kinds.probe_protocol import ProbeProtocol
 from ssl_vit.evaluation.protocol import STRICT, register
-from ssl_vit.evaluation.training import task_training
+from ssl_vit.evaluation.trained import task_training
 from ssl_vit.tasks import LinearProbe
 
 

@@ -27,7 +27,7 @@ from ssl_vit.evaluation.segmentation import (
     pixel_counts,
 )
 from ssl_vit.evaluation.stats import Metric, Score
-from ssl_vit.evaluation.training import task_training
+from ssl_vit.evaluation.trained import task_training
 from ssl_vit.models.feature import FEATURES
 from ssl_vit.tasks.seg_probe import LinearSegProbe, upsample
 

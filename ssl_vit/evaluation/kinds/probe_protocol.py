@@ -10,7 +10,7 @@ from ssl_vit.evaluation.protocol import STRICT
 from ssl_vit.evaluation.scoring import restrict, statistics
 from ssl_vit.evaluation.selection import choose
 from ssl_vit.evaluation.stats import Score
-from ssl_vit.evaluation.training import TrainedProtocol, TrainingSet, for_head, train_cached, train_streamed
+from ssl_vit.evaluation.trained import TrainedProtocol, TrainingSet, for_head, train_cached, train_streamed
 
 
 @dataclass(config=STRICT)
