@@ -93,11 +93,6 @@ def bare_loop(steps: int, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def default_threads() -> int:
-    """Every core but one (the DataLoader worker's), at least one."""
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
 def _ssl_vit(*args: str, cwd: Path, threads: int | None = None) -> float:
     # TMPDIR: what the command leaves in temporary directories (W&B's) goes when `cwd` does
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "TMPDIR": str(cwd)}
@@ -122,7 +117,7 @@ def _ssl_vit(*args: str, cwd: Path, threads: int | None = None) -> float:
 
 
 def run_loop_bench(steps: int, batch_size: int, threads: int | None = None) -> dict:
-    threads = threads or default_threads()
+    threads = threads or max(1, (os.cpu_count() or 2) - 1)  # every core but the DataLoader worker's
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="ssl-vit-bench-loop-") as tmp:
         tmp = Path(tmp)

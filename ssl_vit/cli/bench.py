@@ -130,6 +130,14 @@ def _check_json(args) -> None:
         raise UserError(f"--json {args.json} exists: pass --overwrite to replace it, or give another file")
 
 
+def _shown(args, table: str, report) -> int:
+    """A bench command's end: `table` printed, `report` written to --json when one is given."""
+    print(table)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def _check(args) -> None:
     import torch
 
@@ -195,10 +203,7 @@ def _step(args) -> int:
     rank_zero = not distributed or dist.get_rank() == 0
     reports = _step_reports(args, progress=print if rank_zero else lambda _: None)
     if rank_zero:
-        for report in reports:
-            print("\n" + format_table(report) + "\n")
-        if args.json is not None:
-            args.json.write_text(json.dumps(reports, indent=1))
+        return _shown(args, "\n".join("\n" + format_table(report) + "\n" for report in reports), reports)
     return 0
 
 
@@ -209,10 +214,7 @@ def _loop(args) -> int:
         raise UserError("--steps, --batch-size and --threads must be at least 1")
     _check_json(args)
     report = run_loop_bench(args.steps, args.batch_size, args.threads)
-    print(format_loop(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    return _shown(args, format_loop(report), report)
 
 
 def _parts(args) -> int:
@@ -229,10 +231,7 @@ def _parts(args) -> int:
         rounds=args.rounds, steps=args.steps, warmup=args.warmup, depth=args.depth,
     )  # fmt: skip
     report = PartsBench(bench, args.task).run(print)
-    print("\n" + format_parts(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    return _shown(args, "\n" + format_parts(report), report)
 
 
 def _scaling(args) -> int:
@@ -240,10 +239,7 @@ def _scaling(args) -> int:
 
     _check(args)
     report = run_scaling(args)
-    print(format_scaling(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    return _shown(args, format_scaling(report), report)
 
 
 def _feed(args) -> int:
@@ -269,10 +265,7 @@ def _feed(args) -> int:
         batches=args.batches, device=args.device, decode=args.decode, shards=args.shards, progress=print,
     )  # fmt: skip
     report = step_rates(report, steps)
-    print("\n" + format_feed(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    return _shown(args, "\n" + format_feed(report), report)
 
 
 def _worker_counts(text: str) -> list[int]:

@@ -137,18 +137,12 @@ def fewshot_correct(
 
 
 def fewshot_accuracy(
-    train_x: Tensor,
-    train_y: Tensor,
-    test_x: Tensor,
-    test_y: Tensor,
-    shots: Sequence[int] = (1, 5, 10, 25),
-    seeds: Sequence[int] = (0, 1, 2),
-    ridge: float = 1024.0,
-    classes: Sequence[int] | None = None,
+    train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, **options
 ) -> dict[int, tuple[float, float]]:
     """Few-shot accuracy for each shot count: {shots: (mean, std)} over `seeds`, as fractions in [0, 1];
-    the std is the population std over seeds (0 for a single seed). Arguments: as `fewshot_correct`."""
-    correct = fewshot_correct(train_x, train_y, test_x, test_y, shots, seeds, ridge, classes)
+    the std is the population std over seeds (0 for a single seed). Arguments and options: as
+    `fewshot_correct`."""
+    correct = fewshot_correct(train_x, train_y, test_x, test_y, **options)
     results = {}
     for k, hits in correct.items():
         acc = hits.double().mean(1)

@@ -47,8 +47,3 @@ def knn_correct(
         votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())  # (c, K)
         correct.append((votes.argmax(1) == test_y[start : start + chunk_size]).cpu())
     return torch.cat(correct)
-
-
-def knn_accuracy(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, **options) -> float:
-    """Top-1 accuracy in [0, 1] of the weighted k-NN vote; arguments and options: as `knn_correct`."""
-    return knn_correct(train_x, train_y, test_x, test_y, **options).double().mean().item()

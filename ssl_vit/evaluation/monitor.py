@@ -41,7 +41,7 @@ class FewShotMonitor(pl.Callback):
             (`trainer.datamodule.train_urls`), for sets as small as the quickstart's.
         test_urls: shards the accuracy is measured on; by default the training data's `val_urls`.
         every_n_steps: evaluation interval in optimizer steps.
-        shots, seeds, ridge, classes: as in `ssl_vit.evaluation.fewshot.fewshot_accuracy`.
+        shots, seeds, ridge, classes: as in `ssl_vit.evaluation.fewshot.fewshot_correct`.
         feature: which frozen feature (`ssl_vit.evaluation.features`).
         image_size: evaluation resolution; by default the backbone's.
         batch_size: images per forward pass.
@@ -151,9 +151,8 @@ class FewShotMonitor(pl.Callback):
         shots = self._shots_possible(train.y, test.y, trainer)
         if not shots:
             return
-        accuracy = fewshot_accuracy(
-            train.x, train.y, test.x, test.y, shots, self.seeds, self.ridge, self.classes
-        )
+        options = dict(shots=shots, seeds=self.seeds, ridge=self.ridge, classes=self.classes)
+        accuracy = fewshot_accuracy(train.x, train.y, test.x, test.y, **options)
         if trainer.is_global_zero:
             metrics = {f"fewshot/{shots}shot": mean for shots, (mean, _) in accuracy.items()}
             for logger in trainer.loggers:

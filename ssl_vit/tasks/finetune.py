@@ -20,16 +20,15 @@ from ssl_vit.tasks.supervised import SupervisedPretraining
 Preset = Literal["vit_paper", "mae"]
 Loss = Literal["softmax", "sigmoid"]
 
-# What a preset sets among the task's own choices; any explicit argument overrides it. The optimizer,
-# schedule, gradient clipping and data augmentation of a preset are injected by LightningCLI and live
-# in its recipe (recipes/finetune/).
+# What a preset sets among the task's own choices; any explicit argument overrides it, and without a
+# preset `vit_paper`'s are the defaults. The optimizer, schedule, gradient clipping and data
+# augmentation of a preset are injected by LightningCLI and live in its recipe (recipes/finetune/).
 PRESETS: dict[str, dict] = {
     # ViT paper sec 3.2: the [class] token into one zero-initialised linear layer, no layer decay.
     "vit_paper": dict(feature="cls", layer_decay=None, loss="softmax"),
     # MAE appendix A.1 (Table 9): global average pooling + fc_norm; layer decay by size (mae_layer_decay).
     "mae": dict(feature="mean", loss="softmax"),
 }
-DEFAULTS = dict(feature="cls", layer_decay=None, loss="softmax")
 
 
 def mae_layer_decay(variant: str) -> float:
@@ -38,10 +37,10 @@ def mae_layer_decay(variant: str) -> float:
 
 
 def resolve_choices(preset: str | None, variant: str, feature, layer_decay, loss) -> dict:
-    """Fill unset choices from the preset (else DEFAULTS) and check them."""
+    """Fill unset choices from the preset (else `vit_paper`'s) and check them."""
     if preset is not None and preset not in PRESETS:
         raise BadValue(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
-    base = {**DEFAULTS, **PRESETS.get(preset, {})}
+    base = {**PRESETS["vit_paper"], **PRESETS.get(preset, {})}
     if preset == "mae":
         base["layer_decay"] = mae_layer_decay(variant)
     given = dict(feature=feature, layer_decay=layer_decay, loss=loss)

@@ -18,11 +18,16 @@ from torch.utils.data import DataLoader
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Augment, Limits, Stream
 from ssl_vit.data.stream.pipeline import ShardStream, _stack
-from ssl_vit.data.stream.samples import decode_image
+from ssl_vit.data.stream.samples import open_image, transform_image
 from ssl_vit.data.transforms.rgb import Decode, RandomResizedCrop, build_transform, decode
 from ssl_vit.errors import UserError
 
 TINY = {"image_size": 16, "augment": Augment(eval_crop_pct=1.0)}
+
+
+def decode_image(sample: dict, transform):
+    """`transform` applied to the sample's image, opened from its header as the stream opens it."""
+    return transform_image(open_image(sample), transform)
 
 
 def keys_of(loader) -> list[str]:

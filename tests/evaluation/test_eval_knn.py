@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from ssl_vit.evaluation.knn import knn_accuracy
+from ssl_vit.evaluation.knn import knn_correct
+
+
+def knn_accuracy(*tensors, **options) -> float:
+    """Top-1 accuracy in [0, 1] of the weighted k-NN vote; arguments and options: as `knn_correct`."""
+    return knn_correct(*tensors, **options).double().mean().item()
 
 
 def test_tight_clusters_are_perfect():

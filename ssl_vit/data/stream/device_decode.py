@@ -62,7 +62,7 @@ DEVICE_MODES = ("RGB", "L")
 
 @dataclass
 class JpegCrop:
-    """A JPEG left for the device: its bytes (set by `samples.decode_image`), the crop box (left, top,
+    """A JPEG left for the device: its bytes (set by `samples.transform_image`), the crop box (left, top,
     width, height) in its full-size pixels and whether to flip the crop."""
 
     box: tuple[int, int, int, int]

@@ -24,7 +24,6 @@ from ssl_vit.data.format.arrays import (
     open_png16,
     png_bit_depth,
 )
-from ssl_vit.data.format.masks import check_mask_size
 from ssl_vit.data.format.members import IMAGE_MEMBERS, MAX_IMAGE_PIXELS, RGB, BadSample, Bands
 from ssl_vit.data.stream.device_decode import JpegCrop
 from ssl_vit.errors import NoUsableData, UserError, first_line
@@ -185,21 +184,6 @@ def pixels(opened: Opened, bands: Bands = RGB) -> np.ndarray:
     if array.dtype.kind == "f" and not np.isfinite(array).all():  # would poison statistics and losses
         raise BadSample(f"{opened.ext} holds NaN or infinite values")
     return array
-
-
-def decode_image(
-    sample: dict,
-    transform: Callable[[Image.Image], T],
-    mask: np.ndarray | None = None,
-    max_pixels: int | None = MAX_IMAGE_PIXELS,
-):
-    """`transform` applied to the sample's first image member read as RGB (`open_image`,
-    `transform_image`); with `mask` (uint8 [H, W]), `(image, mask)`, and a BadSample when the mask is
-    not the image's size."""
-    opened = open_image(sample, RGB, max_pixels)
-    if mask is not None:
-        check_mask_size(opened.size, mask)
-    return transform_image(opened, transform, mask=mask)
 
 
 def _members(sample: dict) -> str:
