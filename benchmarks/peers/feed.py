@@ -23,7 +23,6 @@ epoch's: the same samples in the same order (by key), and the same pixels (the a
 from __future__ import annotations
 
 import argparse
-import io
 import itertools
 import os
 import subprocess
@@ -33,15 +32,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from feed_datasets import SIZE, TRANSFORM
 from PIL import Image
-from torchvision.transforms import v2
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry",
           "retina", "colorwheel", "cat", "logo")  # fmt: skip
-SIZE, BATCH = 224, 64
-TRANSFORM = v2.Compose(
-    [v2.PILToTensor(), v2.RandomResizedCrop(SIZE, antialias=True), v2.RandomHorizontalFlip()]
-)
+BATCH = 64
 
 
 def write_jpegs(root: Path, count: int, seed: int = 0) -> list[tuple[Path, int]]:
@@ -64,10 +60,6 @@ def write_jpegs(root: Path, count: int, seed: int = 0) -> list[tuple[Path, int]]
                 big.crop((x, y, x + w, y + h)).save(path, quality=90)
             out.append((path, label))
     return out
-
-
-def decode(data: bytes) -> Image.Image:
-    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 # The feeds: each writes its format once, then gives a loader of batches (images uint8 (B, 3, 224, 224),

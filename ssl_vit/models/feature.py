@@ -23,7 +23,13 @@ from ssl_vit.registry import Registry
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ssl_vit.models.vit import Tokens
+
+class Tokens(NamedTuple):
+    """Named outputs of `ViT.encode`."""
+
+    cls: Tensor | None  # (B, D) final-norm [class] token; None without one
+    patches: Tensor  # (B, N or K, D) final-norm patch tokens, in the order they were given
+    pooled: Tensor  # (B, D) what timm's head would see: [class] token or normalised mean of patches
 
 
 class Readout(NamedTuple):

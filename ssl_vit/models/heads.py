@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from ssl_vit import masking
 from ssl_vit.errors import BadValue
+from ssl_vit.models.feature import Tokens
 from ssl_vit.models.init import xavier_linears
-from ssl_vit.models.vit import Tokens
 
 
 def zero_linear(in_features: int, out_features: int, bias_init: float = 0.0) -> nn.Linear:

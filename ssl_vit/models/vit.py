@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ssl_vit.errors import BadValue, shown
 from ssl_vit.models import features as _features  # noqa: F401  (registers the features)
-from ssl_vit.models.feature import FEATURES, Readout
+from ssl_vit.models.feature import FEATURES, Readout, Tokens
 
 # name -> (width, depth, heads, mlp_dim). B/L/H: ViT paper Table 1; Ti/S: DeiT; M: big_vision.
 VARIANTS: dict[str, tuple[int, int, int, int]] = {
@@ -91,14 +91,6 @@ def parse_variant(variant: str) -> Variant:
     if parsed.hybrid and parsed.patch_size not in HYBRID_STAGES:
         raise BadValue(f"hybrid {variant!r} needs a ResNet stride of {sorted(HYBRID_STAGES)}: {valid}")
     return parsed
-
-
-class Tokens(NamedTuple):
-    """Named outputs of `ViT.encode`."""
-
-    cls: Tensor | None  # (B, D) final-norm [class] token; None without one
-    patches: Tensor  # (B, N or K, D) final-norm patch tokens, in the order they were given
-    pooled: Tensor  # (B, D) what timm's head would see: [class] token or normalised mean of patches
 
 
 class ViT(VisionTransformer):
