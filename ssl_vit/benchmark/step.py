@@ -19,8 +19,6 @@ measured here.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 from lightning_fabric.utilities.throughput import get_available_flops
 from torch import Tensor
 
+from ssl_vit import memory
 from ssl_vit.benchmark import PRECISIONS, TASKS, model_name
 from ssl_vit.internals import inductor_cudagraph_skips
 from ssl_vit.models.vit import ViTConfig, build_vit, parse_variant
@@ -318,12 +317,7 @@ def available_memory(device: torch.device) -> int:
     """Bytes free for new tensors on `device`: the GPU's free memory, or the host's available memory."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with contextlib.suppress(OSError):  # Linux
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return memory.host_available()
 
 
 def _cudagraph_skips_note(config: dict) -> str:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ssl_vit import progress
+from ssl_vit import memory, progress
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import grouped
 from ssl_vit.errors import UserError
@@ -173,8 +173,8 @@ class FeatureCache:
 
     def _check_memory(self, split: str) -> None:
         """One line, before the pass, when the split's token cache would not fit: its size from the
-        manifest's image count, against this process's share of the memory free now (the ranks of a
-        node share it)."""
+        manifest's image count, against this process's share of the memory the host can give now (the
+        ranks of a node share it)."""
         per_image = self.token_bytes()
         if not per_image:
             return
@@ -187,12 +187,12 @@ class FeatureCache:
             raise UserError(f"{split}_urls have no manifest to size the token cache of 'eval' by: {fix}")
         need = images * per_image
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / ranks
+        free = memory.host_available() / ranks
         if need > CACHE_SHARE * free:
             raise UserError(
                 f"caching the tokens of the {images} images of {split}_urls takes {need / 2**30:.1f} GiB, "
-                f"more than {CACHE_SHARE:.0%} of this process's {free / 2**30:.1f} GiB free (building it "
-                f"holds about 3 copies): {fix}, or fewer images"
+                f"more than {CACHE_SHARE:.0%} of the {free / 2**30:.1f} GiB this process can have "
+                f"(building it holds about 3 copies): {fix}, or fewer images"
             )
 
 

@@ -133,6 +133,23 @@ def test_a_token_cache_larger_than_memory_allows_is_refused_before_its_pass(digi
     assert not out.exists()
 
 
+def test_the_token_cache_counts_the_page_cache_as_memory_it_can_have(digits_shards, tmp_path, cli):
+    """A host whose memory is nearly all page cache (a node that has just read its shards): free pages
+    (here made one page) are not what the cache may use; the memory the kernel can give, which counts the
+    cache it drops on demand, is. The token cache is built and the suite runs."""
+    train, test = digits_shards / "train-000000.tar", digits_shards / "val-000000.tar"
+    suite = write_suite(tmp_path / "s.yaml", train, test, [ATTENTIVE])
+    one_free_page = (
+        "import os; sysconf = os.sysconf; "
+        "os.sysconf = lambda name: 1 if name == 'SC_AVPHYS_PAGES' else sysconf(name)"
+    )
+    proc = cli(
+        "evaluate", "scratch", "--suite", str(suite), "--out", str(tmp_path / "out"), prelude=one_free_page
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "results.json").exists()
+
+
 def test_the_folded_pooling_is_the_attention_of_projected_keys_and_values():
     """The pooling folds the query into the key matrix and applies the value matrix after pooling; it
     must equal the textbook form (every token projected to keys and values, scaled dot-product
