@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from ssl_vit.cli.config_errors import moved_options
-from ssl_vit.errors import UserError, shown
+from ssl_vit.moved import move
 from ssl_vit.run.preflight import DEFAULT_ROOT
 
 log = logging.getLogger("ssl_vit.cli")
@@ -73,26 +73,6 @@ def _move_options(node, path: str) -> list[tuple[str, str]]:
     if isinstance(node.get("class_path"), str) and isinstance(init_args, dict):
         for old, new in moved_options(node["class_path"]).items():
             if old in init_args:
-                _move(init_args, old, new, path)
+                move(init_args, old, new, path)
                 moved.append((old, new))
     return moved + [pair for value in node.values() for pair in _move_options(value, path)]
-
-
-def _move(init_args: dict, old: str, new: str, path: str) -> None:
-    """`init_args[old]` moved to the dotted place `new`. A file that gives both (edited by hand) with
-    different values is refused in one line: either value would be a guess."""
-    *groups, name = new.split(".")
-    place = init_args
-    for group in groups:
-        parent, place = place, place.get(group)
-        if place is None:  # absent, or `augment: null` beside the old keys: the group from them alone
-            place = parent[group] = {}
-        if not isinstance(place, dict):
-            raise UserError(f"{path}: {group} is {shown(place)}, beside {old}: give {group} as a mapping")
-    value = init_args.pop(old)
-    if name in place and place[name] != value:
-        raise UserError(
-            f"{path}: {old} ({shown(value)}) and {new} ({shown(place[name])}) are both given: keep {new} "
-            f"and take {old} out"
-        )
-    place[name] = value

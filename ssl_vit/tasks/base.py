@@ -3,6 +3,7 @@ that rebuild it, optimizer groups and schedule, lr scaling by global batch, thro
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from ssl_vit.checkpoints import load_backbone
 from ssl_vit.errors import BadValue, UserError
 from ssl_vit.internals import CLASS_PATH_KEY, accumulating
 from ssl_vit.models.vit import ViTConfig
+from ssl_vit.moved import move
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
 
 # A per-band statistic (the data's input normalisation): one value per input band, `backbone.in_chans`.
@@ -228,12 +230,12 @@ class BackboneTask(pl.LightningModule):
 
 def upgraded_hparams(hparams: dict) -> dict:
     """A checkpoint's hyperparameters with the options it holds flat (written before they moved into
-    `training`) moved there."""
-    flat = {name: hparams[name] for name in BackboneTask.MOVED_OPTIONS if name in hparams}
-    if not flat:
-        return hparams
-    rest = {key: value for key, value in hparams.items() if key not in flat}
-    return {**rest, "training": {**hparams.get("training", {}), **flat}}
+    `training`) moved there, as a run's config.yaml has them moved (`ssl_vit.moved`)."""
+    hparams = copy.deepcopy(hparams)
+    for old, new in BackboneTask.MOVED_OPTIONS.items():
+        if old in hparams:
+            move(hparams, old, new, "the checkpoint's hyper_parameters")
+    return hparams
 
 
 def check_band_stats(mean: Bands, std: Bands, bands: int) -> None:
