@@ -125,14 +125,14 @@ study-compare: $(STAMP)
 # every shared method, interleaved, at S/16 and B/16, 224 px, batch 8 on the CPU, written to
 # benchmarks/peers/RESULTS.md, then the same JPEGs through ssl-vit's ShardDataModule, webdataset, litdata
 # and mosaicml-streaming (feed.py, its table appended there; images under runs/peers/feed).
-# PEERS_SPEED_ARGS, PEERS_FEED_ARGS: other sizes or rounds (e.g. --variants S/16 --rounds 3).
+# PEERS_SPEED_ARGS, PEERS_FEED_ARGS: other sizes or rounds (e.g. --variants S/16 --rounds 5; 3 rounds keep make peers under 2 h on 2 cores).
 # Then quality.py: each peer's MAE and SimMIM trained at the study's budget (one peer per core), and
 # `ssl-vit compare` of them against ssl-vit's own (make study's mae and simmim runs, trained here first
 # where missing) on the study's suite without fine-tuning, with verdicts on benchmarks/peers/claims.yaml.
 PEERS_VENV := .venv-peers
 PEERS_PY := $(PEERS_VENV)/bin/python
 PEERS_STAMP := $(PEERS_VENV)/.installed
-PEERS_SPEED_ARGS ?= --variants S/16 B/16 --batch-size 8 --rounds 5
+PEERS_SPEED_ARGS ?= --variants S/16 B/16 --batch-size 8 --rounds 3
 PEERS_FEED_ARGS ?= --images 5000 --workers 1 2 --batches 30
 PEERS_QUALITY_ARGS ?= --methods mae simmim --seeds 0 1 --out runs/peers/quality
 PEERS_QUALITY := OMP_NUM_THREADS=1 $(PEERS_PY) benchmarks/peers/quality.py $(PEERS_QUALITY_ARGS)
