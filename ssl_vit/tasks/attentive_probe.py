@@ -112,11 +112,6 @@ class AttentiveProbe(FrozenProbe):
         prefix = self.backbone.num_prefix_tokens if feature == "tokens" else 0
         self.tokens_per_image = prefix + self.backbone.grid_size[0] * self.backbone.grid_size[1]
 
-    @torch.no_grad()
-    def features(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> frozen tokens (B, T, D), no graph."""
-        return self.backbone.feature_set(images, (self.feature,))[self.feature]
-
     def classify(self, features: Tensor, head: int | None = None) -> Tensor:
         """tokens (B, T, D) -> logits of every probe (H, B, K), or of probe `head` only (1, B, K)."""
         tokens = self.norm(features.transpose(1, 2)).transpose(1, 2)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue, UserError
-from ssl_vit.models.vit import ViTConfig
+from ssl_vit.models.vit import LAST_K, ViTConfig
 from ssl_vit.tasks.base import BackboneTask, Training, step_inputs
 
 
@@ -31,7 +31,7 @@ class FrozenProbe(BackboneTask):
     the optimizer's), each head one param group: its gradient is its own loss's (`forward_loss` sums the
     heads' losses).
 
-    Subclasses define `features(images)` (the frozen input of the heads), `classify(features, head)`
+    Subclasses set `self.feature` (the heads' frozen input, `features`), define `classify(features, head)`
     (every head's output, (H, B, ...), or one head's) and `head_loss(outputs (B, ...), targets)`;
     `TARGET` names the batch entry the loss reads (`label`, or `mask` for a segmentation).
 
@@ -80,8 +80,11 @@ class FrozenProbe(BackboneTask):
         self.backbone.eval()
         return self
 
+    @torch.no_grad()
     def features(self, images: Tensor) -> Tensor:
-        raise NotImplementedError
+        """images: (B, C, H, W) -> the frozen input of the heads, `self.feature`: (B, D) pooled or (B, T, D)
+        per token, no graph."""
+        return self.backbone.feature_set(images, (self.feature,), LAST_K)[self.feature]
 
     def classify(self, features: Tensor, head: int | None = None) -> Tensor:
         raise NotImplementedError

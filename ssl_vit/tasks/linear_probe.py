@@ -64,11 +64,6 @@ class LinearProbe(FrozenProbe):
         self.heads.extend(zero_linear(width, num_classes) for _ in lrs)
         self.tokens_per_image = 1 + self.backbone.grid_size[0] * self.backbone.grid_size[1]
 
-    @torch.no_grad()
-    def features(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> frozen features (B, D), no graph."""
-        return self.backbone.features(images, self.feature)
-
     def classify(self, features: Tensor, head: int | None = None) -> Tensor:
         """features: (B, D) -> logits of every head (H, B, K), or of head `head` only (1, B, K)."""
         features = self.norm(features)

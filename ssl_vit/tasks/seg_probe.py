@@ -68,11 +68,6 @@ class LinearSegProbe(FrozenProbe):
         self.heads.extend(zero_linear(width, num_classes) for _ in self.lrs)
         self.tokens_per_image = self.backbone.grid_size[0] * self.backbone.grid_size[1]
 
-    @torch.no_grad()
-    def features(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> frozen patch tokens (B, N, D), no graph."""
-        return self.backbone.feature_set(images, (self.feature,), LAST_K)[self.feature]
-
     def classify(self, features: Tensor, head: int | None = None) -> Tensor:
         """patch tokens (B, N, D) -> every head's class map at the patch grid (H, B, K, h, w), or head
         `head`'s only (1, B, K, h, w)."""
