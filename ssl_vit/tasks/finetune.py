@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from timm.optim import param_groups_layer_decay
 from torch import Tensor, nn
 
 from ssl_vit.errors import BadValue
@@ -119,16 +118,7 @@ class FineTune(SupervisedPretraining):
 
     def param_groups(self) -> list[dict]:
         """Weight-decay groups, split by layer with an `lr_scale` each when layer decay is on."""
-        if self.layer_decay in (None, 1.0):
-            return weight_decay_groups(self, self.no_weight_decay())
-        # Weight decay off for 1-D parameters and no_weight_decay(), as in weight_decay_groups.
-        groups = param_groups_layer_decay(
-            self, weight_decay=1.0, no_weight_decay_list=self.no_weight_decay(), layer_decay=self.layer_decay
-        )
-        for group in groups:
-            if group["weight_decay"]:
-                del group["weight_decay"]  # decaying groups take the optimizer's configured value
-        return groups
+        return weight_decay_groups(self, self.no_weight_decay(), self.layer_decay)
 
 
 __all__ = ["PRESETS", "FineTune", "mae_layer_decay"]

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
-from timm.optim import param_groups_weight_decay
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
@@ -49,11 +49,20 @@ class WarmupDecay(LambdaLR):
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * shape
 
 
-def weight_decay_groups(module: nn.Module, no_decay: set[str]) -> list[dict]:
+def weight_decay_groups(
+    module: nn.Module, no_decay: set[str], layer_decay: float | None = None
+) -> list[dict]:
     """Parameter groups with weight decay off for norms, biases (every 1-D parameter) and the names in
     `no_decay` (position embeddings, [class] and mask tokens; fnmatch patterns), as in the ViT and MAE
-    code. The decaying group carries no `weight_decay` key, so the optimizer's configured value applies."""
-    groups = param_groups_weight_decay(module, weight_decay=1.0, no_weight_decay_list=no_decay)
+    code; with `layer_decay` (None or 1: off) split by layer too, each with an `lr_scale` (timm's
+    `param_groups_layer_decay`, by the module's `group_matcher`). The decaying groups carry no
+    `weight_decay` key, so the optimizer's configured value applies."""
+    if layer_decay in (None, 1.0):
+        groups = param_groups_weight_decay(module, weight_decay=1.0, no_weight_decay_list=no_decay)
+    else:
+        groups = param_groups_layer_decay(
+            module, weight_decay=1.0, no_weight_decay_list=no_decay, layer_decay=layer_decay
+        )
     for group in groups:
         if group["weight_decay"]:
             del group["weight_decay"]
