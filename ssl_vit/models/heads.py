@@ -81,9 +81,6 @@ class MAEDecoder(nn.Module):
         )
         self.norm = norm(dim)
         self.pred = nn.Linear(dim, out_dim)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
         # MAE's init: xavier-uniform linears (following the official JAX ViT), N(0, 0.02) mask token.
         nn.init.normal_(self.mask_token, std=0.02)
         xavier_linears(self)
