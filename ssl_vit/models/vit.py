@@ -147,7 +147,10 @@ class ViT(VisionTransformer):
             x = torch.cat([(self.cls_token + prefix_pos).expand(x.shape[0], -1, -1), x], dim=1)  # (B, P+K, D)
         x = self.norm_pre(self.pos_drop(x))
         x = checkpoint_seq(self.blocks, x) if self.grad_checkpointing else self.blocks(x)
-        x = self.norm(x)
+        return self.named_tokens(self.norm(x))
+
+    def named_tokens(self, x: Tensor) -> Tokens:
+        """x: (B, P+N, D) tokens after the final norm -> their `Tokens` ([class], patches, pooled)."""
         return Tokens(
             cls=x[:, 0] if self.cls_token is not None else None,
             patches=x[:, self.num_prefix_tokens :],
@@ -212,13 +215,8 @@ class ViT(VisionTransformer):
         normed = [
             self.norm(torch.cat([out[1], out[0]], dim=1) if isinstance(out, tuple) else out) for out in blocks
         ]  # each (B, T, D)
-        pooled = [self.forward_head(x, pre_logits=True) for x in normed]
-        final = normed[-1]
-        tokens = Tokens(
-            cls=final[:, 0] if self.cls_token is not None else None,
-            patches=final[:, self.num_prefix_tokens :],
-            pooled=pooled[-1],
-        )
+        tokens = self.named_tokens(normed[-1])
+        pooled = [self.forward_head(x, pre_logits=True) for x in normed[:-1]] + [tokens.pooled]
         return Readout(tokens, normed, pooled, self.num_prefix_tokens)
 
 
