@@ -54,9 +54,7 @@ def masked_prediction_picture(
 
 def masked_rows(ctx: TargetContext, scene: Scene, recon: Tensor) -> list[Tensor]:
     """The input, the input with its masked patches grey (what the model saw), then `recon` (n, 3, H, W)."""
-    patches = patchify(scene.shown, ctx.patch_size)  # (n, N, p*p*3)
-    masked = patches.scatter(1, token_index(scene.idx, patches), 0.5)
-    return [scene.shown, unpatchify(masked, ctx.patch_size, ctx.grid), recon]
+    return [scene.shown, filled(ctx, scene, scene.shown.new_full(scene.idx.shape, 0.5)), recon]
 
 
 def pasted(ctx: TargetContext, scene: Scene, pred: Tensor) -> Tensor:
