@@ -28,10 +28,9 @@ from torch.optim import SGD, AdamW, Optimizer
 
 from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.options import grouped
 from ssl_vit.data.transforms.rgb import Preset
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.cache import datamodule_args
+from ssl_vit.evaluation.cache import data_module
 from ssl_vit.evaluation.features import Features, local_device
 from ssl_vit.evaluation.protocol import (
     STRICT,
@@ -431,17 +430,13 @@ def train_streamed(model, protocol: TrainedProtocol, features: FeatureCache, pla
     subset = {} if keys is None else dict(train_keys=keys)
     if keys is not None or steps:  # an epoch of its own size: the manifest's count is not needed
         subset["train_batches"] = batches
-    datamodule = ShardDataModule(
-        **grouped(
-            dict(
-                train_urls=data["train_urls"],
-                classes=protocol.classes,
-                **protocol.augment(),
-                **subset,
-                **{k: v for k, v in datamodule_args(data).items() if k != "batch_size"},
-                batch_size=protocol.batch_size,
-            )
-        )
+    datamodule = data_module(
+        data,
+        train_urls=data["train_urls"],
+        classes=protocol.classes,
+        **protocol.augment(),
+        **subset,
+        batch_size=protocol.batch_size,
     )
     # the manifests as the frozen protocols' data module read them: the same epoch size and eval view
     datamodule.manifests = features.datamodule.manifests

@@ -6,11 +6,9 @@ from typing import Any, ClassVar
 
 from pydantic.dataclasses import dataclass
 
-from ssl_vit.data import ShardDataModule
-from ssl_vit.data.options import grouped
 from ssl_vit.data.stream.urls import local
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.cache import datamodule_args
+from ssl_vit.evaluation.cache import data_module
 from ssl_vit.evaluation.knn import knn_correct
 from ssl_vit.evaluation.protocol import STRICT, Outcome, Positive, PositiveInt, Protocol, register
 from ssl_vit.evaluation.scoring import restrict
@@ -45,9 +43,7 @@ def _check_k(protocol: KNNProtocol, data: dict, where: str) -> None:
     manifest): a larger k would quietly become all of them."""
     if not local(data["train_urls"]):
         return  # remote: its manifest is read once, by the evaluation (a second fetch here is not free)
-    datamodule = ShardDataModule(
-        **grouped(dict(train_urls=data["train_urls"], test_urls=data["test_urls"], **datamodule_args(data)))
-    )
+    datamodule = data_module(data, train_urls=data["train_urls"], test_urls=data["test_urls"])
     try:
         images = datamodule.samples_in("train")
         manifest = datamodule.manifest or {}
