@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ssl_vit.benchmark import COMPILE_MODES, PRECISIONS, TASKS, model_name
 from ssl_vit.cli.data import add_jpeg_options, check_jpeg_options
+from ssl_vit.cli.info import patch_size
 from ssl_vit.errors import UserError, check_at_least
 
 
@@ -142,18 +143,10 @@ def _check(args) -> None:
     import torch
 
     from ssl_vit.benchmark.step import available_memory, batch_memory
-    from ssl_vit.models.vit import parse_variant
 
-    try:
-        patch = parse_variant(args.variant).patch_size
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    patch_size(args.variant, args.img_size)
     check_at_least(args, 1, "batch_size", "depth", "rounds", "steps", "threads")
     check_at_least(args, 0, "warmup")
-    if args.img_size < patch or args.img_size % patch:
-        raise UserError(
-            f"--img-size {args.img_size}: give a multiple of {args.variant}'s {patch}-pixel patches"
-        )
     try:
         device = torch.device(args.device)
     except RuntimeError:

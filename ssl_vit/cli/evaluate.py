@@ -12,13 +12,12 @@ from pathlib import Path
 from ssl_vit.checkpoints import SOURCES
 from ssl_vit.errors import UserError
 
-CHECKPOINT_HELP = SOURCES
 OVERWRITE_HELP = "replace a non-empty --out directory (once the new results are complete)"
 
 
 def add_parsers(subparsers) -> None:
     evaluate = subparsers.add_parser("evaluate", help="run an evaluation suite on one checkpoint")
-    evaluate.add_argument("checkpoint", metavar="CKPT", help=CHECKPOINT_HELP)
+    evaluate.add_argument("checkpoint", metavar="CKPT", help=SOURCES)
     evaluate.add_argument("--suite", required=True, help="suite YAML (see recipes/eval/)")
     evaluate.add_argument("--out", required=True, help="output directory; results.json goes there")
     evaluate.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
@@ -29,7 +28,7 @@ def add_parsers(subparsers) -> None:
         "checkpoints",
         metavar="NAME=CKPT",
         nargs="+",
-        help=f"CKPT: {CHECKPOINT_HELP}; NAME=CKPT1,CKPT2,... groups pretraining runs of one method",
+        help=f"CKPT: {SOURCES}; NAME=CKPT1,CKPT2,... groups pretraining runs of one method",
     )
     compare.add_argument("--suite", required=True, help="suite YAML (see recipes/eval/)")
     compare.add_argument("--out", required=True, help="output directory for results.csv/.md and plots")

@@ -57,6 +57,20 @@ def _check_mae(args: argparse.Namespace, patches: int) -> None:
         raise UserError(f"--decoder-depth {args.decoder_depth}: give at least 1 block, e.g. MAE's 8")
 
 
+def patch_size(variant: str, img_size: int) -> int:
+    """`variant`'s patch size, which `img_size` (--img-size) must be a multiple of: one line otherwise, or
+    for a variant that is not one."""
+    from ssl_vit.models.vit import parse_variant
+
+    try:
+        patch = parse_variant(variant).patch_size
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if img_size < patch or img_size % patch:
+        raise UserError(f"--img-size {img_size}: give a multiple of {variant}'s {patch}-pixel patches")
+    return patch
+
+
 def describe(source: str) -> list[str]:
     """What the checkpoint `source` holds, in a few lines: its kind, its backbone and parameter count,
     and what verified its bytes (a damaged one is refused in one line by the loader)."""
@@ -112,20 +126,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ssl_vit.models.cost import mae_cost, vit_cost
-    from ssl_vit.models.vit import EXAMPLE_VARIANTS, parse_variant
+    from ssl_vit.models.vit import EXAMPLE_VARIANTS
 
     args.variants = args.variants or list(EXAMPLE_VARIANTS)
     patches = []
     for variant in args.variants:
-        try:
-            patch = parse_variant(variant).patch_size
-        except ValueError as err:
-            raise UserError(str(err)) from None
-        if args.img_size < patch or args.img_size % patch:
-            raise UserError(
-                f"--img-size {args.img_size}: give a multiple of {variant}'s {patch}-pixel patches"
-            )
-        patches.append((args.img_size // patch) ** 2)
+        patches.append((args.img_size // patch_size(variant, args.img_size)) ** 2)
     _check_mae(args, min(patches))
     table = Table(title=f"ViT variants at {args.img_size}px (forward, per image; FLOPs = 2 x MACs)")
     for column in (

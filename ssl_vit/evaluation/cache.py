@@ -36,11 +36,12 @@ class Index(NamedTuple):
     keys: list[str]  # the samples' __key__, sorted
 
 
-def datamodule_args(data: dict[str, Any]) -> dict[str, Any]:
-    """The ShardDataModule arguments of a suite's data block (`suite_file.DataBlock`): its keys but its
-    splits' URLs, flat as the suite writes them (a data module is built from them with
-    `ssl_vit.data.options.grouped`)."""
-    return {key: value for key, value in data.items() if not key.endswith("_urls")}
+def data_module(data: dict[str, Any], **args: Any) -> ShardDataModule:
+    """A ShardDataModule of a suite's data block (`suite_file.DataBlock`, flat as the suite writes it,
+    gathered by `ssl_vit.data.options.grouped`): the block's keys but its splits' URLs, then `args` (the
+    URLs of the splits it reads among them) over those."""
+    block = {key: value for key, value in data.items() if not key.endswith("_urls")}
+    return ShardDataModule(**grouped({**block, **args}))
 
 
 def with_normalisation(data: dict[str, Any], datamodule: ShardDataModule) -> dict[str, Any]:
@@ -70,27 +71,18 @@ class FeatureCache:
     @staticmethod
     def datamodule_of(data: dict[str, Any]) -> ShardDataModule:
         """A data module of a suite's data block, for exact passes (no training epoch to size)."""
-        return ShardDataModule(
-            **grouped(
-                dict(
-                    train_urls=data["train_urls"],
-                    val_urls=data.get("val_urls"),
-                    test_urls=data["test_urls"],
-                    train_batches=1,  # exact passes only: no training epoch to size from a manifest
-                    **datamodule_args(data),
-                )
-            )
+        return data_module(
+            data,
+            train_urls=data["train_urls"],
+            val_urls=data.get("val_urls"),
+            test_urls=data["test_urls"],
+            train_batches=1,  # exact passes only: no training epoch to size from a manifest
         )
 
     def normalisation(self) -> dict[str, tuple[float, ...]]:
         """The data's per-band `mean` and `std` as its data module resolved them ('auto': from the
         manifest), for the tasks a protocol trains: they record them."""
         return {"mean": tuple(self.datamodule.mean), "std": tuple(self.datamodule.std)}
-
-    @staticmethod
-    def manifest_count(data: dict[str, Any]) -> int | None:
-        """The training images of a data block as its manifest counts them; None without a manifest."""
-        return FeatureCache.datamodule_of(data).samples_in("train")
 
     def get(self, split: str, feature: str) -> Features:
         if feature not in self.kinds:

@@ -15,7 +15,8 @@ Legend: n support samples, m test samples, F feature width, K classes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -75,15 +76,17 @@ def ridge_predict(model: RidgeModel, x: Tensor) -> Tensor:
     return (_design(x, model.mean, model.std) @ model.weights).argmax(1)
 
 
-def _sample_support(y: Tensor, shots: int, num_classes: int, seed: int) -> Tensor:
-    """y: (n,) labels in [0, num_classes) -> (shots * num_classes,) indices, `shots` per class drawn
-    without replacement (big_vision samples each class independently as well)."""
+def draw_per_class(labels: Tensor, classes: Iterable[int], seed: int, count: Callable[[int], int]) -> Tensor:
+    """Positions into `labels` (n,), class by class of `classes`: `count(c)` of the class's c samples,
+    drawn without replacement, one permutation per class from one generator seeded with `seed` (big_vision
+    samples each class independently as well). A few-shot support set, a label fraction, the images
+    held out to choose on (`ssl_vit.evaluation.trained`)."""
     generator = torch.Generator().manual_seed(seed)
-    chosen = []
-    for c in range(num_classes):
-        members = torch.nonzero(y.cpu() == c).flatten()
-        chosen.append(members[torch.randperm(len(members), generator=generator)[:shots]])
-    return torch.cat(chosen).to(y.device)
+    chosen = [torch.zeros(0, dtype=torch.int64)]
+    for c in classes:
+        members = torch.nonzero(labels == c).flatten()
+        chosen.append(members[torch.randperm(len(members), generator=generator)[: count(len(members))]])
+    return torch.cat(chosen)
 
 
 def fewshot_correct(
@@ -125,11 +128,11 @@ def fewshot_correct(
             f"{max(shots)}-shot needs {max(shots)} training samples per class; classes with fewer "
             f"(class: count): {short}. Lower the shots or add training samples."
         )
-    results = {}
+    results, pool = {}, train_y.cpu()  # the support sets are drawn on the CPU
     for k in shots:
         correct = []
         for seed in seeds:
-            support = _sample_support(train_y, k, num_classes, seed)
+            support = draw_per_class(pool, range(num_classes), seed, partial(min, k)).to(train_y.device)
             model = ridge_fit(train_x[support], train_y[support], num_classes, ridge)
             correct.append((ridge_predict(model, test_x) == test_y).cpu())
         results[k] = torch.stack(correct)

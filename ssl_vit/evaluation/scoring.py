@@ -14,10 +14,8 @@ import torch
 from torch import Tensor
 
 from ssl_vit import progress
-from ssl_vit.data import ShardDataModule
-from ssl_vit.data.options import grouped
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.cache import datamodule_args
+from ssl_vit.evaluation.cache import data_module
 from ssl_vit.evaluation.features import Features, local_device
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 
@@ -58,17 +56,13 @@ def statistics(
 
 def _streamed(models, protocol, features: FeatureCache, split, keys, head) -> Tensor:
     data = features.data
-    datamodule = ShardDataModule(
-        **grouped(
-            {
-                f"{split}_urls": data[f"{split}_urls"],
-                "classes": protocol.classes,
-                "train_keys": keys if split == "train" else None,
-                "train_batches": 1,  # an exact pass: no training epoch to size from the manifest
-                "require_labels": protocol.TARGET == "label",  # unlabelled images have no right answer
-                **datamodule_args(data),
-            }
-        )
+    datamodule = data_module(
+        data,
+        **{f"{split}_urls": data[f"{split}_urls"]},
+        classes=protocol.classes,
+        train_keys=keys if split == "train" else None,
+        train_batches=1,  # an exact pass: no training epoch to size from the manifest
+        require_labels=protocol.TARGET == "label",  # unlabelled images have no right answer
     )
     datamodule.manifests = features.datamodule.manifests
     parts, order_keys = [], []

@@ -97,10 +97,6 @@ class Difference(NamedTuple):
     high: float
     verdict: Verdict  # win: interval above 0; loss: below 0; noise: it contains 0
 
-    @property
-    def half_width(self) -> float:
-        return (self.high - self.low) / 2
-
 
 def _weights(n: int, resamples: int, generator: torch.Generator) -> Tensor:
     """(resamples, n) float64: how often each of n items is drawn in each resample, divided by n."""

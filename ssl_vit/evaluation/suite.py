@@ -159,7 +159,7 @@ def _check_dataset(name: str, data: dict[str, Any], suite: Suite) -> None:
     for p in protocols:
         check_scorable(p, datamodule, name, f"{suite.path}: protocol {p.name!r}")
     sized = [p for p in protocols if p.needs_epoch_size()]
-    if sized and FeatureCache.manifest_count(data) is None:
+    if sized and datamodule.samples_in("train") is None:
         raise UserError(
             f"{suite.path}: protocol {sized[0].name!r}: train_urls of {name} have no manifest to size an "
             "epoch by: give the protocol steps (optimizer steps instead of epochs), or shards written by "

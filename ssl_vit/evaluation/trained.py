@@ -28,11 +28,11 @@ from torch.optim import SGD, AdamW, Optimizer
 
 from ssl_vit import progress
 from ssl_vit.data import ShardDataModule
-from ssl_vit.data.options import grouped
 from ssl_vit.data.transforms.rgb import Preset
 from ssl_vit.errors import UserError
-from ssl_vit.evaluation.cache import datamodule_args
+from ssl_vit.evaluation.cache import data_module
 from ssl_vit.evaluation.features import Features, local_device
+from ssl_vit.evaluation.fewshot import draw_per_class
 from ssl_vit.evaluation.protocol import (
     STRICT,
     Fraction,
@@ -266,14 +266,8 @@ def label_subset(
     class's draw is one permutation whatever the fraction, so one seed's subsets are nested: the 1% lies
     inside the 10%.
     """
-    generator = torch.Generator().manual_seed(seed)
-    wanted = torch.unique(labels[labels >= 0]) if classes is None else sorted(set(classes))
-    chosen = []
-    for c in [int(c) for c in wanted]:
-        members = torch.nonzero(labels == c).flatten()
-        keep = max(1, round(fraction * len(members)))
-        chosen.append(members[torch.randperm(len(members), generator=generator)[:keep]])
-    return torch.cat(chosen).sort().values if chosen else torch.zeros(0, dtype=torch.int64)
+    wanted = torch.unique(labels[labels >= 0]).tolist() if classes is None else sorted(set(classes))
+    return draw_per_class(labels, wanted, seed, lambda n: max(1, round(fraction * n))).sort().values
 
 
 def selection_split(labels: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,13 +278,10 @@ def selection_split(labels: torch.Tensor, fraction: float, seed: int) -> tuple[t
     every class keeps at least one image to train on (a class of one image holds none out). Drawn from
     `seed` (the suite's: every checkpoint is selected on the same images), one permutation per class.
     """
-    generator = torch.Generator().manual_seed(seed)
-    held = []
-    for c in torch.unique(labels).tolist():
-        members = torch.nonzero(labels == c).flatten()
-        keep = min(len(members) - 1, max(1, round(fraction * len(members))))
-        held.append(members[torch.randperm(len(members), generator=generator)[:keep]])
-    select = torch.cat(held).sort().values
+    classes = torch.unique(labels).tolist()
+    select = (
+        draw_per_class(labels, classes, seed, lambda n: min(n - 1, max(1, round(fraction * n)))).sort().values
+    )
     train = torch.ones(len(labels), dtype=torch.bool)
     train[select] = False
     return torch.nonzero(train).flatten(), select
@@ -431,17 +422,13 @@ def train_streamed(model, protocol: TrainedProtocol, features: FeatureCache, pla
     subset = {} if keys is None else dict(train_keys=keys)
     if keys is not None or steps:  # an epoch of its own size: the manifest's count is not needed
         subset["train_batches"] = batches
-    datamodule = ShardDataModule(
-        **grouped(
-            dict(
-                train_urls=data["train_urls"],
-                classes=protocol.classes,
-                **protocol.augment(),
-                **subset,
-                **{k: v for k, v in datamodule_args(data).items() if k != "batch_size"},
-                batch_size=protocol.batch_size,
-            )
-        )
+    datamodule = data_module(
+        data,
+        train_urls=data["train_urls"],
+        classes=protocol.classes,
+        **protocol.augment(),
+        **subset,
+        batch_size=protocol.batch_size,
     )
     # the manifests as the frozen protocols' data module read them: the same epoch size and eval view
     datamodule.manifests = features.datamodule.manifests

@@ -123,12 +123,6 @@ def plot_bars(rows: list[dict], columns: list[str], suite: Suite, path: Path) ->
     return _saved(fig, path)
 
 
-def headline(suite: Suite) -> list[str]:
-    """One column per protocol: a few-shot protocol's largest shot count, a trained protocol's largest
-    label fraction, the others' only column."""
-    return [p.headline() for p in suite.protocols]
-
-
 def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
     """Accuracy (with its interval) against training FLOPs of pretraining, one panel per protocol's
     headline column, one point per checkpoint: SSL and supervised compared at equal compute. Rows
@@ -137,7 +131,7 @@ def plot_compute(rows: list[dict], suite: Suite, path: Path) -> Path | None:
     good = [row for row in rows if not row["error"]]
     if not good:
         return None
-    columns = headline(suite)
+    columns = [p.headline() for p in suite.protocols]
     fig, axes = _panels(len(columns), (4.5 * len(columns), 3.8))
     for ax, column in zip(axes, columns):
         for i, row in enumerate(good):

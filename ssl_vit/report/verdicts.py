@@ -163,11 +163,6 @@ def _scored_on(suite: Suite, column: str) -> tuple:
     return protocol.dataset, tuple(protocol.classes or ()), protocol.support_draws()
 
 
-def describe(suite: Suite, column: str) -> str:
-    """`fewshot_mean_5shot (few-shot, mean patch token)`: a column and the feature it rests on."""
-    return suite.protocol_of(column).describe(column)
-
-
 def _points(value: float) -> str:
     return f"{100 * value:+.1f}"
 
@@ -218,7 +213,7 @@ def claims_text(claims: list[Claim], rows: list[dict], suite: Suite) -> str:
         if unscored:
             lines.append(f"- Left out, nothing to score: {'; '.join(unscored)}.")
         for (row, other, column, less), diff in found:
-            what = describe(suite, column)
+            what = suite.protocol_of(column).describe(column)
             if less is None:
                 lines.append(f"- {row} - {other} on {what}: {_interval(diff)}: {READING[diff.verdict]}.")
             else:
@@ -241,7 +236,9 @@ def baseline_text(differences: dict[str, dict[str, Difference]], baseline: str, 
         parts = []
         for verdict, words in (("win", "above"), ("noise", "within noise"), ("loss", "below")):
             hits = [
-                f"{describe(suite, c)} {_interval(d)}" for c, d in by_column.items() if d.verdict == verdict
+                f"{suite.protocol_of(c).describe(c)} {_interval(d)}"
+                for c, d in by_column.items()
+                if d.verdict == verdict
             ]
             if hits:
                 parts.append(f"{words} in {len(hits)} ({'; '.join(hits)})")
