@@ -72,11 +72,6 @@ def size_mismatch(image_size: tuple[int, int], mask_size: tuple[int, int]) -> st
     return f"is {mask_size[0]}x{mask_size[1]} pixels, its image {image_size[0]}x{image_size[1]}"
 
 
-def array_size(mask: np.ndarray) -> tuple[int, int]:
-    """(W, H) of a mask [H, W]."""
-    return mask.shape[1], mask.shape[0]
-
-
 def pixel_counts(mask: np.ndarray) -> dict[int, int]:
     """Class (or IGNORE_INDEX) -> pixels of that value in `mask`, the values present only."""
     counts = np.bincount(mask.ravel(), minlength=256)
@@ -109,9 +104,3 @@ def read_mask(
     if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
         raise BadSample(f"{MASK_MEMBER} {beyond_message(beyond, num_classes)}")
     return mask
-
-
-def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
-    """BadSample when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
-    if wrong := size_mismatch(image_size, array_size(mask)):
-        raise BadSample(f"{MASK_MEMBER} {wrong}")
