@@ -13,8 +13,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from ssl_vit.data.format.members import BadSample
-from ssl_vit.errors import first_line
+from ssl_vit.data.format.members import BadSample, decoding
 
 MASK_MEMBER = "seg.png"
 IGNORE_INDEX = 255
@@ -95,12 +94,8 @@ def read_mask(
         if required:
             raise BadSample(f"no {MASK_MEMBER} member, and its split's manifest says every sample has a mask")
         return None
-    try:
+    with decoding(MASK_MEMBER, MaskSizeError):
         mask = decode_mask(data, image_size, max_pixels)
-    except MaskSizeError as err:
-        raise BadSample(f"{MASK_MEMBER} {err}") from None
-    except Exception as err:
-        raise BadSample(f"{MASK_MEMBER} does not decode ({first_line(err)})") from None
     if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
         raise BadSample(f"{MASK_MEMBER} {beyond_message(beyond, num_classes)}")
     return mask
