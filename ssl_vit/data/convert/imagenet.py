@@ -22,7 +22,7 @@ import csv
 import re
 from pathlib import Path
 
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, check_split, register
 from ssl_vit.errors import UserError
 
 WNID = re.compile(r"n\d{8}")
@@ -34,8 +34,7 @@ SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """`(class_names, [(path, label)])` of split `train` or `val` of the ILSVRC-2012 tree at `arg`."""
-    if split not in ("train", "val"):
-        raise UserError(f"imagenet has splits 'train' and 'val', not {split!r}: pass --split train|val")
+    check_split("imagenet", split, ("train", "val"))
     top = Path(arg)
     if not top.is_dir():
         raise UserError(f"imagenet:{arg}: no such directory")

@@ -161,6 +161,13 @@ def _listed(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
+def check_split(name: str, split: str, splits: tuple[str, ...]) -> None:
+    """A loader's refusal, in one line, of a split its source `name` does not have."""
+    if split not in splits:
+        have = _listed([repr(s) for s in splits])
+        raise UserError(f"{name} has splits {have}, not {split!r}: pass --split {'|'.join(splits)}")
+
+
 def kind_of(spec: str) -> SourceKind:
     """The registered source a SOURCE string names; one line naming every source otherwise."""
     name, _, arg = spec.partition(":")
