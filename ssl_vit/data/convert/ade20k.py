@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ssl_vit.data.convert.payload import MaskFile
-from ssl_vit.data.convert.source import SourceKind, check_split, register
+from ssl_vit.data.convert.source import SourceKind, check_split, register, source_dir
 from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.errors import UserError
 
@@ -32,9 +32,7 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
     """ADEChallengeData2016 (`DIR` itself, or the folder it was extracted into): split `train` reads
     `images/training/*.jpg` with `annotations/training/*.png`, `val` the `validation` folders."""
     check_split("ade20k", split, tuple(ADE_SPLITS))
-    top = Path(arg)
-    if not top.is_dir():
-        raise UserError(f"ade20k:{arg}: no such directory")
+    top = source_dir("ade20k", arg)
     root = top / "ADEChallengeData2016" if (top / "ADEChallengeData2016").is_dir() else top
     images, annotations = root / "images" / ADE_SPLITS[split], root / "annotations" / ADE_SPLITS[split]
     for folder in (images, annotations):

@@ -168,6 +168,13 @@ def check_split(name: str, split: str, splits: tuple[str, ...]) -> None:
         raise UserError(f"{name} has splits {have}, not {split!r}: pass --split {'|'.join(splits)}")
 
 
+def source_dir(name: str, arg: str) -> Path:
+    """The folder `arg` of `name:DIR`; a loader's refusal, in one line, of one that is not there."""
+    if not Path(arg).is_dir():
+        raise UserError(f"{name}:{arg}: no such directory")
+    return Path(arg)
+
+
 def kind_of(spec: str) -> SourceKind:
     """The registered source a SOURCE string names; one line naming every source otherwise."""
     name, _, arg = spec.partition(":")
