@@ -175,6 +175,15 @@ def source_dir(name: str, arg: str) -> Path:
     return Path(arg)
 
 
+def labelled_records(images: Iterable, labels, class_names=None) -> tuple[list[str], list]:
+    """`(class names, records)` of an array source's images and their labels (None: unlabelled, no
+    classes); the classes are `class_names`, by default "0" up to the largest label."""
+    if labels is None:
+        return [], [(image, -1) for image in images]
+    names = class_names if class_names is not None else range(int(labels.max()) + 1)
+    return [str(n) for n in names], [(image, int(label)) for image, label in zip(images, labels)]
+
+
 def kind_of(spec: str) -> SourceKind:
     """The registered source a SOURCE string names; one line naming every source otherwise."""
     name, _, arg = spec.partition(":")
