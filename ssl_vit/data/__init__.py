@@ -9,16 +9,13 @@ the shard writer); `checks` (argument checks, light to import), `inspect` (`ssl-
 `ShardDataModule` is imported on first use so that `ssl-vit data convert` does not pay for Lightning.
 """
 
-__all__ = ["ShardDataModule", "LogSkippedSamples"]
+import importlib
+
+_LAZY = {"ShardDataModule": "ssl_vit.data.datamodule", "LogSkippedSamples": "ssl_vit.data.skip_log"}
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str):
-    if name == "ShardDataModule":
-        from ssl_vit.data.datamodule import ShardDataModule
-
-        return ShardDataModule
-    if name == "LogSkippedSamples":
-        from ssl_vit.data.skip_log import LogSkippedSamples
-
-        return LogSkippedSamples
-    raise AttributeError(f"module 'ssl_vit.data' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ssl_vit.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ssl_vit.data.convert.payload import MaskFile
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, check_split, register, source_dir
 from ssl_vit.data.format.masks import IGNORE_INDEX
 from ssl_vit.errors import UserError
 
@@ -31,11 +31,8 @@ ADE_TO_CLASSES[0] = ADE_TO_CLASSES[255] = IGNORE_INDEX
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """ADEChallengeData2016 (`DIR` itself, or the folder it was extracted into): split `train` reads
     `images/training/*.jpg` with `annotations/training/*.png`, `val` the `validation` folders."""
-    if split not in ADE_SPLITS:
-        raise UserError(f"ade20k has splits 'train' and 'val', not {split!r}: pass --split train|val")
-    top = Path(arg)
-    if not top.is_dir():
-        raise UserError(f"ade20k:{arg}: no such directory")
+    check_split("ade20k", split, tuple(ADE_SPLITS))
+    top = source_dir("ade20k", arg)
     root = top / "ADEChallengeData2016" if (top / "ADEChallengeData2016").is_dir() else top
     images, annotations = root / "images" / ADE_SPLITS[split], root / "annotations" / ADE_SPLITS[split]
     for folder in (images, annotations):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, check_split, register
 from ssl_vit.errors import UserError
 
 
@@ -76,16 +76,14 @@ def _cifar(root: Path, batch_names: list[str], meta_name: str, label_key: str, n
 
 def load_cifar10(arg: str, split: str) -> tuple[list[str], list]:
     """CIFAR-10's python batches (`cifar-10-python.tar.gz`, extracted): DIR or its `cifar-10-batches-py`."""
-    if split not in ("train", "test"):
-        raise UserError(f"cifar10 has splits 'train' and 'test', not {split!r}: pass --split train|test")
+    check_split("cifar10", split, ("train", "test"))
     batches = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
     return _cifar(Path(arg), batches, "batches.meta", "labels", "label_names")
 
 
 def load_cifar100(arg: str, split: str) -> tuple[list[str], list]:
     """CIFAR-100's python batches (`cifar-100-python.tar.gz`, extracted), with its 100 fine labels."""
-    if split not in ("train", "test"):
-        raise UserError(f"cifar100 has splits 'train' and 'test', not {split!r}: pass --split train|test")
+    check_split("cifar100", split, ("train", "test"))
     return _cifar(Path(arg), [split], "meta", "fine_labels", "fine_label_names")
 
 

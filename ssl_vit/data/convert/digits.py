@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ssl_vit.data.convert.source import SourceKind, register
-from ssl_vit.errors import UserError
+from ssl_vit.data.convert.source import SourceKind, check_split, register
 
 DIGITS_SIZE = 32
 DIGITS_VAL_FRACTION = 0.2
@@ -22,10 +21,7 @@ def load(_: str, split: str) -> tuple[list[str], list]:
     from PIL import Image
     from sklearn.datasets import load_digits
 
-    if split not in ("train", "val"):
-        raise UserError(
-            f"source 'digits' has splits 'train' and 'val', not {split!r}: pass --split train|val"
-        )
+    check_split("digits", split, ("train", "val"))
     digits = load_digits()
     order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(digits.images))
     n_val = int(round(len(order) * DIGITS_VAL_FRACTION))

@@ -36,7 +36,7 @@ from PIL import Image
 
 from ssl_vit.data.convert.payload import Encoded, EncodeOptions, MaskFile, Payload, Skip
 from ssl_vit.data.format.band_stats import BandStats
-from ssl_vit.data.format.masks import array_size, beyond_message, classes_beyond, pixel_counts, size_mismatch
+from ssl_vit.data.format.masks import beyond_message, classes_beyond, pixel_counts, size_mismatch
 from ssl_vit.data.format.members import MAX_IMAGE_PIXELS
 
 PIL_FORMATS = {"png": "PNG", "jpg": "JPEG"}
@@ -136,7 +136,7 @@ def encode_mask(mask: np.ndarray | MaskFile, read: tuple[int, int], size: tuple[
     """`(PNG bytes, {class: pixels})` of a mask (uint8 [H, W] or a `MaskFile`) for an image read at
     `read` and stored at `size` ((H, W) each); ValueError when it does not fit the image or the classes."""
     where, array = ("mask", mask) if isinstance(mask, np.ndarray) else (mask.where, mask.load())
-    if wrong := size_mismatch((read[1], read[0]), array_size(array)):
+    if wrong := size_mismatch((read[1], read[0]), (array.shape[1], array.shape[0])):
         raise ValueError(f"{where} {wrong}")
     if len(beyond := classes_beyond(array, num_classes)):
         raise ValueError(f"{where} {beyond_message(beyond, num_classes)}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, check_split, register
 from ssl_vit.data.convert.tiff import TIFF_SUFFIXES, ArrayRecords, array_records
 from ssl_vit.errors import UserError
 
@@ -38,10 +38,7 @@ SPLIT_SEED = 0
 
 
 def load(arg: str, split: str) -> tuple[list[str], ArrayRecords]:
-    if split not in SPLITS:
-        raise UserError(
-            f"eurosat has splits 'train', 'val' and 'test', not {split!r}: pass --split train|val|test"
-        )
+    check_split("eurosat", split, tuple(SPLITS))
     top = Path(arg)
     root = next((top / n for n in ("", *NESTED) if all((top / n / c).is_dir() for c in CLASSES)), None)
     if root is None:

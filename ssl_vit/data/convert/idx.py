@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, labelled_records, register
 from ssl_vit.errors import UserError
 
 
@@ -40,14 +40,10 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
         raise UserError(
             f"{image_path}: expected IDX images (N, H, W) or (N, H, W, C), got shape {images.shape}"
         )
-    if label_path:
-        labels = _read_idx(Path(label_path))
-        if labels.shape != (len(images),):
-            raise UserError(f"{label_path}: expected {len(images)} labels, got shape {labels.shape}")
-        class_names = [str(c) for c in range(int(labels.max()) + 1)]
-    else:
-        labels, class_names = np.full(len(images), -1), []
-    return class_names, [(img, int(lab)) for img, lab in zip(images, labels)]
+    labels = _read_idx(Path(label_path)) if label_path else None
+    if labels is not None and labels.shape != (len(images),):
+        raise UserError(f"{label_path}: expected {len(images)} labels, got shape {labels.shape}")
+    return labelled_records(images, labels)
 
 
 register(SourceKind("idx", load, "IMAGES[,LABELS]"))

@@ -22,7 +22,7 @@ import csv
 import re
 from pathlib import Path
 
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, check_split, register, source_dir
 from ssl_vit.errors import UserError
 
 WNID = re.compile(r"n\d{8}")
@@ -34,11 +34,8 @@ SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 def load(arg: str, split: str) -> tuple[list[str], list]:
     """`(class_names, [(path, label)])` of split `train` or `val` of the ILSVRC-2012 tree at `arg`."""
-    if split not in ("train", "val"):
-        raise UserError(f"imagenet has splits 'train' and 'val', not {split!r}: pass --split train|val")
-    top = Path(arg)
-    if not top.is_dir():
-        raise UserError(f"imagenet:{arg}: no such directory")
+    check_split("imagenet", split, ("train", "val"))
+    top = source_dir("imagenet", arg)
     images = top / "ILSVRC/Data/CLS-LOC" if (top / "ILSVRC/Data/CLS-LOC").is_dir() else top
     folder = images / split
     if not folder.is_dir():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, labelled_records, register
 from ssl_vit.errors import UserError
 
 
@@ -31,18 +31,9 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
     if images.ndim == 4 and images.shape[-1] == 1:
         images = images[..., 0]
     labels = arrays.get("labels")
-    if labels is None:
-        labels, class_names = np.full(len(images), -1), []
-    else:
-        if labels.shape != (len(images),) or labels.dtype.kind not in "iu":
-            raise UserError(
-                f"npz:{arg}: 'labels' must be integers of shape ({len(images)},), got {labels.shape}"
-            )
-        names = arrays.get("class_names")
-        class_names = (
-            [str(n) for n in names] if names is not None else [str(c) for c in range(int(labels.max()) + 1)]
-        )
-    return class_names, [(img, int(lab)) for img, lab in zip(images, labels)]
+    if labels is not None and (labels.shape != (len(images),) or labels.dtype.kind not in "iu"):
+        raise UserError(f"npz:{arg}: 'labels' must be integers of shape ({len(images)},), got {labels.shape}")
+    return labelled_records(images, labels, arrays.get("class_names"))
 
 
 register(SourceKind("npz", load, "FILE", help="arrays images (N, H, W[, 1|3]) uint8 and labels"))

@@ -161,6 +161,29 @@ def _listed(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
+def check_split(name: str, split: str, splits: tuple[str, ...]) -> None:
+    """A loader's refusal, in one line, of a split its source `name` does not have."""
+    if split not in splits:
+        have = _listed([repr(s) for s in splits])
+        raise UserError(f"{name} has splits {have}, not {split!r}: pass --split {'|'.join(splits)}")
+
+
+def source_dir(name: str, arg: str) -> Path:
+    """The folder `arg` of `name:DIR`; a loader's refusal, in one line, of one that is not there."""
+    if not Path(arg).is_dir():
+        raise UserError(f"{name}:{arg}: no such directory")
+    return Path(arg)
+
+
+def labelled_records(images: Iterable, labels, class_names=None) -> tuple[list[str], list]:
+    """`(class names, records)` of an array source's images and their labels (None: unlabelled, no
+    classes); the classes are `class_names`, by default "0" up to the largest label."""
+    if labels is None:
+        return [], [(image, -1) for image in images]
+    names = class_names if class_names is not None else range(int(labels.max()) + 1)
+    return [str(n) for n in names], [(image, int(label)) for image, label in zip(images, labels)]
+
+
 def kind_of(spec: str) -> SourceKind:
     """The registered source a SOURCE string names; one line naming every source otherwise."""
     name, _, arg = spec.partition(":")

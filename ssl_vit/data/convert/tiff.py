@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssl_vit.data.convert.payload import Encoded, EncodeOptions
-from ssl_vit.data.convert.source import Flag, SourceKind, register
+from ssl_vit.data.convert.source import Flag, SourceKind, register, source_dir
 from ssl_vit.data.format.arrays import BadArray, npy_bytes, open_tiff
 from ssl_vit.data.format.band_stats import BandStats
 from ssl_vit.data.format.members import MAX_CLASSES, MAX_IMAGE_PIXELS
@@ -81,9 +81,7 @@ class ArrayRecords(list):
 
 
 def load(arg: str, split: str, band_axis: str | None = None) -> tuple[list[str], ArrayRecords]:
-    root = Path(arg)
-    if not root.is_dir():
-        raise UserError(f"tiff:{arg}: no such directory")
+    root = source_dir("tiff", arg)
     if band_axis not in (None, "first", "last"):
         raise UserError(f"--band-axis must be first or last, got {shown(band_axis)}")
     if (root / LABELS_CSV).is_file():

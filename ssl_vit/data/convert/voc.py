@@ -8,10 +8,9 @@ the fix.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from ssl_vit.data.convert.payload import MaskFile
-from ssl_vit.data.convert.source import SourceKind, register
+from ssl_vit.data.convert.source import SourceKind, register, source_dir
 from ssl_vit.errors import UserError
 
 # PASCAL VOC 2012's 20 object classes after its background (index 0), in the devkit's order
@@ -28,9 +27,7 @@ def load(arg: str, split: str) -> tuple[list[str], list]:
     """VOC2012 (`DIR` is `VOCdevkit/VOC2012` or `VOCdevkit`): the image ids of
     `ImageSets/Segmentation/{split}.txt`, each `JPEGImages/ID.jpg` with `SegmentationClass/ID.png`
     (palette PNGs whose indices are the 21 classes, 255 on object borders, kept as 255)."""
-    top = Path(arg)
-    if not top.is_dir():
-        raise UserError(f"voc:{arg}: no such directory")
+    top = source_dir("voc", arg)
     root = top / "VOC2012" if (top / "VOC2012").is_dir() else top
     lists = root / "ImageSets" / "Segmentation"
     listed = lists / f"{split}.txt"

@@ -13,8 +13,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from ssl_vit.data.format.members import BadSample
-from ssl_vit.errors import first_line
+from ssl_vit.data.format.members import BadSample, decoding
 
 MASK_MEMBER = "seg.png"
 IGNORE_INDEX = 255
@@ -72,11 +71,6 @@ def size_mismatch(image_size: tuple[int, int], mask_size: tuple[int, int]) -> st
     return f"is {mask_size[0]}x{mask_size[1]} pixels, its image {image_size[0]}x{image_size[1]}"
 
 
-def array_size(mask: np.ndarray) -> tuple[int, int]:
-    """(W, H) of a mask [H, W]."""
-    return mask.shape[1], mask.shape[0]
-
-
 def pixel_counts(mask: np.ndarray) -> dict[int, int]:
     """Class (or IGNORE_INDEX) -> pixels of that value in `mask`, the values present only."""
     counts = np.bincount(mask.ravel(), minlength=256)
@@ -100,18 +94,8 @@ def read_mask(
         if required:
             raise BadSample(f"no {MASK_MEMBER} member, and its split's manifest says every sample has a mask")
         return None
-    try:
+    with decoding(MASK_MEMBER, MaskSizeError):
         mask = decode_mask(data, image_size, max_pixels)
-    except MaskSizeError as err:
-        raise BadSample(f"{MASK_MEMBER} {err}") from None
-    except Exception as err:
-        raise BadSample(f"{MASK_MEMBER} does not decode ({first_line(err)})") from None
     if num_classes is not None and len(beyond := classes_beyond(mask, num_classes)):
         raise BadSample(f"{MASK_MEMBER} {beyond_message(beyond, num_classes)}")
     return mask
-
-
-def check_mask_size(image_size: tuple[int, int], mask: np.ndarray) -> None:
-    """BadSample when the mask [H, W] does not cover an image of PIL size (W, H) pixel for pixel."""
-    if wrong := size_mismatch(image_size, array_size(mask)):
-        raise BadSample(f"{MASK_MEMBER} {wrong}")

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ssl_vit.errors import shown
+from ssl_vit.errors import UserError, first_line, shown
 
 # The members a sample's image may be, in the order `samples.open_image` looks for them, and those
 # `parse_label` reads its label from.
@@ -24,6 +26,21 @@ CONVERTIBLE_IMAGES = ("jpg", "jpeg", "png", "webp")
 
 class BadSample(Exception):
     """A sample that cannot be used; the message names its key, shard and what is wrong."""
+
+
+@contextmanager
+def decoding(member: str, told: type[Exception]) -> Iterator[None]:
+    """Anything the bytes of `member` (`jpg`, `seg.png`) make the parsers and decoders raise, as a
+    BadSample naming the member: a `told` error's message as it is (it says what is wrong), any other's
+    first line as why it does not decode. BadSample and UserError pass as they are."""
+    try:
+        yield
+    except (BadSample, UserError):
+        raise
+    except told as err:
+        raise BadSample(f"{member} {err}") from None
+    except Exception as err:
+        raise BadSample(f"{member} does not decode ({first_line(err)})") from None
 
 
 # The most classes a label may index where no class count is known (`data inspect` and `data convert

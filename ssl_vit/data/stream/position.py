@@ -120,7 +120,31 @@ class OrderTrack:
 
     @staticmethod
     def resume(saved: dict, rank: int, world_size: int, workers: int, batches: int, step: int) -> tuple:
-        return order_start(saved, world_size, workers, batches, step)
+        """`(epoch, OrderStart or None)` from a checkpoint's position `saved`, for a stream that reads the
+        epoch's global order: exact on any number of ranks and workers (one line says so when they
+        changed); None at the end of an epoch. A position saved by a stream of segments (a run from
+        before, or over remote shards) cannot be placed in the order: its epoch starts again, said in one
+        warning."""
+        mine = saved["ranks"][0]
+        epoch = mine["epoch"]
+        if mine.get("order") != "global":
+            log.warning(
+                "the checkpoint's training position was saved by a stream of shard segments (remote or "
+                "compressed shards, or an older ssl-vit): epoch %d starts again from its first sample",
+                epoch,
+            )
+            return epoch, None
+        check_step(saved, world_size, step // world_size)
+        if mine["samples"] + step > batches * step:
+            return epoch + 1, None  # saved at the end of the epoch: the next one starts afresh
+        if mine["world"] != [world_size, workers]:
+            log.warning(
+                "resuming on %d rank(s) x %d DataLoader worker(s), saved on %d x %d: the epoch's order does "
+                "not depend on them, so the resume is exact (epoch %d continues after its %d samples trained "
+                "on)",
+                world_size, workers, *mine["world"], epoch, mine["samples"],
+            )  # fmt: skip
+        return epoch, OrderStart(mine["samples"])
 
     def skip(self, count: int, batch_size: int, step: int, workers: int, batches: int) -> tuple:
         """`(data steps skipped, OrderStart or None at the epoch's end, batches done)`: `count` data
@@ -155,7 +179,27 @@ class SegmentTrack:
 
     @staticmethod
     def resume(saved: dict, rank: int, world_size: int, workers: int, batches: int, step: int) -> tuple:
-        return resume_plan(saved, rank, world_size, max(1, workers), batches)
+        """`(epoch, ResumePlan or None)` from a checkpoint's position `saved` for this rank: exact with the
+        run's ranks and workers; with others, the rest of the epoch reads new segments (said in a warning);
+        None at the end of an epoch (the next one starts afresh)."""
+        workers = max(1, workers)
+        ranks = saved["ranks"]
+        mine = ranks[rank] if len(ranks) == world_size else ranks[0]
+        epoch = mine["epoch"]
+        positions = {int(w): WorkerPosition(*p) for w, p in mine["workers"].items()}
+        consumed = sum(p.batches for p in positions.values())
+        if consumed >= batches:
+            return epoch + 1, None  # saved at the end of the epoch: the next one starts afresh
+        if len(ranks) != world_size or mine["num_workers"] != workers:
+            log.warning(
+                "exact resume needs the run's number of ranks and DataLoader workers (saved %d x %d, now "
+                "%d x %d): the rest of epoch %d reads new segments of the shards, so some samples of this "
+                "epoch may repeat",
+                len(ranks), mine["num_workers"], world_size, workers, epoch,
+            )  # fmt: skip
+            after = 1 + max((p.segment for p in positions.values()), default=0)
+            return epoch, ResumePlan({w: WorkerPosition(0, after, 0) for w in range(workers)})
+        return epoch, ResumePlan(positions, first=consumed % workers)
 
     def skip(self, count: int, batch_size: int, step: int, workers: int, batches: int) -> tuple:
         """`(batches skipped, ResumePlan or None at the epoch's end, batches done)`: each worker passes
@@ -194,54 +238,3 @@ def check_step(saved: dict, world_size: int, batch_size: int) -> None:
 
 def _ranks(n: int) -> str:
     return f"{n} rank" + ("s" if n != 1 else "")
-
-
-def order_start(saved: dict, world_size: int, workers: int, batches: int, step: int) -> tuple:
-    """`(epoch, OrderStart or None)` from a checkpoint's position `saved`, for a stream that reads the
-    epoch's global order: exact on any number of ranks and workers (one line says so when they
-    changed); None at the end of an epoch. A position saved by a stream of segments (a run from
-    before, or over remote shards) cannot be placed in the order: its epoch starts again, said in one
-    warning."""
-    mine = saved["ranks"][0]
-    epoch = mine["epoch"]
-    if mine.get("order") != "global":
-        log.warning(
-            "the checkpoint's training position was saved by a stream of shard segments (remote or "
-            "compressed shards, or an older ssl-vit): epoch %d starts again from its first sample",
-            epoch,
-        )
-        return epoch, None
-    check_step(saved, world_size, step // world_size)
-    if mine["samples"] + step > batches * step:
-        return epoch + 1, None  # saved at the end of the epoch: the next one starts afresh
-    if mine["world"] != [world_size, workers]:
-        log.warning(
-            "resuming on %d rank(s) x %d DataLoader worker(s), saved on %d x %d: the epoch's order does "
-            "not depend on them, so the resume is exact (epoch %d continues after its %d samples trained "
-            "on)",
-            world_size, workers, *mine["world"], epoch, mine["samples"],
-        )  # fmt: skip
-    return epoch, OrderStart(mine["samples"])
-
-
-def resume_plan(saved: dict, rank: int, world_size: int, workers: int, batches: int) -> tuple:
-    """`(epoch, ResumePlan or None)` from a checkpoint's position `saved` for this rank: exact with the
-    run's ranks and workers; with others, the rest of the epoch reads new segments (said in a warning);
-    None at the end of an epoch (the next one starts afresh)."""
-    ranks = saved["ranks"]
-    mine = ranks[rank] if len(ranks) == world_size else ranks[0]
-    epoch = mine["epoch"]
-    positions = {int(w): WorkerPosition(*p) for w, p in mine["workers"].items()}
-    consumed = sum(p.batches for p in positions.values())
-    if consumed >= batches:
-        return epoch + 1, None  # saved at the end of the epoch: the next one starts afresh
-    if len(ranks) != world_size or mine["num_workers"] != workers:
-        log.warning(
-            "exact resume needs the run's number of ranks and DataLoader workers (saved %d x %d, now "
-            "%d x %d): the rest of epoch %d reads new segments of the shards, so some samples of this "
-            "epoch may repeat",
-            len(ranks), mine["num_workers"], world_size, workers, epoch,
-        )  # fmt: skip
-        after = 1 + max((p.segment for p in positions.values()), default=0)
-        return epoch, ResumePlan({w: WorkerPosition(0, after, 0) for w in range(workers)})
-    return epoch, ResumePlan(positions, first=consumed % workers)

@@ -24,9 +24,9 @@ from ssl_vit.data.format.arrays import (
     open_png16,
     png_bit_depth,
 )
-from ssl_vit.data.format.members import IMAGE_MEMBERS, MAX_IMAGE_PIXELS, RGB, BadSample, Bands
+from ssl_vit.data.format.members import IMAGE_MEMBERS, MAX_IMAGE_PIXELS, RGB, BadSample, Bands, decoding
 from ssl_vit.data.stream.device_decode import JpegCrop
-from ssl_vit.errors import NoUsableData, UserError, first_line
+from ssl_vit.errors import NoUsableData
 
 log = logging.getLogger("ssl_vit.data")
 MAX_SKIPS_IN_A_ROW = 1000
@@ -70,7 +70,7 @@ def open_image(sample: dict, bands: Bands = RGB, max_pixels: int | None = MAX_IM
     if ext is None:
         raise BadSample(f"no image member (one of {', '.join(IMAGE_MEMBERS)}); members: {_members(sample)}")
     data = sample[ext]
-    try:
+    with decoding(ext, BadArray):
         if ext in ARRAY_MEMBERS:
             image = open_array(ext, data, bands.channels)
         else:
@@ -79,10 +79,6 @@ def open_image(sample: dict, bands: Bands = RGB, max_pixels: int | None = MAX_IM
                 image = Image.open(io.BytesIO(data))
             if image.format == "PNG" and png_bit_depth(data) == 16:
                 image = open_png16(data)
-    except BadArray as err:
-        raise BadSample(f"{ext} {err}") from None
-    except Exception as err:
-        raise BadSample(f"{ext} does not decode ({first_line(err)})") from None
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise BadSample(
@@ -134,8 +130,8 @@ def transform_image(
     BadSample whose reason is `refusal`. With `mask` (uint8 [H, W] of the image's size): `(image,
     mask)` from the transform's `pair`, which gives the mask the image's crop, flip and resize.
     Anything the image bytes make the decoders raise becomes a BadSample."""
-    image, ext = opened.image, opened.ext
-    try:
+    image = opened.image
+    with decoding(opened.ext, BadArray):
         if bands.channels == 3 and not isinstance(image, ArrayMember):
             pil = image
         elif bands.channels == 3 and layout(image, bands) == (3, "uint8"):
@@ -148,12 +144,6 @@ def transform_image(
         if isinstance(crop, JpegCrop):
             crop.data = opened.data  # decoded later, on the device
         return out
-    except (BadSample, UserError):
-        raise
-    except BadArray as err:
-        raise BadSample(f"{ext} {err}") from None
-    except Exception as err:
-        raise BadSample(f"{ext} does not decode ({first_line(err)})") from None
 
 
 def _transform_array(array: np.ndarray, array_transform, mask: np.ndarray | None, refusal: str):
@@ -168,7 +158,7 @@ def pixels(opened: Opened, bands: Bands = RGB) -> np.ndarray:
     read as RGB with 3 channels, as `transform_image` gives them to its transform). BadSample for bytes
     that do not decode."""
     image = opened.image
-    try:
+    with decoding(opened.ext, BadArray):
         if isinstance(image, ArrayMember):
             array = image.read()
             grey_as_rgb = image.bands == 1 and layout(image, bands) == (3, "uint8")
@@ -177,10 +167,6 @@ def pixels(opened: Opened, bands: Bands = RGB) -> np.ndarray:
             mode = "RGB" if bands.channels == 3 else PIL_ARRAY_MODES[image.mode]
             array = np.asarray(image.convert(mode) if mode is not None and image.mode != mode else image)
             array = array[:, :, None] if array.ndim == 2 else array
-    except BadArray as err:
-        raise BadSample(f"{opened.ext} {err}") from None
-    except Exception as err:
-        raise BadSample(f"{opened.ext} does not decode ({first_line(err)})") from None
     if array.dtype.kind == "f" and not np.isfinite(array).all():  # would poison statistics and losses
         raise BadSample(f"{opened.ext} holds NaN or infinite values")
     return array
