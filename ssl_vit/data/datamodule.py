@@ -12,25 +12,18 @@
 Training reads the epoch's one random order of every sample over local shards (`epoch_order`; remote
 and compressed shards: a resampled stream of segments), a fixed number of batches per rank per epoch;
 validation and test are exact passes (see `ssl_vit.data.stream.pipeline`). Batches reach the model as dicts:
-`image` float32 [B,C,H,W] (C = `channels`, each band normalised by its own mean and std; the
-DataLoaders give uint8 for 8-bit images, float32 in model units for 16-bit and float ones, converted
-on the device by `prepare_batch`),
-`label` int64 [B] (-1 where unlabelled), `key` list[str], `mask` uint8 [B,H,W] when the samples carry
-segmentation masks (`seg.png`: a class index per pixel of `image`, 255 ignored; cropped, flipped and
-resized with the image, nearest-neighbour; passed through untouched), `skipped` (bad samples the
-batch's worker dropped since its previous batch), during training `stream` (the position of the batch's
-worker, which makes the training DataLoader resumable mid-epoch: `ssl_vit.data.stream.position`), and
-with mixup/cutmix/label smoothing also `target` float [B,K] (timm's soft targets,
-`ssl_vit.data.transforms.mixing`).
+`image` float32 [B,C,H,W] (C = `channels`, normalised on the device by `prepare_batch`), `label` int64
+[B] (-1 where unlabelled), `key` list[str], `mask` uint8 [B,H,W] when the samples carry segmentation
+masks (`seg.png`: a class index per pixel of `image`, 255 ignored; cropped, flipped and resized with the
+image, nearest-neighbour; passed through untouched), `skipped` (bad samples the batch's worker dropped
+since its previous batch), during training `stream` (the position of the batch's worker, which makes the
+training DataLoader resumable mid-epoch: `ssl_vit.data.stream.position`), and with mixup/cutmix/label
+smoothing also `target` float [B,K] (timm's soft targets, `ssl_vit.data.transforms.mixing`).
 
 Its options come flat (the everyday ones) and in groups (`ssl_vit.data.options`: `augment`, `stream`,
 `limits`). The class's other jobs are each a module of their own: the manifests and what is decided
 from them (`ssl_vit.data.format.manifest`), the normalisation (`band_stats.normalisation`), the training
-stream's position (`position`), the device-side mixing (`mixing`), the DataLoaders (`loaders`). Remote
-shards and manifests are read with retries and a read timeout (`limits`: `ssl_vit.storage.remote`); a
-DataLoader whose workers deliver no batch for `limits.loader_timeout_s` ends the run with one line
-naming the split's shards. Each split's manifest is read once per data module (`manifests`), so the
-epoch size, the class count and the eval view all come from one reading.
+stream's position (`position`), the device-side mixing (`mixing`), the DataLoaders (`loaders`).
 """
 
 from __future__ import annotations
@@ -92,13 +85,11 @@ class ShardDataModule(pl.LightningDataModule):
         train_batches: batches per rank per epoch; by default the manifest's sample count (after the
             class filter) divided by `batch_size * world_size`.
         decode: where training JPEGs are decoded. `cpu`: in the DataLoader workers. `device`: the workers
-            read the tars and draw each crop box and flip from the JPEG's header (the same draws as
-            `cpu`), and the batch is decoded, cropped, resized and flipped on the device it is moved to
-            (`ssl_vit.data.stream.device_decode`), which frees the workers' cores; other formats, CMYK
-            JPEGs and JPEGs the device refuses are decoded on the CPU, counted (`data/decoded_on_cpu_train`);
-            segmentation masks are cropped and flipped in the workers with the same box and flip.
-            Random-resized-crop presets (`pretrain`, `supervised` without RandAugment) only;
-            validation and test are decoded on the CPU.
+            read the tars and draw each crop box and flip (the same draws as `cpu`), and the batch is
+            decoded, cropped, resized and flipped on the device it is moved to, which frees the workers'
+            cores (`ssl_vit.data.stream.device_decode`: what stays on the CPU, and is counted in
+            `data/decoded_on_cpu_train`). Random-resized-crop presets (`pretrain`, `supervised` without
+            RandAugment) only; validation and test are decoded on the CPU.
         require_labels: skip and count samples without a label (-1), as every sample whose label is not
             a class. Set by itself when the fit's task trains on labels (its `NEEDS_LABELS`: supervised
             pretraining, fine-tuning, linear probing) and by evaluation's labelled passes; a
@@ -108,9 +99,7 @@ class ShardDataModule(pl.LightningDataModule):
         limits: read retries and timeouts, the largest image read (`options.Limits`).
     """
 
-    # Options that moved into a group, by their flat name (`crop_scale` -> `augment.crop_scale`): the CLI
-    # names the new key for an old one, and reads a run's own config.yaml written before the groups.
-    MOVED_OPTIONS = MOVED
+    MOVED_OPTIONS = MOVED  # flat name -> its place in a group, for the CLI (`ssl_vit.cli.moved_options`)
 
     def __init__(
         self,
@@ -207,8 +196,7 @@ class ShardDataModule(pl.LightningDataModule):
         return self.manifests.of(self._split_urls(split)[0])
 
     def samples_in(self, split: str) -> int | None:
-        """The samples in the shards of `split` (before any class filter), as their manifest counts them
-        shard by shard; None when a shard is not in it or there is none."""
+        """`manifest.samples_in` of the shards of `split`."""
         return manifests.samples_in(self.split_manifest(split), self._split_urls(split))
 
     def eval_view(self, split: str) -> EvalView:

@@ -1,5 +1,6 @@
-"""The option groups of `ShardDataModule`: what belongs together in a recipe, one dataclass each, read by
-LightningCLI (jsonargparse) as nested options (`data.init_args.augment.crop_scale`):
+"""The option groups of `ShardDataModule`: what belongs together in a recipe, one dataclass each
+(`Augment`, `Stream`, `Limits`), read by LightningCLI (jsonargparse) as nested options
+(`data.init_args.augment.crop_scale`):
 
     data:
       class_path: ssl_vit.data.ShardDataModule
@@ -9,10 +10,6 @@ LightningCLI (jsonargparse) as nested options (`data.init_args.augment.crop_scal
         augment: {train_preset: supervised, crop_scale: [0.08, 1.0], label_smoothing: 0.1}
         stream: {shuffle_buffer: 5000}
         limits: {read_timeout_s: 120}
-
-- `Augment`: what the training transform does to an image, and how `eval` frames one;
-- `Stream`: the training stream's shuffle and how a resume treats changed data;
-- `Limits`: how long a remote read may take and be retried, and the largest image read.
 
 The everyday options stay flat (URLs, batch size, workers, image size, bands and normalisation, seed,
 classes, epoch length, where JPEGs are decoded). Flat keys are kept where the data module's options are
@@ -155,7 +152,6 @@ class Limits:
         return read_policy(asdict(self))
 
     def loader_timeout(self) -> float:
-        """`loader_timeout_s`, or by default twice the longest a shard read can take."""
         return self.loader_timeout_s or 2 * self.policy.worst_case_s()
 
 

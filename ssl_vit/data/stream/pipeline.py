@@ -24,16 +24,11 @@ most one segment's raw bytes per worker, never decoding them again. Stepping ove
 never consumed (a loss-spike rollback) works the same way: the position says how many samples the
 worker passes over, undecoded, before its next batch (`WorkerPosition.skip`).
 
-Bad samples (undecodable image, missing image member, an image whose band count or dtype is not the
-data module's, unparsable label or one beyond `num_classes`, a mask that does not decode, does not
-match its image's size or holds a class beyond `num_classes`, a missing mask where the split's
-manifest says every sample has one, unreadable shard) are skipped,
-logged with their key and shard, and counted; each batch carries in
-`skipped` how many its worker dropped since its previous batch (and in `unreadable` the shards it could
-not open since then, by URL), so the count reaches the main process
-and can be logged as a metric (`ssl_vit.data.skip_log.LogSkippedSamples`). A stream that reads every
-one of its shards to the end without a usable sample fails with one line naming them, instead of
-spinning for ever.
+Bad samples (an image `samples.open_image` refuses, a label `parse_label` refuses, a mask `read_mask`
+refuses, an unreadable shard) are skipped, logged with their key and shard, and counted; each batch
+carries in `skipped` how many its worker dropped since its previous batch (and in `unreadable` the
+shards it could not open since then, by URL), so the count reaches the main process and can be logged
+as a metric (`ssl_vit.data.skip_log.LogSkippedSamples`). A stream without a usable sample: `DryShards`.
 """
 
 from __future__ import annotations
@@ -367,10 +362,9 @@ class ShardStream(IterableDataset):
         """Samples -> batch: `image` [B,C,H,W] uint8 (8-bit pixels) or, when any sample is 16-bit or
         float, float32 in model units (8-bit ones divided by 255), `label` [B] int64, `key` list[str],
         and `mask` [B,H,W] uint8 (pixel for pixel with `image`; 255 ignored) when the samples carry
-        masks. The datamodule turns `image` into normalised floats on the device
-        (`ShardDataModule.prepare_batch`), and leaves `mask` as it is. JPEGs left for the device
-        (`decode="device"`) come as bytes and crop boxes instead (`device_decode`), and `image` holds
-        only the others; `mask` always holds every sample's, cropped in the worker."""
+        masks. JPEGs left for the device (`decode="device"`) come as bytes and crop boxes instead
+        (`device_decode`), and `image` holds only the others; `mask` always holds every sample's,
+        cropped in the worker."""
         images, jpegs = collate_jpegs([s["image"] for s in samples_])
         if any(i.dtype != torch.uint8 for i in images):
             images = [i.float().div_(255) if i.dtype == torch.uint8 else i for i in images]

@@ -30,8 +30,6 @@ from ssl_vit.errors import NoUsableData
 
 log = logging.getLogger("ssl_vit.data")
 MAX_SKIPS_IN_A_ROW = 1000
-# Bad samples in a row listed one line each; the rest of the run is counted, and said in one line: a
-# shard of nothing but bad samples would otherwise print thousands.
 LISTED_IN_A_ROW = 10
 T = TypeVar("T")
 
@@ -183,7 +181,8 @@ class SkipCounter:
     A training stream that produces nothing but errors would spin forever on resampled shards; with
     `limit`, that many consecutive failures are a UserError instead (one line). Exact passes are finite
     and never raise here (`stream.DryShards` fails one that delivers nothing). Of a run of failures in a
-    row, the first LISTED_IN_A_ROW are logged one line each, the rest in one line when the run ends."""
+    row, the first LISTED_IN_A_ROW are logged one line each, the rest in one line when the run ends: a
+    shard of nothing but bad samples would otherwise print thousands."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit
