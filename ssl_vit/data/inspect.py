@@ -2,13 +2,10 @@
 a verdict.
 
 Each sample is decoded the way training decodes it (full size, no draft; with the band count and dtype
-its manifest records, else as stored), its label parsed and its mask (`seg.png`) read and checked as
-training checks it; a set is broken when any sample or shard
-fails, when a label is beyond its manifest's class count, when a mask does not decode, does not match
-its image's size, holds a class beyond the manifest's count (other than 255, ignored) or is missing
-where the manifest says every sample has one, or when shard counts disagree with the manifest. Each
-shard is checked against the manifest of its own directory and split, so one command can inspect
-several splits or directories.
+its manifest records, else as stored), its label and its mask (`seg.png`) read and checked as training
+checks them, against its manifest's class count (`parse_label`, `read_mask`); a set is broken when any
+sample or shard fails, or when shard counts disagree with the manifest. Each shard is checked against the
+manifest of its own directory and split, so one command can inspect several splits or directories.
 
 `--stats` adds the per-band statistics (`ssl_vit.data.format.band_stats`) to each manifest that has none,
 over a bounded, deterministic sample of the inspected images (`plan_stats`).

@@ -3,8 +3,7 @@ data/README.md): where it is, reading it, checking every key a reader relies on,
 decides from it (`Manifests`, read once each; the epoch size, the eval view, the bands, the labels).
 
 Every reader (the data module, `data inspect`, `wds:` and `mosaic:` sources, `bench feed`) reads it
-through `read_manifest`: a manifest that exists but cannot be read, or whose keys have the wrong
-types, is one line naming the file and the key, never a silent "no manifest".
+through `read_manifest`.
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ from ssl_vit.storage.remote import DEFAULT, ReadPolicy, local_path, without_url
 BAND_STATS_KEYS = ("mean", "std", "min", "max")
 _FIX = "fix the file or re-run `ssl-vit data convert`"
 _MISSING = object()
-# How `eval` frames an image (`ShardDataModule.eval_view` chooses from the data): `whole` for images stored
-# at the model's resolution, `crop` (resize to image_size / crop_pct, centre crop) for larger ones.
-EvalView = Literal["whole", "crop"]
+EvalView = Literal["whole", "crop"]  # how `eval` frames an image (`eval_view`)
 
 
 def manifest_url(shard_url: str) -> str | None:

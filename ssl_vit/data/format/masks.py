@@ -86,9 +86,7 @@ def read_mask(
 ) -> np.ndarray | None:
     """The sample's `seg.png` as uint8 [H, W] class indices, or None when it has none and none is
     `required` (its split's manifest says `"masks": true`). BadSample for a missing required mask, one
-    that does not decode or is not single-channel 8-bit, one of more than `max_pixels` pixels or whose
-    size is not `image_size` (W, H) (both judged from its header, before it is decoded), and one holding
-    a class of `num_classes` or more other than 255 (ignored)."""
+    `decode_mask` refuses, and one holding a class of `num_classes` or more other than 255 (ignored)."""
     data = sample.get(MASK_MEMBER)
     if data is None:
         if required:

@@ -9,9 +9,8 @@
   with `crop_pct=1` an image stored at `image_size` passes whole (`ShardDataModule.eval_view`).
 
 Every preset decodes the image itself (its first step), because only the crop knows how small the
-JPEG may be decoded (PIL draft mode). Images stay uint8 in the workers: conversion to float and
-normalisation run on whole batches on the device (`normalize`, called by
-`ShardDataModule.prepare_batch`), which also moves 4x fewer bytes from the workers to the device.
+JPEG may be decoded (PIL draft mode). Images stay uint8 in the workers (`normalize`, on the device:
+see `ShardDataModule.prepare_batch`).
 
 A segmentation mask (a sample's `seg.png`: one class index per pixel) goes through the same steps with
 `Compose.pair`: each step applies its one random draw (crop box, flip) to the image and the mask, and
