@@ -1,8 +1,6 @@
-"""`ade20k:DIR`: the ADE20K scene-parsing benchmark (ADEChallengeData2016) for `ssl-vit data convert`.
-Each record is `(image path, -1, MaskFile)`: the image, no image-level label, and the annotation PNG,
-which the writer's workers decode, map to class indices and store as the sample's `seg.png`
-(`ssl_vit.data.convert.encode`). The layout is checked before anything is written: a missing folder or
-annotation is one line naming the file and the fix.
+"""`ade20k:DIR`: the ADE20K scene-parsing benchmark (ADEChallengeData2016) for `ssl-vit data convert`:
+records `(image path, -1, MaskFile)`, no image-level label, the annotation PNG mapped to class indices
+(`ADE_TO_CLASSES`) as the mask.
 """
 
 from __future__ import annotations

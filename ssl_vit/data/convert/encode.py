@@ -9,19 +9,16 @@ else is converted to grey (L) or RGB, shrunk to `--max-side` if larger (PIL's `I
 kept, JPEGs decoded at a reduced DCT scale first, then a bicubic resample; never enlarged) and encoded
 as PNG or as JPEG at `--quality`.
 
-A record of a source with masks also has its mask (a uint8 array or a `payload.MaskFile`; a mosaic's
-`Tiles` compose theirs with their image): checked to cover the image pixel for pixel and to hold only
-classes below the source's count or 255 (else the record is skipped and counted, as an unreadable image
-is), shrunk with NEAREST to the stored image's size when `--max-side` shrank it, and stored as a mode-L
-PNG (the sample's `seg.png`), with its pixel count per class for the manifest.
+A record's mask (`payload`; a mosaic's `Tiles` compose theirs with their image) is checked to cover the
+image pixel for pixel and to hold only classes below the source's count or 255 (else the record is
+skipped and counted, as an unreadable image is), shrunk with NEAREST to the stored image's size when
+`--max-side` shrank it, and stored as a mode-L PNG (the sample's `seg.png`), with its pixel count per
+class for the manifest.
 
 Every record also gives the statistics of its image's bands as stored (`band_stats.BandStats`: a kept
 file decoded in full, a JPEG written here decoded from the bytes written), which the writer merges
 into the manifest's `band_stats`: exact over every image written, at the cost of one decode of each
 image that was not decoded in full anyway.
-
-A payload of any other kind encodes itself (`payload.Payload`): an array source's `tiff.ArrayFile`, a
-mosaic's `Tiles`, an image file's bytes read from a shard or a parquet row (`ImageBytes`), a plugin's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """What a source's records hand the shard writer, and what it gets back (`ssl-vit data convert`).
 
-A record is `(payload, label)`, or `(payload, label, mask)` from a source with masks. A uint8 array or
-an image file's path is an image (`encode.encode_image`); anything else implements `Payload`: its
-`encode` runs in the writer's worker processes and returns the sample as stored (`Encoded`), or raises
-for a record that cannot be stored, which is skipped and counted (`Skip`: its reason whole; any other
-error: the payload's `where`, then the error). A source keeps its own kind of payload beside its reader
-(`tiff.ArrayFile`, `mosaic.Tiles`, `encode.ImageBytes`), and so can a plugin's; the writer knows none.
+A record is `(payload, label)` (-1: unlabelled), or `(payload, label, mask)` from a source with masks
+(`ade20k:`, `voc:`: a uint8 array or a `MaskFile`; `mosaic.Tiles` make image and mask together). A uint8
+array `(H, W)` or `(H, W, 3)` or an image file's path is an image (`encode.encode_image`; a path is read
+in the writer's worker processes, so the parent never holds a whole image folder in memory); anything
+else implements `Payload`: its `encode` runs in the writer's worker processes and returns the sample as
+stored (`Encoded`), or raises for a record that cannot be stored, which is skipped and counted (`Skip`:
+its reason whole; any other error: the payload's `where`, then the error). A source keeps its own kind of
+payload beside its reader (`tiff.ArrayFile`, `mosaic.Tiles`, `encode.ImageBytes`), and so can a plugin's;
+the writer knows none.
 """
 
 from __future__ import annotations

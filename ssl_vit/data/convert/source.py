@@ -1,11 +1,10 @@
 """The registry of the image sources that `ssl-vit data convert` turns into shards (one module per source
 beside it, in `ssl_vit.data.convert`).
 
-A source module registers a `SourceKind`: the source's name, its loader, the form of its argument
-(`DIR`, `URLS`, ...), its help, what `--split` selects for it, whether its records carry segmentation
-masks or are stored as arrays, and its own `data convert` flags (`Flag`). The command's help, its
-`--split` help, its flags and the checks of a SOURCE string are all derived from the registry
-(`SOURCES`), so adding a source is one module and one registration. A plugin adds one the same way:
+A source module registers a `SourceKind` (its name, loader, argument, help, splits and flags: see
+there). The command's help, its `--split` help, its flags and the checks of a SOURCE string are all
+derived from the registry (`SOURCES`), so adding a source is one module and one registration. A plugin
+adds one the same way:
 
     from ssl_vit.data.convert import Flag, SourceKind, register
 
@@ -15,21 +14,12 @@ masks or are stored as arrays, and its own `data convert` flags (`Flag`). The co
     register(SourceKind("tiles", load, "DIR", flags=(Flag("tile", "...", type=int, metavar="N"),)))
 
 A SOURCE string (`ssl-vit data convert SOURCE`) is parsed into a `Source`: a name, class names and its
-records. A record is `(payload, label)` where `payload` is a uint8 array `(H, W)` or `(H, W, 3)`, a
-path to an image file (read in the writer's worker processes, so the parent never holds a whole image
-folder in memory), or a `Payload` that encodes itself there (`ssl_vit.data.convert.payload`: an image
-file's bytes read from a shard or a parquet row, a TIFF stored as an array, a mosaic's tiles, a
-plugin's own kind). `label` is -1 for unlabelled images. Records are a list, or for `wds:` and `hf:`
+records (what a record is: `ssl_vit.data.convert.payload`). Records are a list, or for `wds:` and `hf:`
 an iterable read lazily (a large set of shards or parquet files is never held in memory); such an
 iterable says its length, where known, as `total`, and what it adds to the manifest as `manifest`.
 
-Sources with segmentation masks (`ade20k:`, `voc:`, `mosaic:`) give each record a third element, its
-mask (a uint8 array or a `payload.MaskFile`), or a payload whose `encode` makes image and mask
-(`mosaic.Tiles`); their class names are the mask's classes.
-
 Each loader validates what it reads and raises `UserError` with a one-line message naming the file
-and what is wrong with it, before anything is written. Importing `ssl_vit.data.convert` registers the
-built-in sources.
+and what is wrong with it, before anything is written.
 """
 
 from __future__ import annotations
@@ -202,8 +192,7 @@ class Source:
     name: str  # the SOURCE string's kind, used in sample keys and the manifest
     spec: str  # the SOURCE string as given
     class_names: list[str] | None  # None: "0" ... "K-1" from the labels written (wds: without a manifest)
-    records: Iterable  # of (payload, label[, mask]); payload: uint8 array (H, W[, 3]), image file path, or
-    # a `payload.Payload`
+    records: Iterable  # of (payload, label[, mask]): see `ssl_vit.data.convert.payload`
     total: int | None  # the number of records, where known before reading them (progress, resume)
     masks: bool = False  # every record has a segmentation mask; `class_names` are its classes
     manifest: dict = field(default_factory=dict)  # more to record in the manifest, complete once the

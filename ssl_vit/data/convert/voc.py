@@ -1,8 +1,5 @@
-"""`voc:DIR`: PASCAL VOC 2012's segmentation set for `ssl-vit data convert`. Each record is `(image path,
--1, MaskFile)`: the image, no image-level label, and the palette PNG of its classes, which the writer's
-workers decode and store as the sample's `seg.png` (`ssl_vit.data.convert.encode`). The layout is checked
-before anything is written: a missing folder, split list or annotation is one line naming the file and
-the fix.
+"""`voc:DIR`: PASCAL VOC 2012's segmentation set for `ssl-vit data convert`: records `(image path, -1,
+MaskFile)`, no image-level label, the palette PNG of its classes as the mask.
 """
 
 from __future__ import annotations
