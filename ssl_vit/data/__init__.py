@@ -1,10 +1,7 @@
-"""Data: the shard format and its limits (`format`: members, manifests, arrays, masks, band statistics);
-transforms of images (`transforms`: RGB and band presets, mixing); shards -> batches (`stream`: urls,
-tar reading, samples, the training and exact-pass streams, their DataLoaders and workers, positions,
-identity); image sources -> WebDataset shards (`convert`: the sources' registry, one module per source,
-the shard writer); `checks` (argument checks, light to import), `inspect` (`ssl-vit data inspect`);
-`ShardDataModule` (`datamodule`, its options in `options`) and its metrics callback `LogSkippedSamples`
-(`skip_log`).
+"""Data: the shard format and its limits (`format`); transforms of images (`transforms`); shards ->
+batches (`stream`); image sources -> WebDataset shards (`convert`); `checks` (argument checks, light to
+import), `inspect` (`ssl-vit data inspect`); `ShardDataModule` (`datamodule`, its options in `options`)
+and its metrics callback `LogSkippedSamples` (`skip_log`).
 
 `ShardDataModule` is imported on first use so that `ssl-vit data convert` does not pay for Lightning.
 """

@@ -9,9 +9,7 @@
         image_size: 32
         augment: {crop_scale: [0.6, 1.0]}
 
-Training reads the epoch's one random order of every sample over local shards (`epoch_order`; remote
-and compressed shards: a resampled stream of segments), a fixed number of batches per rank per epoch;
-validation and test are exact passes (see `ssl_vit.data.stream.pipeline`). Batches reach the model as dicts:
+The training and exact-pass streams: `ssl_vit.data.stream.pipeline`. Batches reach the model as dicts:
 `image` float32 [B,C,H,W] (C = `channels`, normalised on the device by `prepare_batch`), `label` int64
 [B] (-1 where unlabelled), `key` list[str], `mask` uint8 [B,H,W] when the samples carry segmentation
 masks (`seg.png`: a class index per pixel of `image`, 255 ignored; cropped, flipped and resized with the

@@ -1,13 +1,12 @@
 """The `wds:URLS` source: existing WebDataset shards, re-sharded (another shard size, `--max-side`).
 
-URLS are what the training stream reads (brace ranges, local paths, `file://`, `http(s)://`, `pipe:`,
-fsspec URLs), read with the same tar reader and retries (`ssl_vit.data.stream.tar_reader`). Of each sample the
-first image member among `jpg`, `jpeg`, `png`, `webp` is kept, its bytes unchanged unless the output
-format or `--max-side` asks for a new encoding, under the sample's own key; the label is read as
-training reads it (`members.parse_label`: `cls`, ASCII digits, or a `json` member's `label` or `cls`
-field; neither: unlabelled, -1). A sample without an image member or with a label that does not parse
-or is beyond the manifest's classes, and a shard that cannot be read or breaks off, become `Broken`
-records, which the writer skips and counts.
+URLS are what the training stream reads (`ssl_vit.data.stream.urls`), read with the same tar reader and
+retries (`ssl_vit.data.stream.tar_reader`). Of each sample the first image member among `jpg`, `jpeg`,
+`png`, `webp` is kept, its bytes unchanged unless the output format or `--max-side` asks for a new
+encoding, under the sample's own key; the label is read as training reads it (`members.parse_label`).
+A sample without an image member or with a label that does not parse or is beyond the manifest's
+classes, and a shard that cannot be read or breaks off, become `Broken` records, which the writer skips
+and counts.
 
 A key is written as a relative name inside the shard: `..` and `.` components and a leading `/` are
 dropped (`member_key`), so that no member of a shard written here names a place outside the folder it

@@ -3,11 +3,9 @@ epoch that depends on the seed, the epoch and the data only, read back sample by
 shards. So a batch is as mixed as a uniform shuffle whatever order the shards were written in (class by
 class, sorted files, one class per shard), and a run resumes exactly on any number of ranks and workers.
 
-- `SampleIndex`: where each sample of each shard lies, from a walk over the tar headers that seeks past
-  the data (`tar_reader.sample_spans`), built once in each rank's main process, after the class and
-  key filters (which read only the `cls`/`json` members);
-- `EpochOrder`: the epoch's permutation of the index, position -> (shard, sample);
-- `SampleReader`: a worker's open shards; one sample's bytes read back and parsed.
+`SampleIndex` (`build_index`, once in each rank's main process, after the class and key filters, which
+read only the `cls`/`json` members), `EpochOrder` (the epoch's permutation of it) and `SampleReader` (a
+worker's reads of single samples).
 
 Position `g` of the epoch is where the stream's slots meet it: data step `t` (one batch on every rank)
 holds positions `[t*B*W, (t+1)*B*W)`, rank `r` the `B` of them from `t*B*W + r*B`, and a rank's

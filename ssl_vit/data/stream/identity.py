@@ -3,12 +3,11 @@
 Exact resume rebuilds each worker's position from (seed, epoch, rank, worker, segment) and the shard
 list: a shard replaced, added, removed or rewritten between a checkpoint and its resume changes which
 samples those positions name, and the run would diverge without a word. The checkpoint therefore keeps
-the shard list, each local shard's size, modification time and a fingerprint of its contents, and the
-manifest's sample count and hash; a resume compares them with what it reads now (`changes`).
+what `identity` lists, and a resume compares it with what it reads now (`changes`).
 
-The fingerprint is a hash of the shard's first and last 64 KiB (the whole file when it is smaller):
-samples reordered, replaced or re-encoded at the same size change the tar headers and data there. A
-change in the middle alone shows in the modification time. Reading all of every shard at every save
+The fingerprint hashes the shard's first and last 64 KiB (`fingerprint`): samples reordered, replaced
+or re-encoded at the same size change the tar headers and data there. A change in the middle alone
+shows in the modification time. Reading all of every shard at every save
 would read the whole data set; these 128 KiB are read once per shard and process (`_fingerprints`,
 kept while the file's size and times stay the same). Sizes of remote shards are not asked
 for (a request per shard at every save); their manifest stands for them.

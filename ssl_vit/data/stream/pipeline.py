@@ -21,8 +21,7 @@ segments of `segment_shards` shards; a segment's shard draw and shuffle are seed
 segment, samples of the segment consumed), carried by every batch in `stream`, and a resumed worker
 rebuilds its segment and skips the consumed samples before decoding them: resuming costs reading at
 most one segment's raw bytes per worker, never decoding them again. Stepping over batches that were
-never consumed (a loss-spike rollback) works the same way: the position says how many samples the
-worker passes over, undecoded, before its next batch (`WorkerPosition.skip`).
+never consumed (a loss-spike rollback) works the same way (`WorkerPosition.skip`).
 
 Bad samples (an image `samples.open_image` refuses, a label `parse_label` refuses, a mask `read_mask`
 refuses, an unreadable shard) are skipped, logged with their key and shard, and counted; each batch

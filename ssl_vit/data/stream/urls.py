@@ -1,11 +1,9 @@
-"""Shard URLs: brace expansion, a check that every shard can be read before anything starts, and fsspec
-URLs (`s3://`, `gs://`, ...) for webdataset's opener (the manifest beside them:
-`ssl_vit.data.format.manifest`).
+"""Shard URLs: brace expansion, and a check that every shard can be read before anything starts (the
+manifest beside them: `ssl_vit.data.format.manifest`; their opener: `tar_reader`).
 
 URLs accept brace ranges (`train-{000000..000127}.tar`), local paths, `file://`, `http(s)://`,
-`pipe:CMD` and fsspec URLs when the matching fsspec package is installed, remote ones read with
-retries and a read timeout (`ssl_vit.storage.remote`). `pipe:` runs a command: recipes and suites are
-trusted input (they name the command); a manifest never supplies a URL.
+`pipe:CMD` and fsspec URLs when the matching fsspec package is installed. `pipe:` runs a command:
+recipes and suites are trusted input (they name the command); a manifest never supplies a URL.
 """
 
 from __future__ import annotations
