@@ -370,8 +370,7 @@ class ShardDataModule(pl.LightningDataModule):
         return bool(getattr(module, "NEEDS_LABELS", False))
 
     def _start_epoch(self) -> tuple[int, Any]:
-        """The epoch of the training pass about to start, and where each worker stands in it
-        (`TrainingPosition.start`): the trainer's epoch when attached, else a count of passes."""
+        """`TrainingPosition.start` of the next training pass, with the trainer's epoch when attached."""
         epoch = self.trainer.current_epoch if self.trainer is not None else None
         return self.position.start(
             epoch,
