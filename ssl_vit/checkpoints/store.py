@@ -58,10 +58,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """
 
     def __init__(self, read_retries: int = DEFAULT.retries, read_timeout_s: float = DEFAULT.timeout_s):
-        from ssl_vit.data.checks import read_policy
-
         super().__init__()
-        self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})
+        self.read_policy = remote.checked_policy(read_retries, read_timeout_s)
 
     def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: Any = None) -> None:
         if storage_options is not None or not is_local(path):

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, check_count, check_positive_seconds
 from ssl_vit.redact import clean_token
 
 log = logging.getLogger("ssl_vit.data")
@@ -89,6 +89,20 @@ class ReadPolicy:
 
 
 DEFAULT = ReadPolicy()
+# More retries are a mistake (a typo, a number pasted into the wrong key), not a setting.
+MAX_RETRIES = 100
+
+
+def checked_policy(retries: object = None, timeout_s: object = None) -> ReadPolicy:
+    """The `ReadPolicy` of the settings `read_retries` and `read_timeout_s` (None: the default), checked
+    first: one line for retries not an integer of 0 to MAX_RETRIES, or a timeout not a positive, finite
+    number of seconds."""
+    check_count("read_retries", retries, 0, MAX_RETRIES)
+    check_positive_seconds("read_timeout_s", timeout_s)
+    return ReadPolicy(
+        retries=DEFAULT.retries if retries is None else retries,
+        timeout_s=DEFAULT.timeout_s if timeout_s is None else float(timeout_s),
+    )
 
 
 class Missing(FileNotFoundError):
