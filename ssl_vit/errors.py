@@ -73,6 +73,11 @@ def first_line(err: BaseException, limit: int = 200) -> str:
     return f"{type(err).__name__}: {text}"
 
 
+def warn(text: str) -> None:
+    """`ssl-vit: warning: TEXT` on stderr, the one line a command warns in."""
+    print(f"ssl-vit: warning: {text}", file=sys.stderr, flush=True)
+
+
 def check_at_least(args, low: int, *names: str) -> None:
     """One line for an integer command-line option below `low` (argparse's `type=int` takes any):
     `names` are attributes of `args`, None meaning the option was not given."""

@@ -22,7 +22,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
@@ -38,7 +37,7 @@ from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
-from ssl_vit.errors import NO_ROOM, UserError, first_line
+from ssl_vit.errors import NO_ROOM, UserError, first_line, warn
 from ssl_vit.internals import CLASS_PATH_KEY, wraps_checkpoint_io
 from ssl_vit.storage import remote
 from ssl_vit.storage.atomic import TEMP_NAME, Staged
@@ -346,7 +345,7 @@ def _warn_once(message: str) -> None:
     # The CLI and Lightning both resolve `last` (same files, same answer): one line, on rank 0 only (the
     # rank the launcher's environment gives, before the trainer exists).
     if rank_zero_only.rank == 0:
-        print(f"ssl-vit: warning: {message}", file=sys.stderr, flush=True)
+        warn(message)
 
 
 def checkpoint_step(path: Path) -> int | None:
