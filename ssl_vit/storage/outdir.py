@@ -49,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
-from ssl_vit.errors import UserError, warn
+from ssl_vit.errors import UserError, first_line, warn
 from ssl_vit.storage.atomic import write_text
 from ssl_vit.storage.lock import HOST, RunLock, alive, job_leader
 
@@ -270,7 +270,7 @@ AT_FDCWD = -100
 def _exchange(a: Path, b: Path) -> bool:
     """`a` and `b` swapped in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False where the
     system or the filesystem cannot (then nothing changed)."""
-    function = getattr(_libc(), "renameat2", None)
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # the C library
     if function is None:
         return False
     if function(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
@@ -316,15 +316,6 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(signum)  # its handler runs here (raising Terminated or Interrupted)
 
 
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]
-
-
 class Output:
     """`with Output(out, command, inputs, overwrite) as output:` an output directory checked (`check_out`)
     and locked (`out_lock`) from the start of the job to its end; `with output.staged() as temp:` the
@@ -364,7 +355,7 @@ class Output:
         out.parent.mkdir(parents=True, exist_ok=True)
         temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         # mkdtemp makes it 0700 whatever the umask; the finished output gets what mkdir would have given it.
-        temp.chmod(0o777 & ~_umask())
+        temp.chmod(0o777 & ~current_umask())
         mark(temp, self.command)
         try:
             yield temp
@@ -379,9 +370,7 @@ class Output:
         try:
             return make()
         except Exception as err:
-            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-            why = f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
-            self.notes.append(f"{what} failed ({why}); the results are complete without it")
+            self.notes.append(f"{what} failed ({first_line(err)}); the results are complete without it")
             warn(self.notes[-1])
             return None
 
@@ -407,7 +396,7 @@ class Output:
         return out / name
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process's umask (reading it means setting it: set back at once)."""
     mask = os.umask(0o022)
     os.umask(mask)
