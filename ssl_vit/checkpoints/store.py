@@ -9,9 +9,6 @@
   (`ssl_vit.storage.remote`; `read_retries`, `read_timeout_s` of the plugin).
 - `--ckpt_path` as a file (`check_ckpt_path`), and a checkpoint that names a model class outside
   ssl-vit's tasks (`refuse_foreign_model`), are refused before Lightning reads them.
-
-Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so neither Lightning's
-`ckpt_path="last"` search nor a `*.ckpt` glob takes a half-written one for a checkpoint.
 """
 
 from __future__ import annotations
@@ -112,7 +109,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu", policy: ReadPol
                     ) from None
                 except remote.ReadFailed as err:
                     raise UserError(
-                        f"checkpoint {text} cannot be read ({str(err).removeprefix(f'{text}: ')}): check the "
+                        f"checkpoint {text} cannot be read ({remote.without_url(err, text)}): check the "
                         "server, or raise the checkpoint plugin's read_retries / read_timeout_s"
                     ) from None
                 integrity.check(local, DAMAGED_FIX, name=text)  # damaged on the server, or cut off

@@ -412,10 +412,9 @@ def _authorize(request: urllib.request.Request) -> None:
 
 
 def hub_token() -> str | None:
-    """HF_TOKEN as huggingface_hub reads it (line breaks removed, spaces stripped: `echo $(cat token) >
-    .env` leaves a newline), or None; a one-line UserError, which quotes none of it, when what is left
-    holds a character no token has (a control character, a space, a letter outside ASCII): http.client
-    would refuse it with a message quoting the whole header."""
+    """HF_TOKEN as huggingface_hub reads it (`clean_token`), or None; a one-line UserError, which quotes
+    none of it, when what is left holds a character no token has (a control character, a space, a letter
+    outside ASCII): http.client would refuse it with a message quoting the whole header."""
     token = clean_token(os.environ.get("HF_TOKEN") or "")
     wrong = [i for i, c in enumerate(token) if not 33 <= ord(c) <= 126]
     if wrong:
