@@ -4,6 +4,7 @@ it behind the wrappers libraries put around it."""
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import reprlib
@@ -72,6 +73,11 @@ def first_line(err: BaseException, limit: int = 200) -> str:
     return f"{type(err).__name__}: {text}"
 
 
+def warn(text: str) -> None:
+    """`ssl-vit: warning: TEXT` on stderr, the one line a command warns in."""
+    print(f"ssl-vit: warning: {text}", file=sys.stderr, flush=True)
+
+
 def check_at_least(args, low: int, *names: str) -> None:
     """One line for an integer command-line option below `low` (argparse's `type=int` takes any):
     `names` are attributes of `args`, None meaning the option was not given."""
@@ -79,6 +85,22 @@ def check_at_least(args, low: int, *names: str) -> None:
         value = getattr(args, name)
         if value is not None and value < low:
             raise UserError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+
+
+def check_count(key: str, value: object, low: int, high: int | None = None) -> None:
+    """One line for an integer setting `key` (None: its default applies) that is not an integer, is below
+    `low` or above `high`."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+        raise BadValue(f"{key} is {shown(value)}: it should be an integer of at least {low}")
+    if value is not None and high is not None and value > high:
+        raise BadValue(f"{key} is {shown(value)}: it should be an integer of at most {high:,}")
+
+
+def check_positive_seconds(key: str, value: object) -> None:
+    """One line for a setting in seconds (None: its default applies) that is not a positive, finite number."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is not None and not (number and 0 < value < math.inf):
+        raise BadValue(f"{key} is {shown(value)}: it should be a positive number of seconds")
 
 
 # The worker's exception line at the end of a DataLoader re-raise: `ssl_vit.errors.UserError: MESSAGE`.

@@ -9,10 +9,7 @@ naming the attribute, the library's version and the function here, rather than d
 also greps the package: no other module of ssl_vit reaches a private attribute of these libraries.
 docs/INTERNALS.md lists the touches and the Lightning versions the canaries pass on.
 
-Where a public API serves, the package uses it instead (docs/INTERNALS.md, "Replaced"): the EMA step
-(`torch.optim.swa_utils.get_ema_multi_avg_fn`), the copy of a compiled step's outputs
-(`lightning_utilities.apply_to_collection`), a worker's batch in shared memory (`Tensor.share_memory_`),
-the hybrid ViT's ResNet stem (`timm.models.ResNetV2`), local-path tests (`fsspec.utils.get_protocol`).
+Where a public API serves, the package uses it instead: docs/INTERNALS.md, "Replaced by public APIs".
 """
 
 from __future__ import annotations
@@ -170,16 +167,8 @@ class ModelCheckpointHooks(ModelCheckpoint):
     ModelCheckpoint's public surface is its constructor and the callback hooks; how it names, writes,
     links, rotates and finds checkpoints is private. A subclass that changes those steps overrides the
     hooks below (calling `super()` for Lightning's own) and calls the helpers, never the private names.
-
-    Hooks, each called by Lightning where it calls the private method named:
-    - `write_checkpoint(trainer, filepath)`: every save of a file (`_save_checkpoint`).
-    - `save_unmonitored(trainer, candidates)`: a save without a monitored metric
-      (`_save_none_monitor_checkpoint`): name it, write it, remove the one it replaces.
-    - `find_last_checkpoints(trainer)`: the candidates `ckpt_path="last"` resumes
-      (`_find_last_checkpoints`).
-    - `link_checkpoint(trainer, filepath, linkpath)`: `save_last="link"`'s link (`_link_checkpoint`).
-    Helpers: `interpolated_name`, `should_remove`, `remove_checkpoint`, `skips_saving`,
-    `monitor_candidates`, `save_topk`, `save_last_checkpoint`, `version_counter`.
+    Each hook is called by Lightning where it calls the private method just above it, which forwards to
+    it; each helper is one private method under a public name.
     """
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:

@@ -16,7 +16,6 @@ Legend: D width, K classes.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,7 +37,7 @@ from ssl_vit.checkpoints.load import (
 )
 from ssl_vit.errors import UserError
 from ssl_vit.models.vit import ViTConfig, parse_variant
-from ssl_vit.storage.outdir import checkpoint_inputs, commit, out_lock, refuse_inputs
+from ssl_vit.storage.outdir import checkpoint_inputs, commit, current_umask, out_lock, refuse_inputs
 
 Format = Literal["timm", "hf"]
 TIMM_SIZES = {"Ti": "tiny", "S": "small", "M": "medium", "B": "base", "L": "large", "H": "huge"}
@@ -119,7 +118,7 @@ def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: Wei
         raise UserError(f"cannot write in {target.parent} ({err.strerror}); give a writable OUT") from None
     try:
         written = staging / target.name
-        state = _contiguous(model.state_dict())
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if fmt == "timm":
             save_file(state, written, metadata=export_metadata(weights.config, state))
         else:
@@ -220,14 +219,9 @@ def _architecture_of(model: nn.Module) -> dict:
 
 def _default_permissions(path: Path) -> None:
     """0o666 (0o777 for folders) less the umask, as `open` gives: safetensors and mkdtemp make 0o600."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     for item in [path, *path.rglob("*")]:
         item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
-
-
-def _contiguous(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {k: v.contiguous() for k, v in state.items()}
 
 
 def _python_arguments(arguments: dict) -> str:

@@ -49,7 +49,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import Tensor, nn
 
 from ssl_vit.checkpoints import SOURCES, integrity, mae, peers
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, first_line
 from ssl_vit.models.vit import HYBRID_STEM_CONV, VARIANTS, ViT, ViTConfig, input_conv_key, parse_variant
 
 METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safetensors
@@ -245,15 +245,13 @@ def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
     mapping = peers.match(state)
     if mapping is None:
         return _timm_weights(state, None)._replace(verified=verified)
-    backbone, rest = peers.split(state, mapping)
+    backbone, rest = peers.split(state, mapping.prefix)
     found = _timm_weights(backbone, None)
     return found._replace(rest={**found.rest, **rest}, verified=verified, peer=mapping.peer)
 
 
 def _lightning_weights(path: Path, checkpoint: dict, weights: WeightsKind = "student") -> Weights:
-    state, prefix = checkpoint["state_dict"], PREFIXES[weights]
-    backbone = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-    rest = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    backbone, rest = peers.split(checkpoint["state_dict"], PREFIXES[weights])
     hparams = checkpoint.get("hyper_parameters") or {}
     hparams = hparams if isinstance(hparams, dict) else {}
     if not backbone:
@@ -461,9 +459,8 @@ def _from_timm(name: str, wanted: ViTConfig | None) -> tuple[ViT, ViTConfig]:
         raise
     except Exception as err:  # unknown name, a failed download: each is one user-facing line
         raise UserError(
-            f"timm:{name}: could not create it with pretrained weights ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200]}); check the name, or export the weights to a "
-            ".safetensors file and pass that"
+            f"timm:{name}: could not create it with pretrained weights ({first_line(err)}); check the name, "
+            "or export the weights to a .safetensors file and pass that"
         ) from None
     config = config_of_timm_model(model, name)
     if wanted is not None:
@@ -498,10 +495,9 @@ def _pretrained_timm(name: str) -> nn.Module:
     try:
         get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except Exception as err:  # no answer at all (any answer, even an error status, is a Hub to ask)
-        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
         raise UserError(
             f"timm:{name}: its weights are not in the Hugging Face cache and the Hub ({constants.ENDPOINT}) "
-            f"cannot be reached ({why}): connect to the network, or {fix}"
+            f"cannot be reached ({first_line(err)}): connect to the network, or {fix}"
         ) from None
     return timm.create_model(name, pretrained=True, num_classes=0)
 

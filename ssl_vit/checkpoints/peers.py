@@ -45,10 +45,11 @@ def match(state: dict) -> Mapping | None:
     return None
 
 
-def split(state: dict[str, Tensor], mapping: Mapping) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(the timm-named backbone, the rest under their own names) of a peer's state dict."""
-    backbone = {k.removeprefix(mapping.prefix): v for k, v in state.items() if k.startswith(mapping.prefix)}
-    rest = {k: v for k, v in state.items() if not k.startswith(mapping.prefix)}
+def split(state: dict[str, Tensor], prefix: str) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(the tensors under `prefix`, without it: the timm-named backbone, the rest under their own names)
+    of a state dict: a peer's (its mapping's prefix) or a Lightning checkpoint's (`backbone.`, `teacher.`)."""
+    backbone = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    rest = {k: v for k, v in state.items() if not k.startswith(prefix)}
     return backbone, rest
 
 

@@ -9,9 +9,6 @@
   (`ssl_vit.storage.remote`; `read_retries`, `read_timeout_s` of the plugin).
 - `--ckpt_path` as a file (`check_ckpt_path`), and a checkpoint that names a model class outside
   ssl-vit's tasks (`refuse_foreign_model`), are refused before Lightning reads them.
-
-Temporary files are `.NAME.HEX.tmp`: hidden, and never ending in `.ckpt`, so neither Lightning's
-`ckpt_path="last"` search nor a `*.ckpt` glob takes a half-written one for a checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
@@ -38,7 +34,7 @@ from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from ssl_vit.checkpoints import integrity
 from ssl_vit.checkpoints.load import torch_load
-from ssl_vit.errors import NO_ROOM, UserError, first_line
+from ssl_vit.errors import NO_ROOM, UserError, first_line, warn
 from ssl_vit.internals import CLASS_PATH_KEY, wraps_checkpoint_io
 from ssl_vit.storage import remote
 from ssl_vit.storage.atomic import TEMP_NAME, Staged
@@ -58,10 +54,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
     """
 
     def __init__(self, read_retries: int = DEFAULT.retries, read_timeout_s: float = DEFAULT.timeout_s):
-        from ssl_vit.data.checks import read_policy
-
         super().__init__()
-        self.read_policy = read_policy({"read_retries": read_retries, "read_timeout_s": read_timeout_s})
+        self.read_policy = remote.checked_policy(read_retries, read_timeout_s)
 
     def save_checkpoint(self, checkpoint: dict, path: str | Path, storage_options: Any = None) -> None:
         if storage_options is not None or not is_local(path):
@@ -115,7 +109,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu", policy: ReadPol
                     ) from None
                 except remote.ReadFailed as err:
                     raise UserError(
-                        f"checkpoint {text} cannot be read ({str(err).removeprefix(f'{text}: ')}): check the "
+                        f"checkpoint {text} cannot be read ({remote.without_url(err, text)}): check the "
                         "server, or raise the checkpoint plugin's read_retries / read_timeout_s"
                     ) from None
                 integrity.check(local, DAMAGED_FIX, name=text)  # damaged on the server, or cut off
@@ -348,7 +342,7 @@ def _warn_once(message: str) -> None:
     # The CLI and Lightning both resolve `last` (same files, same answer): one line, on rank 0 only (the
     # rank the launcher's environment gives, before the trainer exists).
     if rank_zero_only.rank == 0:
-        print(f"ssl-vit: warning: {message}", file=sys.stderr, flush=True)
+        warn(message)
 
 
 def checkpoint_step(path: Path) -> int | None:

@@ -3,12 +3,11 @@ trainer starts, suite files, checkpoint I/O): split URLs, counts, seconds, the r
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ssl_vit.data.stream.urls import check_urls, expand
-from ssl_vit.errors import BadValue, UserError, shown
-from ssl_vit.storage.remote import ReadPolicy
+from ssl_vit.errors import UserError, check_count, check_positive_seconds
+from ssl_vit.storage.remote import MAX_RETRIES, ReadPolicy, checked_policy
 
 SPLITS = ("train", "val", "test")
 # The split each stage cannot run without.
@@ -46,14 +45,8 @@ def check_shard_urls(
 
 def read_policy(args: dict[str, Any]) -> ReadPolicy:
     """The `ReadPolicy` of a data module's arguments (`read_retries`, `read_timeout_s`; the defaults
-    for those `args` leaves out), checked first."""
-    values = {key: args[key] for key in ("read_retries", "read_timeout_s") if args.get(key) is not None}
-    check_counts({k: v for k, v in values.items() if k in COUNT_MINIMUMS})
-    check_seconds({k: v for k, v in values.items() if k in SECONDS})
-    return ReadPolicy(
-        retries=values.get("read_retries", DEFAULT_READ.retries),
-        timeout_s=float(values.get("read_timeout_s", DEFAULT_READ.timeout_s)),
-    )
+    for those `args` leaves out), checked first (`checked_policy`)."""
+    return checked_policy(args.get("read_retries"), args.get("read_timeout_s"))
 
 
 # The integer settings of a `ShardDataModule` and their smallest values (None: the default applies).
@@ -68,27 +61,18 @@ COUNT_MAXIMUMS = {
     "image_size": 1 << 16,
     "num_workers": 1 << 10,
     "segment_shards": 1 << 20,
-    "read_retries": 100,
+    "read_retries": MAX_RETRIES,
 }
-# Its settings in seconds: positive, finite numbers (None: the default applies).
-SECONDS = ("read_timeout_s", "loader_timeout_s")
-DEFAULT_READ = ReadPolicy()
 
 
-def check_counts(values: dict[str, Any], where: str = "") -> None:
+def check_counts(values: dict[str, Any]) -> None:
     """One line for an integer setting (`COUNT_MINIMUMS`) that is not an integer, is too small or too
-    large (`COUNT_MAXIMUMS`); `where` prefixes it (a suite file's data block)."""
+    large (`COUNT_MAXIMUMS`)."""
     for key, value in values.items():
-        low, high = COUNT_MINIMUMS[key], COUNT_MAXIMUMS.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-            raise BadValue(f"{where}{key} is {shown(value)}: it should be an integer of at least {low}")
-        if value is not None and high is not None and value > high:
-            raise BadValue(f"{where}{key} is {shown(value)}: it should be an integer of at most {high:,}")
+        check_count(key, value, COUNT_MINIMUMS[key], COUNT_MAXIMUMS.get(key))
 
 
-def check_seconds(values: dict[str, Any], where: str = "") -> None:
-    """One line for a setting in seconds (`SECONDS`) that is not a positive, finite number."""
+def check_seconds(values: dict[str, Any]) -> None:
+    """One line for a setting in seconds that is not a positive, finite number (None: the default applies)."""
     for key, value in values.items():
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if value is not None and not (number and 0 < value < math.inf):
-            raise BadValue(f"{where}{key} is {shown(value)}: it should be a positive number of seconds")
+        check_positive_seconds(key, value)

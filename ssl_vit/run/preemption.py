@@ -92,15 +92,14 @@ class Preemption(pl.Callback):
         # Training or its validation: either way between two training steps. The death may show in the
         # validation's first fetch when the training epoch's last batch had already come.
         fitting = trainer.state.fn == "fit" and not trainer.sanity_checking
-        if worker_died(exception) and boundary and fitting and trainer.world_size == 1:
-            path = last_path(trainer)
-            trainer.save_checkpoint(path, weights_only=False)
-            exception.saved = str(path)  # the CLI's one line says so
-            return
-        if not isinstance(exception, SIGTERMException):
+        worker = worker_died(exception) and boundary and fitting and trainer.world_size == 1
+        if not worker and not isinstance(exception, SIGTERMException):
             return
         path = last_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)
+        if worker:
+            exception.saved = str(path)  # the CLI's one line says so
+            return
         stop_all_workers()  # saved: nothing is pending, the workers need no grace
         what = "the requeue signal (SIGUSR1)" if self.requeue_requested else "SIGTERM"
         message = f"stopped by {what} after step {trainer.global_step}; saved {path}"

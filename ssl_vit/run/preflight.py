@@ -40,11 +40,11 @@ def follow_run_dir(config, argv: list[str]) -> str | None:
     never writes into the original's. Changes `config`; returns the warning line to
     print when the run directory was followed, else None."""
     note = None
-    for path in _config_files(argv):
+    for path in map(Path, config_files(argv)):
         recorded = _recorded(path)
         root = recorded.get("trainer", {}).get("default_root_dir")
         dirpath = recorded.get("checkpoint", {}).get("dirpath")
-        if not isinstance(root, str):
+        if path.name != "config.yaml" or not isinstance(root, str):  # a run directory's own config only
             continue
         if (
             isinstance(dirpath, str)
@@ -126,11 +126,6 @@ def config_files(argv: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             files.append(arg.split("=", 1)[1])
     return files
-
-
-def _config_files(argv: list[str]) -> list[Path]:
-    """The config files of `argv` named config.yaml (what a fit writes in its run directory)."""
-    return [Path(p) for p in config_files(argv) if Path(p).name == "config.yaml"]
 
 
 def _recorded(path: Path) -> dict:

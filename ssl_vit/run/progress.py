@@ -100,7 +100,7 @@ class ProgressLines(pl.Callback):
             return
         step = trainer.global_step
         by_step = step > self.first_step and step % max(1, trainer.log_every_n_steps) == 0
-        due = by_step or self._clock_due()
+        due = by_step or time.monotonic() - self.last_time >= self.every_s
         if self.skipped is not None and (by_step or due and trainer.world_size == 1):
             # summed over the ranks at the steps every rank reaches together (one sync, as logging has)
             total = (
@@ -109,9 +109,6 @@ class ProgressLines(pl.Callback):
             self.skipped_total = int(total.item())
         if trainer.is_global_zero and due:
             self._line(trainer, _loss(outputs))
-
-    def _clock_due(self) -> bool:
-        return time.monotonic() - self.last_time >= self.every_s
 
     def _record_decisions(self, trainer: pl.Trainer) -> None:
         """The non-finite guard's new rollbacks and skipped steps, in the record (host values: no sync)."""

@@ -4,7 +4,8 @@ then renamed (or linked) onto it, and the directory synced.
 A reader (a resumed job, Lightning's `ckpt_path="last"` search, another fit looking at a run
 directory's lock) then sees the old file or the new one, never a half-written one, whatever kills the
 writer; a failed write leaves the target as it was. Temporary names are `.NAME.HEX.tmp` (`TEMP_NAME`):
-hidden, and never ending in the target's suffix, so a `*.ckpt` glob never takes one for a checkpoint.
+hidden, and never ending in the target's suffix, so neither Lightning's `ckpt_path="last"` search nor a
+`*.ckpt` glob takes a half-written one for a checkpoint.
 """
 
 from __future__ import annotations

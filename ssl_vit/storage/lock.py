@@ -41,14 +41,13 @@ import os
 import re
 import socket
 import struct
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, warn
 from ssl_vit.storage.atomic import Staged
 
 LOCK_NAME = "fit.lock"
@@ -181,11 +180,7 @@ class RunLock:
                 taken = self._create(replace=fd)
             if taken:
                 what = f"from {_describe(stale)}, which ended" if stale else "(it names no holder)"
-                print(
-                    f"ssl-vit: warning: took over the lock {self.path} {what} without releasing it",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                warn(f"took over the lock {self.path} {what} without releasing it")
             return taken
         finally:
             os.close(fd)

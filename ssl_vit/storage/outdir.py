@@ -42,7 +42,6 @@ import re
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, first_line, warn
 from ssl_vit.storage.atomic import write_text
 from ssl_vit.storage.lock import HOST, RunLock, alive, job_leader
 
@@ -187,13 +186,13 @@ def recover(out: Path, label: str = "--out") -> None:
     old = out.with_name(f".{out.name}.old")
     if old.is_dir() and not old.is_symlink():
         if not is_ours(old):
-            _warn(f"{label} {out}: {old} is left beside it and is not an output of ssl-vit; remove it")
+            warn(f"{label} {out}: {old} is left beside it and is not an output of ssl-vit; remove it")
         elif not out.exists():
             old.rename(out)
-            _warn(f"{label} {out}: put back the earlier result a job stopped mid-replacement left in {old}")
+            warn(f"{label} {out}: put back the earlier result a job stopped mid-replacement left in {old}")
         else:
             shutil.rmtree(old)
-            _warn(f"{label} {out}: removed {old}, the earlier result a job stopped after replacing it left")
+            warn(f"{label} {out}: removed {old}, the earlier result a job stopped after replacing it left")
     staging = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}")
     for path in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
         if not staging.fullmatch(path.name) or not path.is_dir() or path.is_symlink():
@@ -203,15 +202,9 @@ def recover(out: Path, label: str = "--out") -> None:
             path.rmdir()
         elif maker.get("host") == HOST and not alive(maker.get("pid")):
             shutil.rmtree(path)
-            _warn(f"{label} {out}: removed {path}, the unfinished results of a job that was stopped")
+            warn(f"{label} {out}: removed {path}, the unfinished results of a job that was stopped")
         else:  # another host's job, which may still be writing it (where locks are not shared), or not ours
-            _warn(
-                f"{label} {out}: {path} is left beside it by another job; remove it once that job has ended"
-            )
-
-
-def _warn(text: str) -> None:
-    print(f"ssl-vit: warning: {text}", file=sys.stderr, flush=True)
+            warn(f"{label} {out}: {path} is left beside it by another job; remove it once that job has ended")
 
 
 def out_lock(out: str | Path, command: str, label: str = "--out") -> contextlib.AbstractContextManager:
@@ -277,7 +270,7 @@ AT_FDCWD = -100
 def _exchange(a: Path, b: Path) -> bool:
     """`a` and `b` swapped in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False where the
     system or the filesystem cannot (then nothing changed)."""
-    function = getattr(_libc(), "renameat2", None)
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # the C library
     if function is None:
         return False
     if function(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
@@ -323,15 +316,6 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(signum)  # its handler runs here (raising Terminated or Interrupted)
 
 
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]
-
-
 class Output:
     """`with Output(out, command, inputs, overwrite) as output:` an output directory checked (`check_out`)
     and locked (`out_lock`) from the start of the job to its end; `with output.staged() as temp:` the
@@ -371,7 +355,7 @@ class Output:
         out.parent.mkdir(parents=True, exist_ok=True)
         temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         # mkdtemp makes it 0700 whatever the umask; the finished output gets what mkdir would have given it.
-        temp.chmod(0o777 & ~_umask())
+        temp.chmod(0o777 & ~current_umask())
         mark(temp, self.command)
         try:
             yield temp
@@ -386,10 +370,8 @@ class Output:
         try:
             return make()
         except Exception as err:
-            first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-            why = f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
-            self.notes.append(f"{what} failed ({why}); the results are complete without it")
-            print(f"ssl-vit: warning: {self.notes[-1]}", file=sys.stderr, flush=True)
+            self.notes.append(f"{what} failed ({first_line(err)}); the results are complete without it")
+            warn(self.notes[-1])
             return None
 
     def rewrite(self, name: str, text: str) -> None:
@@ -414,7 +396,7 @@ class Output:
         return out / name
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process's umask (reading it means setting it: set back at once)."""
     mask = os.umask(0o022)
     os.umask(mask)

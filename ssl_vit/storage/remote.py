@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ssl_vit.errors import UserError
+from ssl_vit.errors import UserError, check_count, check_positive_seconds
 from ssl_vit.redact import clean_token
 
 log = logging.getLogger("ssl_vit.data")
@@ -89,6 +89,20 @@ class ReadPolicy:
 
 
 DEFAULT = ReadPolicy()
+# More retries are a mistake (a typo, a number pasted into the wrong key), not a setting.
+MAX_RETRIES = 100
+
+
+def checked_policy(retries: object = None, timeout_s: object = None) -> ReadPolicy:
+    """The `ReadPolicy` of the settings `read_retries` and `read_timeout_s` (None: the default), checked
+    first: one line for retries not an integer of 0 to MAX_RETRIES, or a timeout not a positive, finite
+    number of seconds."""
+    check_count("read_retries", retries, 0, MAX_RETRIES)
+    check_positive_seconds("read_timeout_s", timeout_s)
+    return ReadPolicy(
+        retries=DEFAULT.retries if retries is None else retries,
+        timeout_s=DEFAULT.timeout_s if timeout_s is None else float(timeout_s),
+    )
 
 
 class Missing(FileNotFoundError):
@@ -398,10 +412,9 @@ def _authorize(request: urllib.request.Request) -> None:
 
 
 def hub_token() -> str | None:
-    """HF_TOKEN as huggingface_hub reads it (line breaks removed, spaces stripped: `echo $(cat token) >
-    .env` leaves a newline), or None; a one-line UserError, which quotes none of it, when what is left
-    holds a character no token has (a control character, a space, a letter outside ASCII): http.client
-    would refuse it with a message quoting the whole header."""
+    """HF_TOKEN as huggingface_hub reads it (`clean_token`), or None; a one-line UserError, which quotes
+    none of it, when what is left holds a character no token has (a control character, a space, a letter
+    outside ASCII): http.client would refuse it with a message quoting the whole header."""
     token = clean_token(os.environ.get("HF_TOKEN") or "")
     wrong = [i for i, c in enumerate(token) if not 33 <= ord(c) <= 126]
     if wrong:
