@@ -6,8 +6,8 @@ A feature is a `Feature` registered by its own module in `ssl_vit.models.feature
 in words (tables and verdicts name the feature a result rests on), how it reads one forward pass's
 outputs (`Readout`), and what it is: pooled (one vector per image) or per token, from the final layer
 or from the last k blocks, over the patch grid only, or needing a [class] token. The choices tasks
-and suites take (`ssl_vit.models.vit.FeatureKind`, ...) are `FEATURES.choice`s of these flags, read as
-a value is parsed, so a plugin's feature (`ssl_vit.plugins`) is valid wherever a built-in one is.
+and suites take (`ssl_vit.models.vit.FeatureKind`, ...) are `FEATURES.choice`s of these flags
+(`Registry.choice`: a plugin's feature is valid wherever a built-in one is).
 
 Legend: B batch, N patches, P prefix ([class]) tokens, T tokens, D width, F feature width.
 """

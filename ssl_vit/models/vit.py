@@ -94,13 +94,8 @@ def parse_variant(variant: str) -> Variant:
 
 
 class ViT(VisionTransformer):
-    """timm's VisionTransformer plus the entry points masked pretraining needs.
-
-    - `embed_patches(images)`: patch embeddings before position embeddings, where the ViT paper
-      corrupts them (sec 4.6) and SimMIM puts its mask token.
-    - `encode(patch_tokens, idx_keep=None)`: position embeddings, optional gathering of a subset of
-      tokens (MAE: only those run through the blocks), [class] token, blocks, final norm.
-    """
+    """timm's VisionTransformer plus the entry points masked pretraining needs: `embed_patches`, then
+    `encode` of those tokens, corrupted (ViT paper), a subset of them (MAE) or some masked (SimMIM)."""
 
     def __init__(self, *, variant: str, **timm_kwargs) -> None:
         super().__init__(**timm_kwargs)
@@ -193,9 +188,8 @@ class ViT(VisionTransformer):
         self, images: Tensor, kinds: tuple[FeatureKind | TokenKind, ...], last_k: int = 4
     ) -> dict[str, Tensor]:
         """images: (B, C, H, W) -> {kind: features} for every kind in `kinds`, all from one forward pass:
-        a suite that reads several kinds pays for the blocks once. Pooled kinds are (B, F); token kinds
-        (B, T, F): `tokens` every output token ([class] token first), `patches` and `patches_lastk` the
-        patch tokens in grid order (`ssl_vit.models.features`)."""
+        a suite that reads several kinds pays for the blocks once. Pooled kinds are (B, F), token kinds
+        (B, T, F) (each kind's module in `ssl_vit.models.features` says what it is)."""
         if any(FEATURES[kind].blocks for kind in kinds):
             readout = self.read_blocks(images, last_k)
         else:
