@@ -28,8 +28,7 @@ class FrozenProbe(BackboneTask):
     The backbone is loaded from `training.init_from`, frozen (`requires_grad=False`, outside the
     optimizer) and kept in eval mode even while training, so drop path never acts; its features are
     computed without gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else
-    the optimizer's), each head one param group: its gradient is its own loss's (`forward_loss` sums the
-    heads' losses).
+    the optimizer's), each head one param group whose gradient is its own loss's (`forward_loss`).
 
     Subclasses set `self.feature` (the heads' frozen input, `features`), define `classify(features, head)`
     (every head's output, (H, B, ...), or one head's) and `head_loss(outputs (B, ...), targets)`;

@@ -22,10 +22,8 @@ def sgd_momentum(params) -> Optimizer:
 
 
 class LinearProbe(FrozenProbe):
-    """Linear classifiers on frozen features (ViT paper's linear evaluation; MAE sec 4 / appendix A.2).
-
-    Zero-initialised linear heads, one per learning rate, on one pooled feature per image (a
-    `FrozenProbe`: the backbone is frozen and in eval mode, a whole lr sweep costs one forward).
+    """Zero-initialised linear heads, one per learning rate, on one pooled feature per image of a
+    frozen backbone (`FrozenProbe`): the ViT paper's linear evaluation, MAE's (sec 4, appendix A.2).
 
     Args:
         num_classes: classes of the heads (linked from the data).
