@@ -32,8 +32,7 @@ from ssl_vit.tasks.teacher import MomentumSchedule, ema_update, make_teacher, mo
 from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
-# Presets and targets are registries a plugin may add to after this module is imported: the CLI checks
-# a name against each as it is when the command parses, and lists the valid ones when it is not.
+# Registries a plugin may add to after this module is imported (`Registry.choice`).
 PresetName = PRESETS.choice("PresetName")
 TargetName = TARGETS.choice("TargetName")
 MaskShape = Literal["random", "block", "cells", "jepa"]
@@ -81,10 +80,8 @@ class MaskedPatchPretraining(BackboneTask):
             `mask_token` puts a learned token in the encoder (SimMIM).
         target: what is predicted at each masked patch: a registered target's name
             (`ssl_vit.targets`, or a plugin's), whose module says what it is (3-bit mean colours,
-            raw or normalised pixels, HOG, an EMA teacher's features kept in checkpoints under
-            `teacher.`, ...) and which band counts it takes: with a backbone of C != 3 input bands
-            (multispectral data) pixel targets are the standardised bands, and the colour targets,
-            which quantise 3 RGB bands, are refused.
+            raw or normalised pixels, HOG, an EMA teacher's features, ...) and which band counts it
+            takes (`ssl_vit.targets.target`).
         mask_ratio: fraction of patches corrupted/masked; the loss is on those only.
         mask_shape: `random`, `block` (BEiT), `cells` (SimMIM: aligned squares of `cell_size` pixels) or
             `jepa` (I-JEPA: four target blocks, the encoder sees a context block less them; `drop` only).
@@ -163,7 +160,6 @@ class MaskedPatchPretraining(BackboneTask):
         self.target = TARGETS[self.target_kind]()
         self.mask_ratio, self.mask_shape = choices["mask_ratio"], choices["mask_shape"]
         self.pixel_loss = choices["pixel_loss"]
-        # a target without a picture (an EMA teacher's latents) draws none
         self.picture_every_n_steps = picture_every_n_steps if self.target.picture is not None else 0
         self.bands = self.backbone.in_chans
         self.patch_size = self.backbone.pixels_per_token
@@ -337,8 +333,8 @@ class MaskedPatchPretraining(BackboneTask):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """The optimizer's step, then the teacher's EMA step towards the updated student: once per
-        optimizer step, whatever the gradient accumulation (I-JEPA updates it after `optimizer.step()`).
-        Every DDP rank applies it to the same synchronised weights: no collective of its own."""
+        optimizer step, whatever the gradient accumulation (I-JEPA updates it after `optimizer.step()`;
+        no collective of its own: `ssl_vit.tasks.teacher`)."""
         step = self.trainer.global_step
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.teacher is not None:
