@@ -19,14 +19,11 @@ from ssl_vit.tasks.supervised import SupervisedPretraining
 Preset = Literal["vit_paper", "mae"]
 Loss = Literal["softmax", "sigmoid"]
 
-# What a preset sets among the task's own choices; any explicit argument overrides it, and without a
-# preset `vit_paper`'s are the defaults. The optimizer, schedule, gradient clipping and data
-# augmentation of a preset are injected by LightningCLI and live in its recipe (recipes/finetune/).
+# What a preset sets among the task's own choices (`FineTune` says what each is, and what its recipe
+# sets); any explicit argument overrides it, and without a preset `vit_paper`'s are the defaults.
 PRESETS: dict[str, dict] = {
-    # ViT paper sec 3.2: the [class] token into one zero-initialised linear layer, no layer decay.
     "vit_paper": dict(feature="cls", layer_decay=None, loss="softmax"),
-    # MAE appendix A.1 (Table 9): global average pooling + fc_norm; layer decay by size (mae_layer_decay).
-    "mae": dict(feature="mean", loss="softmax"),
+    "mae": dict(feature="mean", loss="softmax"),  # layer decay by size (mae_layer_decay)
 }
 
 
@@ -75,8 +72,7 @@ class FineTune(SupervisedPretraining):
             keep it so the backbone's keys stay timm's).
         layer_decay: layer-wise lr decay (BEiT, MAE): `blocks.i` of L gets lr x layer_decay^(L - i), patch
             and position embeddings and [class] token x layer_decay^(L + 1), final norm and head x 1 (timm's
-            `param_groups_layer_decay`; the scale multiplies each group's lr once, after the scaling by
-            global batch, because our schedule does not read timm's `lr_scale`). None or 1: off.
+            `param_groups_layer_decay`, applied by `BackboneTask.configure_optimizers`). None or 1: off.
         loss, head_bias_init: as in `SupervisedPretraining` (`softmax` unless set).
         training: see `Training`; the pretrained checkpoint is `training.init_from`, whose architecture
             must match `backbone` (its img_size and drop_path_rate win).
