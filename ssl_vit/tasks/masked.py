@@ -61,9 +61,7 @@ class MaskedOutput(NamedTuple):
     target: Tensor  # (B, M, *T) or (B, M[, 16]) class ids
     idx: Tensor  # (B, M) positions of the loss tokens
     accuracy: Tensor | None  # colour targets only
-    # What `ssl_vit.run.health.HealthMonitor` watches: `student` (B, D), the mean of the encoder's patch
-    # tokens on the corrupted input (what the loss trains: the [class] token gets no gradient from it); a
-    # target computed by a teacher adds `teacher` (B, D), the same of the teacher, and `target` (B, M, *T).
+    # What `ssl_vit.run.health` watches (`student`; with a teacher, `teacher` and `target`): it says what.
     monitor_features: dict[str, Tensor] | None = None
     teacher: Tensor | None = None  # (B, D) the teacher's targets pooled over every patch; teacher only
 
@@ -232,8 +230,7 @@ class MaskedPatchPretraining(BackboneTask):
             self.backbone.pos_embed.requires_grad_(True)
 
     def forward_loss(self, images: Tensor, generator: torch.Generator | None = None) -> MaskedOutput:
-        """images: (B, C, H, W) normalised model inputs, each seen under `views` masks; the targets of the
-        uncorrupted images are computed once."""
+        """images: (B, C, H, W) normalised model inputs, each seen under `views` masks (see `views`)."""
         pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
         target = self.target.make(self.context, images)  # (B, N, ...)
         check_made(self.target, target, len(images), self.num_patches, self.target_shape)
@@ -307,8 +304,7 @@ class MaskedPatchPretraining(BackboneTask):
         )
 
     def target_images(self, images: Tensor) -> Tensor:
-        """Model inputs (B, C, H, W) -> what the targets are made of (`TargetContext.pixels`): RGB pixels in
-        [0, 1]; for other band counts the standardised bands as they are."""
+        """Model inputs (B, C, H, W) -> what the targets are made of (`ssl_vit.targets.target`)."""
         return self.unnormalize(images) if self.bands == 3 else images
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
