@@ -54,15 +54,11 @@ class FineTune(SupervisedPretraining):
     checkpoint's: the patch size is kept and the position embeddings are interpolated in 2-D when the
     checkpoint is loaded (ViT paper sec 3.2; `load_backbone`).
 
-    Presets (each sets only what this class owns; the rest is its recipe in recipes/finetune/):
-    - `vit_paper`: [class] token, softmax, no layer decay. Recipe: SGD momentum 0.9, no weight decay,
-      gradient clipping at global norm 1 (`trainer.gradient_clip_val`), cosine decay, lr from
-      {0.003, 0.01, 0.03, 0.06}, batch 512, usually at 384 px.
+    Presets (each sets only what this class owns; the optimizer, schedule, clipping, drop path and
+    augmentation are its recipe's in recipes/finetune/, whose header lists them):
+    - `vit_paper`: [class] token, softmax, no layer decay.
     - `mae`: global average pooling of the patch tokens + a LayerNorm (`fc_norm`), layer decay 0.65
-      (B and smaller) / 0.75 (L, H), softmax. Recipe: AdamW (0.9, 0.999), base lr 5e-4 x batch / 256
-      (`lr_reference_batch: 256`), weight decay 0.05, drop path 0.1 (`backbone.drop_path_rate`), mixup
-      0.8 / cutmix 1.0 / label smoothing 0.1 and RandAugment (data), 5 warmup epochs, 100 epochs (B) /
-      50 (L).
+      (B and smaller) / 0.75 (L, H), softmax.
 
     Args:
         num_classes: classes of the new head (linked from the data).
@@ -74,8 +70,8 @@ class FineTune(SupervisedPretraining):
             and position embeddings and [class] token x layer_decay^(L + 1), final norm and head x 1 (timm's
             `param_groups_layer_decay`, applied by `BackboneTask.configure_optimizers`). None or 1: off.
         loss, head_bias_init: as in `SupervisedPretraining` (`softmax` unless set).
-        training: see `Training`; the pretrained checkpoint is `training.init_from`, whose architecture
-            must match `backbone` (its img_size and drop_path_rate win).
+        training: see `Training`; the pretrained checkpoint is `training.init_from` (`backbone`'s
+            img_size and drop_path_rate win over its own).
     """
 
     def __init__(
