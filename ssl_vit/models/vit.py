@@ -44,10 +44,9 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
 HYBRID_STAGES: dict[int, tuple[int, ...]] = {16: (3, 4, 9), 32: (3, 4, 6, 3)}
 _VARIANT_RE = re.compile(r"^(?:(?P<hybrid>R50)\+)?(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
 EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R50+B/16")
-# The features heads and frozen-feature protocols read (`ssl_vit.models.feature`, one module each in
-# `ssl_vit.models.features`): pooled, one vector per image (`ViT.features`), and of those the ones of the
-# backbone's width D (what a head of that width takes: not `lastk`'s k x D); one vector per token
-# (`ViT.feature_set`).
+# Choices of features (`ssl_vit.models.feature`): pooled, one vector per image (`ViT.features`), and of
+# those the ones of the backbone's width D (what a head of that width takes: not `lastk`'s k x D); one
+# vector per token (`ViT.feature_set`).
 FeatureKind = FEATURES.choice("FeatureKind", pooled=True)
 WidthFeature = FEATURES.choice("WidthFeature", pooled=True, blocks=False)
 TokenKind = FEATURES.choice("TokenKind", pooled=False)

@@ -97,7 +97,6 @@ class FineTune(SupervisedPretraining):
         self.fc_norm = nn.LayerNorm(self.backbone.embed_dim, eps=1e-6) if with_fc_norm else nn.Identity()
 
     def forward(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> logits (B, K)."""
         return self.head(self.fc_norm(self.backbone.features(images, self.feature)))  # features (B, D)
 
     def group_matcher(self, coarse: bool = False) -> dict:

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue, UserError
@@ -162,8 +163,6 @@ class FrozenProbe(BackboneTask):
     def measure_flops(self, images: Tensor) -> None:
         """Training FLOPs per image: one forward of the frozen backbone, forward and backward (3x) of the
         heads."""
-        from torch.utils.flop_counter import FlopCounterMode
-
         training = self.training
         self.eval()  # BatchNorm in train mode would take the one image as a batch and update its statistics
         try:
