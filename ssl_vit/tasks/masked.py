@@ -51,7 +51,6 @@ DEFAULTS: dict = dict(
     ema_schedule="cosine",
     encoder_init="timm",
 )
-# I-JEPA regresses with smooth L1 (`src/train.py`), data2vec 2.0 with MSE.
 PIXEL_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
 
 
@@ -182,7 +181,6 @@ class MaskedPatchPretraining(BackboneTask):
             load_mae_decoder(self.decoder, training.init_from)  # an MAE checkpoint's decoder continues too
         else:
             self.head = PatchHead(width, tuple(self.target_shape))
-            # The learned [mask] embedding lives here, not in the backbone: its keys stay timm's.
             self.mask_embedding = nn.Parameter(torch.zeros(width))
             nn.init.normal_(self.mask_embedding, std=0.02)
         self.views = choices["views"]
@@ -259,10 +257,10 @@ class MaskedPatchPretraining(BackboneTask):
     def predict_blocks(
         self, images: Tensor, generator: torch.Generator | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """I-JEPA (sec 3): the encoder sees the context block only; the predictor runs once per target
-        block, given mask tokens at that block's positions. Returns (pred (B, T*M, *T), idx (B, T*M),
-        the mean of the encoded context tokens (B, D)), block after block: a token two blocks share is
-        predicted, and counted, twice, as in the paper."""
+        """I-JEPA (sec 3): the encoder sees the context block only, the predictor each target block
+        (`MAEDecoder.predict_at`). Returns (pred (B, T*M, *T), idx (B, T*M), the mean of the encoded
+        context tokens (B, D)), block after block: a token two blocks share is predicted, and counted,
+        twice, as in the paper."""
         batch = images.shape[0]
         mask = masking.jepa_blocks(batch, self.grid, generator=generator, device=images.device)
         encoded = self.backbone.encode(self.backbone.embed_patches(images), idx_keep=mask.idx_context)
