@@ -79,18 +79,16 @@ MASK, RANDOM, UNCHANGED = 0, 1, 2
 
 
 class BertCorruption(NamedTuple):
-    """The ViT paper's corruption of one batch (sec 4.6, appendix B.1.2).
+    """The ViT paper's corruption of one batch (sec 4.6, appendix B.1.2). The shapes are the same
+    whatever the split, so a compiled step sees one shape and nothing is read to the host."""
 
-    idx_corrupt [B, C] (sorted) lists the corrupted tokens, the ones the loss is computed on. group
-    [B, C] says what each becomes: MASK (the learned [mask] embedding, 80%), RANDOM (another patch's
-    embedding, 10%) or UNCHANGED (10%). random_source [B, C, 2] holds the (sample, token) whose patch
-    embedding a RANDOM slot receives (drawn for every slot, used by the RANDOM ones). The shapes are
-    the same whatever the split, so a compiled step sees one shape and nothing is read to the host.
-    """
-
-    idx_corrupt: Tensor  # [B, C]    every selected token
-    group: Tensor  # [B, C]          MASK, RANDOM or UNCHANGED
-    random_source: Tensor  # [B, C, 2] (sample, token): any patch of the batch but the slot itself
+    idx_corrupt: Tensor  # [B, C] sorted: every selected token, the ones the loss is computed on
+    # [B, C] what each becomes: MASK (the learned [mask] embedding, 80%), RANDOM (another patch's, 10%)
+    # or UNCHANGED (10%)
+    group: Tensor
+    # [B, C, 2] the (sample, token) whose patch embedding a RANDOM slot receives: any patch of the batch
+    # but the slot itself (drawn for every slot, used by the RANDOM ones)
+    random_source: Tensor
 
     def of(self, group: int, values: Tensor | None = None) -> Tensor:
         """`values` [B, C, ...] (default `idx_corrupt`) at one group's slots: [B, Cg, ...], every

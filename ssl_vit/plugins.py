@@ -13,8 +13,7 @@ the command, with the job's environment). Two ways to name one:
   `my_plugin.py` beside a recipe.
 
 A plugin that does not import stops the command with one line naming it. `ssl-vit --help` (the list of
-commands) loads none: plugins add names within commands, never commands, and a plugin that hangs or
-fails must not hide the list; `ssl-vit COMMAND --help` loads them.
+commands) loads none, for the reason `ssl_vit.cli.main` gives; `ssl-vit COMMAND --help` loads them.
 """
 
 from __future__ import annotations

@@ -42,8 +42,6 @@ class WandbLogger(WandbLoggerHooks):
       afresh (`continue_run` false) starts a new run.
     - W&B's own step is the step Lightning logs at (`logging_step`; Lightning shows it only as
       `trainer/global_step`), so that the rewind point and every chart's x axis are the same number.
-    - A loss-spike rollback returns the fit to an earlier step inside the job: `rewind` does to the
-      W&B run what a resume from that step does.
     - W&B's folder (`wandb/`) is in `save_dir`, or in W&B's own setting `WANDB_DIR` where that is set
       (Lightning passes `save_dir` to `wandb.init` as its `dir`, which would override it); config.yaml
       and the run id stay in `save_dir`. A folder W&B cannot write is one line naming it and the fixes.

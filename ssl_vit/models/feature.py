@@ -2,12 +2,9 @@
 (`ViT.feature_set`), by name (`feature: mean` in a suite, `--model.init_args.feature`). SSL papers
 differ on it, so it is always an explicit, logged choice.
 
-A feature is a `Feature` registered by its own module in `ssl_vit.models.features`: its name, what it is
-in words (tables and verdicts name the feature a result rests on), how it reads one forward pass's
-outputs (`Readout`), and what it is: pooled (one vector per image) or per token, from the final layer
-or from the last k blocks, over the patch grid only, or needing a [class] token. The choices tasks
-and suites take (`ssl_vit.models.vit.FeatureKind`, ...) are `FEATURES.choice`s of these flags, read as
-a value is parsed, so a plugin's feature (`ssl_vit.plugins`) is valid wherever a built-in one is.
+A feature is a `Feature` registered by its own module in `ssl_vit.models.features` (its fields say what
+it holds). The choices tasks and suites take (`ssl_vit.models.vit.FeatureKind`, ...) are
+`FEATURES.choice`s of its flags (`Registry.choice`: a plugin's feature is valid wherever a built-in one is).
 
 Legend: B batch, N patches, P prefix ([class]) tokens, T tokens, D width, F feature width.
 """
@@ -45,7 +42,7 @@ class Readout(NamedTuple):
 @dataclass(frozen=True)
 class Feature:
     name: str
-    words: str  # what it is, as tables and verdicts name it ("[class] token")
+    words: str  # what it is, as tables and verdicts name it ("[class] token"): the one a result rests on
     read: Callable[[Readout], Tensor]  # -> (B, F) pooled, (B, T, F) per token
     pooled: bool = True  # one vector per image; else one per token
     blocks: bool = False  # reads the last k blocks (F = k x D), not the final layer alone

@@ -21,8 +21,7 @@ from ssl_vit.models.init import xavier_linears
 
 def zero_linear(in_features: int, out_features: int, bias_init: float = 0.0) -> nn.Linear:
     """A classifier whose weights start at zero: the ViT paper's fine-tuning head ("a zero-initialized
-    D x K feedforward layer", sec 3.2). `bias_init` lets sigmoid heads start at a low prior
-    (big_vision's `head_bias_init`, e.g. -log(K) for multi-label sets)."""
+    D x K feedforward layer", sec 3.2); `bias_init`: `SupervisedPretraining`'s `head_bias_init`."""
     layer = nn.Linear(in_features, out_features)
     nn.init.zeros_(layer.weight)
     nn.init.constant_(layer.bias, bias_init)

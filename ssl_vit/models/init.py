@@ -1,11 +1,10 @@
 """Initialisations the objectives choose beside timm's own (timm's ViT: truncated normals of std 0.02,
 learned position embeddings).
 
-MAE's (facebookresearch/mae, models_mae.py `initialize_weights`): xavier-uniform linears with zero
-biases "following the official JAX ViT", the patch projection initialised as the linear layer it is,
-[class] and mask tokens N(0, 0.02), and fixed 2-D sin-cos position embeddings that are never trained.
-timm has the pieces (`build_sincos2d_pos_embed`) but no mode of `VisionTransformer.init_weights` that
-does this ('jax' keeps learned, truncated-normal position embeddings), so it is assembled here.
+MAE's (facebookresearch/mae, models_mae.py `initialize_weights`, "following the official JAX ViT"):
+`mae_weights` and `fixed_sincos_positions`. timm has the pieces (`build_sincos2d_pos_embed`) but no
+mode of `VisionTransformer.init_weights` that does this ('jax' keeps learned, truncated-normal position
+embeddings), so it is assembled here.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ def mae_init(vit: ViT) -> None:
 
 
 def mae_weights(vit: ViT) -> None:
-    """MAE's weights: xavier-uniform patch projection and linears, [class] N(0, 0.02), drawn in the order
-    of MAE's code (and lightly's)."""
+    """MAE's weights: xavier-uniform linears and patch projection (initialised as the linear layer it
+    is), [class] N(0, 0.02), drawn in the order of MAE's code (and lightly's)."""
     weight = vit.patch_embed.proj.weight.data
     nn.init.xavier_uniform_(weight.view(weight.shape[0], -1))
     if vit.cls_token is not None:

@@ -44,10 +44,9 @@ VARIANTS: dict[str, tuple[int, int, int, int]] = {
 HYBRID_STAGES: dict[int, tuple[int, ...]] = {16: (3, 4, 9), 32: (3, 4, 6, 3)}
 _VARIANT_RE = re.compile(r"^(?:(?P<hybrid>R50)\+)?(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
 EXAMPLE_VARIANTS = ("Ti/16", "S/16", "B/16", "B/32", "L/16", "L/32", "H/14", "R50+B/16")
-# The features heads and frozen-feature protocols read (`ssl_vit.models.feature`, one module each in
-# `ssl_vit.models.features`): pooled, one vector per image (`ViT.features`), and of those the ones of the
-# backbone's width D (what a head of that width takes: not `lastk`'s k x D); one vector per token
-# (`ViT.feature_set`).
+# Choices of features (`ssl_vit.models.feature`): pooled, one vector per image (`ViT.features`), and of
+# those the ones of the backbone's width D (what a head of that width takes: not `lastk`'s k x D); one
+# vector per token (`ViT.feature_set`).
 FeatureKind = FEATURES.choice("FeatureKind", pooled=True)
 WidthFeature = FEATURES.choice("WidthFeature", pooled=True, blocks=False)
 TokenKind = FEATURES.choice("TokenKind", pooled=False)
@@ -94,13 +93,8 @@ def parse_variant(variant: str) -> Variant:
 
 
 class ViT(VisionTransformer):
-    """timm's VisionTransformer plus the entry points masked pretraining needs.
-
-    - `embed_patches(images)`: patch embeddings before position embeddings, where the ViT paper
-      corrupts them (sec 4.6) and SimMIM puts its mask token.
-    - `encode(patch_tokens, idx_keep=None)`: position embeddings, optional gathering of a subset of
-      tokens (MAE: only those run through the blocks), [class] token, blocks, final norm.
-    """
+    """timm's VisionTransformer plus the entry points masked pretraining needs: `embed_patches`, then
+    `encode` of those tokens, corrupted (ViT paper), a subset of them (MAE) or some masked (SimMIM)."""
 
     def __init__(self, *, variant: str, **timm_kwargs) -> None:
         super().__init__(**timm_kwargs)
@@ -193,9 +187,8 @@ class ViT(VisionTransformer):
         self, images: Tensor, kinds: tuple[FeatureKind | TokenKind, ...], last_k: int = 4
     ) -> dict[str, Tensor]:
         """images: (B, C, H, W) -> {kind: features} for every kind in `kinds`, all from one forward pass:
-        a suite that reads several kinds pays for the blocks once. Pooled kinds are (B, F); token kinds
-        (B, T, F): `tokens` every output token ([class] token first), `patches` and `patches_lastk` the
-        patch tokens in grid order (`ssl_vit.models.features`)."""
+        a suite that reads several kinds pays for the blocks once. Pooled kinds are (B, F), token kinds
+        (B, T, F) (each kind's module in `ssl_vit.models.features` says what it is)."""
         if any(FEATURES[kind].blocks for kind in kinds):
             readout = self.read_blocks(images, last_k)
         else:

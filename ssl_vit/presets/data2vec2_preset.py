@@ -1,7 +1,7 @@
 """`preset: data2vec2`: data2vec 2.0 (Baevski et al. 2022, base image config): 80% masked in blocks
 (theirs inverse blocks of 3, BEiT's here), the encoder on the visible tokens, 16 masked views of each
-image share one teacher pass; targets the teacher's top 10 blocks, instance-normalised, averaged,
-layer-normed; MSE; EMA 0.9998 -> 0.99999, linear."""
+image share one teacher pass; targets the teacher's top 10 blocks (`top_k_mean`); MSE; EMA 0.9998 ->
+0.99999, linear."""
 
 from ssl_vit.presets.preset import Preset, register
 

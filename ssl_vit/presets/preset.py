@@ -2,12 +2,10 @@
 `preset: mae`) for the choices of a published method.
 
 A preset is plain data (`Preset`), registered by its own module (`ssl_vit.presets`, or a plugin's:
-`ssl_vit.plugins`): the keyword arguments of `MaskedPatchPretraining` it sets (`corruption`, `target`,
-`mask_ratio`, `mask_shape`, `pixel_loss`, `encoder_init`, the teacher's `teacher_features`,
-`teacher_top_k`, `views`, `ema_*`). Any argument given explicitly overrides its preset's value; what
-neither sets comes from the task's defaults. They are checked when a task takes the preset, against the
-targets registered by then. Nothing here imports torch: `ssl-vit bench --help` lists the presets as
-tasks.
+`ssl_vit.plugins`): the keyword arguments of `MaskedPatchPretraining` it sets. Any argument given
+explicitly overrides its preset's value; what neither sets comes from the task's defaults. They are
+checked when a task takes the preset, against the targets registered by then. Nothing here imports
+torch: `ssl-vit bench --help` lists the presets as tasks.
 """
 
 from __future__ import annotations

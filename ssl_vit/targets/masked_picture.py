@@ -1,10 +1,6 @@
 """The masked task's pictures: inputs beside what the model saw and what it predicted, drawn by each
-target (`Target.picture`): mean colours for the ViT paper's MPP, and with the pieces here reconstructed
-pixels for MAE and SimMIM, how well each masked patch's HOG was predicted for MaskFeat.
-
-RGB images are drawn as they are. Images of any other band count are drawn in false colour
-(`false_colour`): three display bands as red, green and blue, each stretched between its 2nd and 98th
-percentile in the input image, and the reconstruction with the same stretch as its input.
+target (`Target.picture`, each target's module says what it draws) with the pieces here. RGB images
+are drawn as they are, other band counts in false colour (`displayed`).
 
 Legend: as in `target`.
 """

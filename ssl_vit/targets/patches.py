@@ -1,5 +1,6 @@
 """Images to patches and back, and each patch's statistics: what the pixel targets, the pictures and a
-plugin's targets are made of. Patches are numbered row-major, the order of timm's patch embedding."""
+plugin's targets are made of. Patches are numbered row-major, the order of timm's patch embedding
+(conv -> flatten(2) -> transpose)."""
 
 from __future__ import annotations
 

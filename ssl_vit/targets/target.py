@@ -7,8 +7,8 @@ dimension of its shape, any other with the task's `pixel_loss`.
 A target knows of the task only its `TargetContext`. It is made of RGB pixels in [0, 1] (the input
 normalisation undone), or of images of any other band count C as the model sees them, each band
 standardised: raw units (reflectances in the thousands) would make a pixel loss of 1e7, and the targets
-that work for them (pixels per band, HOG) are the same on any per-band scale. Patches are row-major, the
-order of timm's patch embedding (conv -> flatten(2) -> transpose); a target is made for a whole batch.
+that work for them (pixels per band, HOG) are the same on any per-band scale. Patches are numbered as
+in `patches`; a target is made for a whole batch.
 
 Legend (the package's): B batch, C bands, N patches (H/p * W/p), p patch size, D width, M masked
 patches, T a target's shape per patch, n pictured images.

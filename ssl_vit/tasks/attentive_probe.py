@@ -3,12 +3,10 @@ classifies what they gather; one such probe per (learning rate, weight decay) of
 on the same frozen tokens.
 
 The pooling is AIM's (El-Nouby et al. 2024, sec 4 and `AttentionPoolingClassifier` of apple/ml-aim),
-which CAPI (Darcet et al. 2025) and Web-SSL read their models with: the tokens are normalised by a
-BatchNorm without affine parameters, `queries` learned query vectors attend over them with `heads`
-heads through key and value projections, the queries' outputs are averaged and a linear layer
-classifies the result; no MLP and no output projection. The lightest of the published variants
-(V-JEPA's and SigLIP's add an MLP block), so that what it measures is what the tokens hold, not what a
-second network on top of them can compute.
+which CAPI (Darcet et al. 2025) and Web-SSL read their models with: a BatchNorm without affine
+parameters, `AttentivePooling`, then a linear layer; no MLP and no output projection. The lightest of
+the published variants (V-JEPA's and SigLIP's add an MLP block), so that what it measures is what the
+tokens hold, not what a second network on top of them can compute.
 
 Legend: B batch, T tokens, D width, K classes, H probes (one per candidate), Q queries.
 """
@@ -26,8 +24,7 @@ from ssl_vit.models.vit import ViTConfig
 from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 
-# What the queries attend over: the per-token features of the final layer (`tokens`: every output token,
-# [class] token included; `patches`: the patch tokens only).
+# What the queries attend over: the per-token features of the final layer (`feature`).
 TokenFeature = FEATURES.choice("TokenFeature", pooled=False, blocks=False)
 
 

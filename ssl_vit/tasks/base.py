@@ -25,7 +25,6 @@ from ssl_vit.models.vit import ViTConfig
 from ssl_vit.moved import move
 from ssl_vit.tasks.optim import SchedulerCallable, WarmupDecay, weight_decay_groups
 
-# A per-band statistic (the data's input normalisation): one value per input band, `backbone.in_chans`.
 Bands = tuple[float, ...]
 # The checkpoint key of a task's training cost (`BackboneTask.on_save_checkpoint`): optimizer steps,
 # images and training FLOPs summed over ranks, and seconds of `fit`, all cumulative over resumes.
@@ -88,7 +87,6 @@ class BackboneTask(pl.LightningModule):
         super().__init__()
         mean, std = training.mean, training.std
         check_band_stats(mean, std, backbone.in_chans)
-        # The backbone's weights: a checkpoint of any kind, or `scratch` (random init of `backbone`).
         self.backbone, backbone = load_backbone(training.init_from, backbone)
         # Plain values only, so checkpoints load with torch.load(weights_only=True); and constructor
         # arguments only, plus the class (LightningCLI's `CLASS_PATH_KEY`), so `ssl-vit validate/test/fit

@@ -12,10 +12,6 @@
   the compiled step at DDP's gradient buckets, so each bucket's all-reduce still starts while the rest
   of the backward runs (under CUDA graphs, each piece is a graph of its own).
 
-`backend: eager` runs dynamo's graphs with PyTorch's own kernels, `aot_eager` does so after
-AOTAutograd too, and `inductor` generates the kernels: PyTorch's ladder for finding which of the
-three a compile problem comes from; the first two compile in seconds instead of minutes.
-
 Both keep the module and its parameter names, so checkpoints, FSDP sharding (applied after, in the
 task's `configure_model`) and `load_backbone` see the same keys as without it.
 """
@@ -131,7 +127,8 @@ class CompileTask(pl.Callback):
         scope: `blocks` (every transformer block of the encoder and decoder) or `step` (the task's
             whole training computation as one graph).
         backend: `inductor` (generated kernels), or `eager` (dynamo's graphs on PyTorch's kernels) and
-            `aot_eager` (the same after AOTAutograd), to find where a compile problem comes from.
+            `aot_eager` (the same after AOTAutograd), which compile in seconds instead of minutes:
+            PyTorch's ladder for finding which of the three a compile problem comes from.
     """
 
     def __init__(

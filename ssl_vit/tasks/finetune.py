@@ -19,14 +19,11 @@ from ssl_vit.tasks.supervised import SupervisedPretraining
 Preset = Literal["vit_paper", "mae"]
 Loss = Literal["softmax", "sigmoid"]
 
-# What a preset sets among the task's own choices; any explicit argument overrides it, and without a
-# preset `vit_paper`'s are the defaults. The optimizer, schedule, gradient clipping and data
-# augmentation of a preset are injected by LightningCLI and live in its recipe (recipes/finetune/).
+# What a preset sets among the task's own choices (`FineTune` says what each is, and what its recipe
+# sets); any explicit argument overrides it, and without a preset `vit_paper`'s are the defaults.
 PRESETS: dict[str, dict] = {
-    # ViT paper sec 3.2: the [class] token into one zero-initialised linear layer, no layer decay.
     "vit_paper": dict(feature="cls", layer_decay=None, loss="softmax"),
-    # MAE appendix A.1 (Table 9): global average pooling + fc_norm; layer decay by size (mae_layer_decay).
-    "mae": dict(feature="mean", loss="softmax"),
+    "mae": dict(feature="mean", loss="softmax"),  # layer decay by size (mae_layer_decay)
 }
 
 
@@ -57,15 +54,11 @@ class FineTune(SupervisedPretraining):
     checkpoint's: the patch size is kept and the position embeddings are interpolated in 2-D when the
     checkpoint is loaded (ViT paper sec 3.2; `load_backbone`).
 
-    Presets (each sets only what this class owns; the rest is its recipe in recipes/finetune/):
-    - `vit_paper`: [class] token, softmax, no layer decay. Recipe: SGD momentum 0.9, no weight decay,
-      gradient clipping at global norm 1 (`trainer.gradient_clip_val`), cosine decay, lr from
-      {0.003, 0.01, 0.03, 0.06}, batch 512, usually at 384 px.
+    Presets (each sets only what this class owns; the optimizer, schedule, clipping, drop path and
+    augmentation are its recipe's in recipes/finetune/, whose header lists them):
+    - `vit_paper`: [class] token, softmax, no layer decay.
     - `mae`: global average pooling of the patch tokens + a LayerNorm (`fc_norm`), layer decay 0.65
-      (B and smaller) / 0.75 (L, H), softmax. Recipe: AdamW (0.9, 0.999), base lr 5e-4 x batch / 256
-      (`lr_reference_batch: 256`), weight decay 0.05, drop path 0.1 (`backbone.drop_path_rate`), mixup
-      0.8 / cutmix 1.0 / label smoothing 0.1 and RandAugment (data), 5 warmup epochs, 100 epochs (B) /
-      50 (L).
+      (B and smaller) / 0.75 (L, H), softmax.
 
     Args:
         num_classes: classes of the new head (linked from the data).
@@ -75,11 +68,10 @@ class FineTune(SupervisedPretraining):
             keep it so the backbone's keys stay timm's).
         layer_decay: layer-wise lr decay (BEiT, MAE): `blocks.i` of L gets lr x layer_decay^(L - i), patch
             and position embeddings and [class] token x layer_decay^(L + 1), final norm and head x 1 (timm's
-            `param_groups_layer_decay`; the scale multiplies each group's lr once, after the scaling by
-            global batch, because our schedule does not read timm's `lr_scale`). None or 1: off.
+            `param_groups_layer_decay`, applied by `BackboneTask.configure_optimizers`). None or 1: off.
         loss, head_bias_init: as in `SupervisedPretraining` (`softmax` unless set).
-        training: see `Training`; the pretrained checkpoint is `training.init_from`, whose architecture
-            must match `backbone` (its img_size and drop_path_rate win).
+        training: see `Training`; the pretrained checkpoint is `training.init_from` (`backbone`'s
+            img_size and drop_path_rate win over its own).
     """
 
     def __init__(
@@ -105,7 +97,6 @@ class FineTune(SupervisedPretraining):
         self.fc_norm = nn.LayerNorm(self.backbone.embed_dim, eps=1e-6) if with_fc_norm else nn.Identity()
 
     def forward(self, images: Tensor) -> Tensor:
-        """images: (B, 3, H, W) -> logits (B, K)."""
         return self.head(self.fc_norm(self.backbone.features(images, self.feature)))  # features (B, D)
 
     def group_matcher(self, coarse: bool = False) -> dict:

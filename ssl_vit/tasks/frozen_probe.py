@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_vit.errors import BadValue, UserError
@@ -28,8 +29,7 @@ class FrozenProbe(BackboneTask):
     The backbone is loaded from `training.init_from`, frozen (`requires_grad=False`, outside the
     optimizer) and kept in eval mode even while training, so drop path never acts; its features are
     computed without gradients. Head i trains with `lrs[i]` (and `weight_decays[i]` when given; else
-    the optimizer's), each head one param group: its gradient is its own loss's (`forward_loss` sums the
-    heads' losses).
+    the optimizer's), each head one param group whose gradient is its own loss's (`forward_loss`).
 
     Subclasses set `self.feature` (the heads' frozen input, `features`), define `classify(features, head)`
     (every head's output, (H, B, ...), or one head's) and `head_loss(outputs (B, ...), targets)`;
@@ -163,8 +163,6 @@ class FrozenProbe(BackboneTask):
     def measure_flops(self, images: Tensor) -> None:
         """Training FLOPs per image: one forward of the frozen backbone, forward and backward (3x) of the
         heads."""
-        from torch.utils.flop_counter import FlopCounterMode
-
         training = self.training
         self.eval()  # BatchNorm in train mode would take the one image as a batch and update its statistics
         try:

@@ -22,23 +22,20 @@ def sgd_momentum(params) -> Optimizer:
 
 
 class LinearProbe(FrozenProbe):
-    """Linear classifiers on frozen features (ViT paper's linear evaluation; MAE sec 4 / appendix A.2).
-
-    Zero-initialised linear heads, one per learning rate, on one pooled feature per image (a
-    `FrozenProbe`: the backbone is frozen and in eval mode, a whole lr sweep costs one forward).
+    """Zero-initialised linear heads, one per learning rate, on one pooled feature per image of a
+    frozen backbone (`FrozenProbe`): the ViT paper's linear evaluation, MAE's (sec 4, appendix A.2).
 
     Args:
         num_classes: classes of the heads (linked from the data).
         feature: `cls`, the [class] token (MAE's probe), or `mean` of the patch tokens.
         batch_norm: BatchNorm without affine parameters before the heads (MAE's protocol: it normalises
             the features, so one lr grid suits every checkpoint).
-        lrs: one head per learning rate. They override the optimizer's own lr (each head is one param
-            group with its lr) and are per `training.lr_reference_batch` images when that is set (MAE: base
-            lr 0.1, lr = base x batch / 256). Metrics are named by these values: `val/accuracy_lr0.1`.
-        training: see `Training`; `init_from` is the probed checkpoint (`backbone` says the architecture
-            it must have and the image size). The optimizer is SGD with momentum 0.9 and no weight decay
-            by default; MAE's LARS is `class_path: timm.optim.Lars` (with `always_adapt: true`: timm's
-            LARS adapts only with weight decay otherwise, MAE's always does).
+        lrs: one head per learning rate, each head one param group with its lr in place of the
+            optimizer's, per `training.lr_reference_batch` images when that is set (MAE: base lr 0.1).
+            Metrics are named by these values: `val/accuracy_lr0.1`.
+        training: see `Training`; `init_from` is the probed checkpoint. The optimizer is SGD with
+            momentum 0.9 and no weight decay by default; MAE's LARS is `class_path: timm.optim.Lars` (with
+            `always_adapt: true`: timm's LARS adapts only with weight decay otherwise, MAE's always does).
     """
 
     def __init__(

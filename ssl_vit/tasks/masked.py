@@ -32,8 +32,7 @@ from ssl_vit.tasks.teacher import MomentumSchedule, ema_update, make_teacher, mo
 from ssl_vit.tracking import log_picture
 
 Corruption = Literal["bert", "drop", "mask_token"]
-# Presets and targets are registries a plugin may add to after this module is imported: the CLI checks
-# a name against each as it is when the command parses, and lists the valid ones when it is not.
+# Registries a plugin may add to after this module is imported (`Registry.choice`).
 PresetName = PRESETS.choice("PresetName")
 TargetName = TARGETS.choice("TargetName")
 MaskShape = Literal["random", "block", "cells", "jepa"]
@@ -52,7 +51,6 @@ DEFAULTS: dict = dict(
     ema_schedule="cosine",
     encoder_init="timm",
 )
-# I-JEPA regresses with smooth L1 (`src/train.py`), data2vec 2.0 with MSE.
 PIXEL_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
 
 
@@ -62,9 +60,7 @@ class MaskedOutput(NamedTuple):
     target: Tensor  # (B, M, *T) or (B, M[, 16]) class ids
     idx: Tensor  # (B, M) positions of the loss tokens
     accuracy: Tensor | None  # colour targets only
-    # What `ssl_vit.run.health.HealthMonitor` watches: `student` (B, D), the mean of the encoder's patch
-    # tokens on the corrupted input (what the loss trains: the [class] token gets no gradient from it); a
-    # target computed by a teacher adds `teacher` (B, D), the same of the teacher, and `target` (B, M, *T).
+    # What `ssl_vit.run.health` watches (`student`; with a teacher, `teacher` and `target`): it says what.
     monitor_features: dict[str, Tensor] | None = None
     teacher: Tensor | None = None  # (B, D) the teacher's targets pooled over every patch; teacher only
 
@@ -81,10 +77,8 @@ class MaskedPatchPretraining(BackboneTask):
             `mask_token` puts a learned token in the encoder (SimMIM).
         target: what is predicted at each masked patch: a registered target's name
             (`ssl_vit.targets`, or a plugin's), whose module says what it is (3-bit mean colours,
-            raw or normalised pixels, HOG, an EMA teacher's features kept in checkpoints under
-            `teacher.`, ...) and which band counts it takes: with a backbone of C != 3 input bands
-            (multispectral data) pixel targets are the standardised bands, and the colour targets,
-            which quantise 3 RGB bands, are refused.
+            raw or normalised pixels, HOG, an EMA teacher's features, ...) and which band counts it
+            takes (`ssl_vit.targets.target`).
         mask_ratio: fraction of patches corrupted/masked; the loss is on those only.
         mask_shape: `random`, `block` (BEiT), `cells` (SimMIM: aligned squares of `cell_size` pixels) or
             `jepa` (I-JEPA: four target blocks, the encoder sees a context block less them; `drop` only).
@@ -163,7 +157,6 @@ class MaskedPatchPretraining(BackboneTask):
         self.target = TARGETS[self.target_kind]()
         self.mask_ratio, self.mask_shape = choices["mask_ratio"], choices["mask_shape"]
         self.pixel_loss = choices["pixel_loss"]
-        # a target without a picture (an EMA teacher's latents) draws none
         self.picture_every_n_steps = picture_every_n_steps if self.target.picture is not None else 0
         self.bands = self.backbone.in_chans
         self.patch_size = self.backbone.pixels_per_token
@@ -188,7 +181,6 @@ class MaskedPatchPretraining(BackboneTask):
             load_mae_decoder(self.decoder, training.init_from)  # an MAE checkpoint's decoder continues too
         else:
             self.head = PatchHead(width, tuple(self.target_shape))
-            # The learned [mask] embedding lives here, not in the backbone: its keys stay timm's.
             self.mask_embedding = nn.Parameter(torch.zeros(width))
             nn.init.normal_(self.mask_embedding, std=0.02)
         self.views = choices["views"]
@@ -236,8 +228,7 @@ class MaskedPatchPretraining(BackboneTask):
             self.backbone.pos_embed.requires_grad_(True)
 
     def forward_loss(self, images: Tensor, generator: torch.Generator | None = None) -> MaskedOutput:
-        """images: (B, C, H, W) normalised model inputs, each seen under `views` masks; the targets of the
-        uncorrupted images are computed once."""
+        """images: (B, C, H, W) normalised model inputs, each seen under `views` masks (see `views`)."""
         pred, idx, features = self.predict_masked(images, generator)  # (V*B, M, *T), (V*B, M), (V*B, D)
         target = self.target.make(self.context, images)  # (B, N, ...)
         check_made(self.target, target, len(images), self.num_patches, self.target_shape)
@@ -266,10 +257,10 @@ class MaskedPatchPretraining(BackboneTask):
     def predict_blocks(
         self, images: Tensor, generator: torch.Generator | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """I-JEPA (sec 3): the encoder sees the context block only; the predictor runs once per target
-        block, given mask tokens at that block's positions. Returns (pred (B, T*M, *T), idx (B, T*M),
-        the mean of the encoded context tokens (B, D)), block after block: a token two blocks share is
-        predicted, and counted, twice, as in the paper."""
+        """I-JEPA (sec 3): the encoder sees the context block only, the predictor each target block
+        (`MAEDecoder.predict_at`). Returns (pred (B, T*M, *T), idx (B, T*M), the mean of the encoded
+        context tokens (B, D)), block after block: a token two blocks share is predicted, and counted,
+        twice, as in the paper."""
         batch = images.shape[0]
         mask = masking.jepa_blocks(batch, self.grid, generator=generator, device=images.device)
         encoded = self.backbone.encode(self.backbone.embed_patches(images), idx_keep=mask.idx_context)
@@ -311,8 +302,7 @@ class MaskedPatchPretraining(BackboneTask):
         )
 
     def target_images(self, images: Tensor) -> Tensor:
-        """Model inputs (B, C, H, W) -> what the targets are made of (`TargetContext.pixels`): RGB pixels in
-        [0, 1]; for other band counts the standardised bands as they are."""
+        """Model inputs (B, C, H, W) -> what the targets are made of (`ssl_vit.targets.target`)."""
         return self.unnormalize(images) if self.bands == 3 else images
 
     def compare(self, pred: Tensor, target: Tensor, idx: Tensor) -> MaskedOutput:
@@ -337,8 +327,8 @@ class MaskedPatchPretraining(BackboneTask):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """The optimizer's step, then the teacher's EMA step towards the updated student: once per
-        optimizer step, whatever the gradient accumulation (I-JEPA updates it after `optimizer.step()`).
-        Every DDP rank applies it to the same synchronised weights: no collective of its own."""
+        optimizer step, whatever the gradient accumulation (I-JEPA updates it after `optimizer.step()`;
+        no collective of its own: `ssl_vit.tasks.teacher`)."""
         step = self.trainer.global_step
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.teacher is not None:

@@ -25,8 +25,7 @@ from ssl_vit.tasks.base import Training
 from ssl_vit.tasks.frozen_probe import FrozenProbe
 from ssl_vit.tasks.linear_probe import sgd_momentum
 
-# The per-token features over the patch grid: the last block's patch tokens, or the last LAST_K blocks'
-# concatenated per token.
+# The per-token features over the patch grid (`feature`).
 PatchFeature = FEATURES.choice("PatchFeature", pooled=False, grid=True)
 
 
@@ -42,8 +41,6 @@ class LinearSegProbe(FrozenProbe):
         num_classes, lrs, training: as `LinearProbe` (num_classes: the mask's classes, 255 aside).
         feature: `patches` (the last block's patch tokens) or `patches_lastk` (the last 4 blocks').
         batch_norm: BatchNorm without affine parameters over the tokens' channels before the heads.
-    `classify` gives each head's class map at the patch grid, (H, B, K, h, w); the loss upsamples it
-    to the mask's size.
     """
 
     TARGET = "mask"

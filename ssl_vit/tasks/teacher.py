@@ -10,8 +10,7 @@ already synchronised, student weights), and FSDP2 shards its blocks like the stu
 
 timm's `ModelEmaV3` performs the same update, but it keeps the copy as `module` (its keys would not be
 timm's under `teacher.`), cannot be built on the meta device where FLOPs are counted (its private
-rounding generator), and its decay warmup is not the papers' momentum ramp; the update itself is torch's
-EMA step (`torch.optim.swa_utils.get_ema_multi_avg_fn`), one fused kernel over every parameter.
+rounding generator), and its decay warmup is not the papers' momentum ramp (`momentum_at`).
 """
 
 from __future__ import annotations
