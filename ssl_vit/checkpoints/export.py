@@ -3,13 +3,12 @@
 - `timm`: one .safetensors file for `timm.create_model(NAME, pretrained=True,
   pretrained_cfg_overlay=dict(file=OUT, ...), ...)`, NAME the timm model of the paper variant (B/16 at
   224 px: `vit_base_patch16_224`), with the architecture written out as keyword arguments where no
-  timm model matches (custom width/depth/heads, another image size). It also carries the `ViTConfig` in
-  its metadata, so `load_backbone` reads it back.
+  timm model matches (custom width/depth/heads, another image size).
 - `hf`: a folder (`config.json`, `model.safetensors`) in timm's local Hub layout, written by timm's
   `save_for_hf`: `timm.create_model("local-dir:OUT", pretrained=True)`.
 
-Either carries, in its .safetensors metadata, the SHA-256 of its config and tensors (a folder's, of its
-config.json too), which ssl-vit's loader checks: a file damaged on disk or in a copy is refused.
+Either carries in its .safetensors metadata the `ViTConfig`, so `load_backbone` reads it back, and the
+SHA-256s ssl-vit's loader checks (`export_metadata`): a file damaged on disk or in a copy is refused.
 
 Legend: D width, K classes.
 """
@@ -126,8 +125,7 @@ def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: Wei
             # The carrier's tag (e.g. `dino`) would name weights these are not.
             config = dict(pretrained_cfg=dict(tag="ssl_vit"))
             save_for_hf(model, str(written), config, safe_serialization=True, data_config=data)
-            # timm writes no metadata; rewritten with the ViTConfig so `load_backbone(OUT)` rebuilds it,
-            # and the SHA-256s the loader checks (of config.json too).
+            # timm writes no metadata: written again with ours (the module's docstring).
             config_json = (written / CONFIG_FILE).read_bytes()
             metadata = export_metadata(weights.config, state, config_json)
             save_file(state, written / WEIGHTS_FILE, metadata=metadata)

@@ -23,9 +23,8 @@ repeated over the bands and scaled by 3 / C; summed for C = 1), said in one line
 band count load only into a backbone of that count.
 
 Loading is safe: `torch.load(weights_only=True)` or safetensors, never unrestricted unpickling; a torch
-file's CRC-32s are checked first (`integrity`), and so is the SHA-256 `ssl-vit export` writes into the
-metadata of its .safetensors (of the backbone config and every tensor; an exported folder's also of its
-config.json): a damaged checkpoint is refused, not loaded. Files without either load as they are
+file's CRC-32s are checked first (`integrity`), and so are the SHA-256s `ssl-vit export` writes
+(`export_metadata`): a damaged checkpoint is refused, not loaded. Files without either load as they are
 (`Weights.verified` None).
 """
 
@@ -58,8 +57,7 @@ METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safete
 ARCHITECTURE = ("width", "depth", "heads", "mlp_dim", "pooling", "hybrid", "patch_size")
 WEIGHTS_FILE = "model.safetensors"  # in an exported folder (timm's name for a local Hub model)
 CONFIG_FILE = "config.json"  # beside it, timm's pretrained config
-# In an exported .safetensors' metadata: the SHA-256 of its config and tensors (`weights_digest`), and in
-# an exported folder's, of its config.json.
+# The SHA-256s in an exported .safetensors' metadata (`export_metadata`).
 DIGEST_KEY, CONFIG_DIGEST_KEY = "ssl_vit.sha256", "ssl_vit.config_json_sha256"
 EXPORTED_DAMAGED_FIX = "export it again from its checkpoint, or restore it from a copy"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
@@ -212,12 +210,9 @@ def mapped_checkpoint(source: str) -> dict | None:
 
 
 def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
-    # torch.load checks no checksum: a damaged file would load whatever its bytes now say. Files without
-    # checksums (torch's legacy format, other tools' files) load unchecked.
     integrity.check(path, "restore it from a copy, or give another checkpoint")
     try:
-        # MAE's training checkpoints keep their argparse.Namespace of arguments: plain data.
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace]):  # as `mapped_checkpoint`
             checkpoint = torch_load(path, map_location="cpu")
     except Exception as err:  # a non-checkpoint file fails in many ways; all mean the same to the user
         raise UserError(
