@@ -46,11 +46,7 @@ REQUEUE_SIGNAL = signal.SIGUSR1  # Lightning's SLURMEnvironment default
 
 
 class Preemption(pl.Callback):
-    """Saves a resumable `last.ckpt` when the job is told to stop, and requeues it under SLURM.
-
-    Every rank receives the signal from SLURM, but only rank 0's flag decides (Lightning broadcasts it),
-    so all ranks stop after the same step and save one consistent checkpoint.
-    """
+    """Saves a resumable `last.ckpt` when the job is told to stop, and requeues it under SLURM."""
 
     def __init__(self) -> None:
         self.requeue_requested = False
@@ -117,8 +113,7 @@ class Preemption(pl.Callback):
                 file=sys.stderr,
                 flush=True,
             )
-            # The checkpoint is saved: the run directory is the requeued job's (SLURM may kill this one
-            # before it exits and releases it, and the requeued job may start on another node).
+            # The checkpoint is saved: the run directory is the requeued job's (`release_all`).
             release_all()
             result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
             message = (

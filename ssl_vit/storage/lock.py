@@ -24,8 +24,7 @@ locks are seen:
   another host is respected: refused, saying to delete the file if that job has ended.
 - no locks (`lockf` fails with ENOLCK/ENOSYS/EOPNOTSUPP: Lustre `-o noflock`, NFSv3 without lockd): the
   file is created atomically (link(2), atomic on NFS too); one naming a process of this host that no
-  longer exists is taken over (the processes of this host take turns for that, under a flock in the
-  temp directory), one naming another host is respected.
+  longer exists is taken over (`_host_mutex`), one naming another host is respected.
 
 Only the process of a job that is global rank 0 by its launcher's environment takes the lock
 (`job_leader`): under torchrun, srun or Lightning's own launcher every rank runs the command.
@@ -69,7 +68,8 @@ _holding: list[RunLock] = []  # the locks this process holds (`release_all`)
 
 def release_all() -> None:
     """Release every run directory lock this process holds: before `scontrol requeue`, after which SLURM
-    may kill the job before it exits (the requeued job would find the lock left behind)."""
+    may kill the job before it exits (the requeued job, perhaps on another node, would find the lock left
+    behind)."""
     for lock in list(_holding):
         lock.release()
 
