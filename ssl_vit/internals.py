@@ -276,8 +276,7 @@ class WandbLoggerHooks(WandbLogger):
 @_touch("pytorch_lightning", "RichProgressBar._get_train_description")
 class RichProgressBarHooks(RichProgressBar):
     """Lightning's RichProgressBar with its training bar's description as a public hook,
-    `epoch_description(epoch)`: Lightning's private one writes `Epoch N/{max_epochs - 1}`, which reads
-    `Epoch 4/-2` for an unbounded fit (`max_epochs: -1`), and no option changes it."""
+    `epoch_description(epoch)`: no option changes Lightning's own (see `ssl_vit.run.progress.EpochBar`)."""
 
     def _get_train_description(self, current_epoch: int) -> str:
         return self.epoch_description(current_epoch)

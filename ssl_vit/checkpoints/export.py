@@ -139,8 +139,7 @@ def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: Wei
 def timm_model(config: ViTConfig) -> TimmModel:
     """The timm model of `config`: the paper variant's own name at its image size when timm registers
     one (`vit_base_patch16_224`, `vit_large_r50_s32_384`), else a registered carrier with every
-    argument that differs written out (embed_dim, depth, num_heads, mlp_ratio, img_size, patch_size,
-    class_token, global_pool, in_chans)."""
+    argument that differs written out."""
     parsed, dims = parse_variant(config.variant), architecture(config)
     size = TIMM_SIZES[parsed.size]
     if parsed.hybrid:

@@ -13,9 +13,8 @@
 - `timm:MODEL_NAME` (timm's pretrained weights, fetched by timm),
 - `scratch` (random init of the given config).
 
-Files without ssl-vit's config: width, depth, patch and image size and input bands come from the shapes,
-heads from the paper variant of that width and depth (`VARIANTS`); a classifier `head.*` is ignored. A
-config the caller gives wins (the shapes must fit it).
+Files without ssl-vit's config: it comes from the shapes (`infer_config`); a classifier `head.*` is
+ignored. A config the caller gives wins (the shapes must fit it).
 
 Input bands: RGB weights (3 bands) load into a backbone of any other band count through timm's own
 `adapt_input_conv` (the convolution that reads the bands, `patch_embed.proj` or a hybrid's ResNet stem,

@@ -53,9 +53,7 @@ class NonFinitePolicy:
     resume under another policy); what it holds itself lasts one step, or until the next check."""
 
     name: ClassVar[str]  # the `nonfinite.policy` value that chooses it (`POLICIES`)
-    # Under 16-mixed the gradient scaler skips non-finite steps itself: a policy that does not judge
-    # those steps too leaves them to it.
-    judges_scaled_steps: ClassVar[bool] = False
+    judges_scaled_steps: ClassVar[bool] = False  # under 16-mixed (the end of `NonFiniteGuard`'s docstring)
 
     def __init__(self, guard: NonFiniteGuard) -> None:
         self.guard = guard
@@ -85,7 +83,7 @@ class NonFinitePolicy:
 
 
 class SkipPolicy(NonFinitePolicy):
-    """A step whose gradients are not finite on any rank is not applied: one host read per step."""
+    """`skip` (`NonFiniteGuard`'s Args)."""
 
     name = "skip"
 
@@ -96,8 +94,7 @@ class SkipPolicy(NonFinitePolicy):
 
 
 class StopPolicy(NonFinitePolicy):
-    """The first step whose gradients are not finite, kept on the device and read every
-    `check_every_n_steps` steps and before every save: no host synchronisation in between."""
+    """`stop` (`NonFiniteGuard`'s Args): the first bad step is kept on the device until a check reads it."""
 
     name = "stop"
 
@@ -133,9 +130,7 @@ class StopPolicy(NonFinitePolicy):
 
 
 class RollbackPolicy(NonFinitePolicy):
-    """A loss spike or a non-finite step (`SpikeDetector`) is not applied, and at the end of its step every
-    rank returns to the newest intact checkpoint and steps over the batches since (the module's
-    docstring); before the first checkpoint the step is skipped, after `max_rollbacks` the run stops."""
+    """`rollback` (`NonFiniteGuard`'s Args, and the module's docstring)."""
 
     name = "rollback"
     judges_scaled_steps = True

@@ -76,8 +76,7 @@ class Preemption(pl.Callback):
         self.sigterm_noted = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning clears its flag when it installs its handlers, after `setup`: a signal that came
-        # during start-up is raised again here.
+        # Lightning clears its flag when it installs its handlers, after `setup` (the module's docstring).
         if self.requeue_requested or self.sigterm_noted:
             stop_as_on_sigterm(self.trainer)
 
