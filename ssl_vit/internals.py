@@ -297,16 +297,7 @@ class RichProgressBarHooks(RichProgressBar):
     "LightningCLI._parser",
 )
 class LightningCLIHooks(LightningCLI):
-    """LightningCLI with public hooks where ssl-vit must step into its private steps.
-
-    - `subcommand_parser_ready(parser, subcommand, method_arguments)`: each subcommand's parser once it
-      is complete. Lightning adds the Trainer method's own options (`ckpt_path`, `weights_only`) after
-      `add_arguments_to_parser`, so only here can their defaults change.
-    - `parse_ckpt_path()`: Lightning's reading of a local `--ckpt_path`'s hyperparameters into the config,
-      which LightningCLI's constructor runs between parsing and the seed; override it to check the
-      checkpoint first (no public hook runs before it), and call `super().parse_ckpt_path()`.
-    - `subcommand_parser(subcommand)`: the parser of a subcommand (None: the main one).
-    """
+    """LightningCLI with public hooks (below) where ssl-vit must step into its private steps."""
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
@@ -315,13 +306,16 @@ class LightningCLIHooks(LightningCLI):
 
     def subcommand_parser_ready(self, parser, subcommand: str, method_arguments: list[str]) -> None:
         """Called with the complete parser of `subcommand`; `method_arguments`: the options that come
-        from the Trainer method's signature (`ckpt_path`, ...)."""
+        from the Trainer method's signature (`ckpt_path`, `weights_only`). Lightning adds them after
+        `add_arguments_to_parser`, so only here can their defaults change."""
 
     def _parse_ckpt_path(self) -> None:
         self.parse_ckpt_path()
 
     def parse_ckpt_path(self) -> None:
-        """Lightning's: the model's hyperparameters of a local `--ckpt_path` file, over the config."""
+        """Lightning's: the model's hyperparameters of a local `--ckpt_path` file, over the config, which
+        LightningCLI's constructor runs between parsing and the seed. Override it to check the checkpoint
+        first (no public hook runs before it), and call `super().parse_ckpt_path()`."""
         LightningCLI._parse_ckpt_path(self)
 
     def subcommand_parser(self, subcommand: str | None):

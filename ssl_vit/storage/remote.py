@@ -199,7 +199,6 @@ MISSING, RETRY, FATAL = "missing", "retry", "fatal"
 # (501, 505), or is set up so that it never can answer (506, 508, 510, 511). Other 5xx are a server's
 # passing trouble (500, 502-504, and the 52x of proxies in front of one).
 PERMANENT_5XX = {501, 505, 506, 508, 510, 511}
-# A HEAD answered with these may still be a GET that works: `probe` asks for one byte instead.
 HEAD_REFUSED = {403, 405, 501}
 
 
