@@ -103,8 +103,7 @@ def restore_step_counters(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> in
     """Sets Lightning's optimizer-step counters (`trainer.global_step` with them) as the Lightning
     `checkpoint` recorded them, in the middle of a fit; returns the batches of the training stream read
     when it was saved (which this leaves as they are: the data only move on)."""
-    # Lightning restores its loops only when a fit starts (its checkpoint connector); these are the
-    # pieces of that restore that count optimizer steps, from the loops' state in the checkpoint.
+    # Nothing public restores Lightning's loops mid-fit (`ssl_vit.run.rollback`); these count its steps.
     loops = checkpoint["loops"]["fit_loop"]
     epoch_loop = trainer.fit_loop.epoch_loop
     epoch_loop.automatic_optimization.optim_progress.load_state_dict(

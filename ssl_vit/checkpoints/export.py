@@ -95,8 +95,7 @@ class Written(NamedTuple):
 
 
 def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: WeightsKind) -> Written:
-    """`source`'s weights written to `target` in `fmt`: beside it first, then linked or renamed into
-    place, never over what another job put there meanwhile (`outdir.commit`)."""
+    """`source`'s weights written to `target` in `fmt`: beside it first, then put in place by `commit`."""
     if target.exists() or target.is_symlink():  # again, under the lock: another export's
         raise UserError(f"{target} already exists; give a new path, or remove it first")
     weights = read_weights(source, weights)
