@@ -12,9 +12,8 @@ The lock file holds its holder's host, pid and command (one JSON line) and carri
 (`fcntl.lockf`) of the holder's process, which the kernel (or the NFS server) drops when the process
 ends, however it ends. POSIX locks rather than flock: they are not inherited by forked DataLoader
 workers (which may outlive a killed trainer), and NFS arbitrates them on the server (flock on NFS is
-emulated with them anyway). A holder creates its file already locked (written and locked under a
-temporary name, then linked into place), so a file whose lock is free has no live holder, wherever
-locks are seen:
+emulated with them anyway). A holder creates its file already locked (`RunLock._create`), so a file
+whose lock is free has no live holder, wherever locks are seen:
 
 - locks seen by every host (local disks; NFS, the default `local_lock=none` with NFSv4 or lockd; Lustre
   mounted with `-o flock`): a file whose lock is free was left by a holder that ended without removing
@@ -320,8 +319,7 @@ def _try_lock(fd: int) -> bool | None:
 
 
 def _read(fd: int) -> dict | None:
-    # pread on the open descriptor: opening the file again and closing it would drop this process's
-    # POSIX lock on it.
+    # pread on the open descriptor: opening the file again and closing it would drop the lock (`Staged.keep`).
     try:
         record = json.loads(os.pread(fd, 4096, 0).decode())
     except (ValueError, UnicodeDecodeError):
