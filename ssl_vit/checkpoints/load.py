@@ -400,9 +400,8 @@ def check_bands(source: str, have: int, need: int) -> None:
 
 
 def _adapt_bands(vit: ViT, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
-    """`state` with the convolution that reads the input bands adapted from RGB to `vit`'s band count by
-    timm's `adapt_input_conv` (what `timm.create_model(..., pretrained=True, in_chans=C)` does), saying
-    so once; other band counts are refused (`check_bands`)."""
+    """`state` with the convolution that reads the input bands adapted from RGB to `vit`'s band count as
+    the module's docstring says (as `timm.create_model(..., pretrained=True, in_chans=C)` does)."""
     key = input_conv_key(state)
     weight = state.get(key)
     if weight is None or weight.ndim != 4 or weight.shape[1] == vit.in_chans:
