@@ -103,8 +103,7 @@ def restore_step_counters(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> in
     """Sets Lightning's optimizer-step counters (`trainer.global_step` with them) as the Lightning
     `checkpoint` recorded them, in the middle of a fit; returns the batches of the training stream read
     when it was saved (which this leaves as they are: the data only move on)."""
-    # Lightning restores its loops only when a fit starts (its checkpoint connector); these are the
-    # pieces of that restore that count optimizer steps, from the loops' state in the checkpoint.
+    # Nothing public restores Lightning's loops mid-fit (`ssl_vit.run.rollback`); these count its steps.
     loops = checkpoint["loops"]["fit_loop"]
     epoch_loop = trainer.fit_loop.epoch_loop
     epoch_loop.automatic_optimization.optim_progress.load_state_dict(
@@ -276,8 +275,7 @@ class WandbLoggerHooks(WandbLogger):
 @_touch("pytorch_lightning", "RichProgressBar._get_train_description")
 class RichProgressBarHooks(RichProgressBar):
     """Lightning's RichProgressBar with its training bar's description as a public hook,
-    `epoch_description(epoch)`: Lightning's private one writes `Epoch N/{max_epochs - 1}`, which reads
-    `Epoch 4/-2` for an unbounded fit (`max_epochs: -1`), and no option changes it."""
+    `epoch_description(epoch)`: no option changes Lightning's own (see `ssl_vit.run.progress.EpochBar`)."""
 
     def _get_train_description(self, current_epoch: int) -> str:
         return self.epoch_description(current_epoch)
@@ -298,16 +296,7 @@ class RichProgressBarHooks(RichProgressBar):
     "LightningCLI._parser",
 )
 class LightningCLIHooks(LightningCLI):
-    """LightningCLI with public hooks where ssl-vit must step into its private steps.
-
-    - `subcommand_parser_ready(parser, subcommand, method_arguments)`: each subcommand's parser once it
-      is complete. Lightning adds the Trainer method's own options (`ckpt_path`, `weights_only`) after
-      `add_arguments_to_parser`, so only here can their defaults change.
-    - `parse_ckpt_path()`: Lightning's reading of a local `--ckpt_path`'s hyperparameters into the config,
-      which LightningCLI's constructor runs between parsing and the seed; override it to check the
-      checkpoint first (no public hook runs before it), and call `super().parse_ckpt_path()`.
-    - `subcommand_parser(subcommand)`: the parser of a subcommand (None: the main one).
-    """
+    """LightningCLI with public hooks (below) where ssl-vit must step into its private steps."""
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
@@ -316,13 +305,16 @@ class LightningCLIHooks(LightningCLI):
 
     def subcommand_parser_ready(self, parser, subcommand: str, method_arguments: list[str]) -> None:
         """Called with the complete parser of `subcommand`; `method_arguments`: the options that come
-        from the Trainer method's signature (`ckpt_path`, ...)."""
+        from the Trainer method's signature (`ckpt_path`, `weights_only`). Lightning adds them after
+        `add_arguments_to_parser`, so only here can their defaults change."""
 
     def _parse_ckpt_path(self) -> None:
         self.parse_ckpt_path()
 
     def parse_ckpt_path(self) -> None:
-        """Lightning's: the model's hyperparameters of a local `--ckpt_path` file, over the config."""
+        """Lightning's: the model's hyperparameters of a local `--ckpt_path` file, over the config, which
+        LightningCLI's constructor runs between parsing and the seed. Override it to check the checkpoint
+        first (no public hook runs before it), and call `super().parse_ckpt_path()`."""
         LightningCLI._parse_ckpt_path(self)
 
     def subcommand_parser(self, subcommand: str | None):

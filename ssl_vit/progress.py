@@ -1,6 +1,6 @@
-"""Progress of the long commands, one display for all: on a terminal rich bars on stderr (a description,
-the bar, done/total, the rate, the time remaining); elsewhere (a log file, a batch job's output, each
-rank under torchrun) one line per finished part, with the rate and an ETA.
+"""Progress of the long commands, one display for all: on a terminal rich bars on stderr (`_bars`);
+elsewhere (a log file, a batch job's output, each rank under torchrun) one line per finished part, with
+the rate and an ETA.
 
 - `job`: a whole `evaluate` or `compare`: which checkpoint of how many, which split or protocol, images
   (or steps) per second, and an ETA for the step and for the job; a line per finished step on stdout.

@@ -27,7 +27,6 @@ SECRET_ENV = (
     "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "GOOGLE_API_KEY", "GITHUB_TOKEN",
 )  # fmt: skip
 _PATTERNS = (
-    # a credential header and its value (`Authorization: Bearer X`, `'Cookie': 'X'`)
     (
         re.compile(
             r"(?i)\b((?:proxy-)?authorization|cookie|x-api-key|api-key)(['\"]?\s*[:=]\s*['\"]?)"
@@ -36,9 +35,7 @@ _PATTERNS = (
         rf"\1\2{HIDDEN}",
     ),  # fmt: skip
     (re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]{8,}"), rf"\1 {HIDDEN}"),
-    # the password of a URL
     (re.compile(r"(://[^/@\s:]*):[^/@\s]*@"), rf"\1:{HIDDEN}@"),
-    # presigned URLs' signatures and tokens
     (
         re.compile(
             r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|signature|sig|token|"
@@ -46,7 +43,6 @@ _PATTERNS = (
         ),
         rf"\1{HIDDEN}",
     ),  # fmt: skip
-    # a Hugging Face token, wherever it was found
     (re.compile(r"\bhf_[A-Za-z0-9]{8,}"), f"hf_{HIDDEN}"),
 )
 

@@ -3,13 +3,12 @@
 - `timm`: one .safetensors file for `timm.create_model(NAME, pretrained=True,
   pretrained_cfg_overlay=dict(file=OUT, ...), ...)`, NAME the timm model of the paper variant (B/16 at
   224 px: `vit_base_patch16_224`), with the architecture written out as keyword arguments where no
-  timm model matches (custom width/depth/heads, another image size). It also carries the `ViTConfig` in
-  its metadata, so `load_backbone` reads it back.
+  timm model matches (custom width/depth/heads, another image size).
 - `hf`: a folder (`config.json`, `model.safetensors`) in timm's local Hub layout, written by timm's
   `save_for_hf`: `timm.create_model("local-dir:OUT", pretrained=True)`.
 
-Either carries, in its .safetensors metadata, the SHA-256 of its config and tensors (a folder's, of its
-config.json too), which ssl-vit's loader checks: a file damaged on disk or in a copy is refused.
+Either carries in its .safetensors metadata the `ViTConfig`, so `load_backbone` reads it back, and the
+SHA-256s ssl-vit's loader checks (`export_metadata`): a file damaged on disk or in a copy is refused.
 
 Legend: D width, K classes.
 """
@@ -96,8 +95,7 @@ class Written(NamedTuple):
 
 
 def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: WeightsKind) -> Written:
-    """`source`'s weights written to `target` in `fmt`: beside it first, then linked or renamed into
-    place, never over what another job put there meanwhile (`outdir.commit`)."""
+    """`source`'s weights written to `target` in `fmt`: beside it first, then put in place by `commit`."""
     if target.exists() or target.is_symlink():  # again, under the lock: another export's
         raise UserError(f"{target} already exists; give a new path, or remove it first")
     weights = read_weights(source, weights)
@@ -126,8 +124,7 @@ def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: Wei
             # The carrier's tag (e.g. `dino`) would name weights these are not.
             config = dict(pretrained_cfg=dict(tag="ssl_vit"))
             save_for_hf(model, str(written), config, safe_serialization=True, data_config=data)
-            # timm writes no metadata; rewritten with the ViTConfig so `load_backbone(OUT)` rebuilds it,
-            # and the SHA-256s the loader checks (of config.json too).
+            # timm writes no metadata: written again with ours (the module's docstring).
             config_json = (written / CONFIG_FILE).read_bytes()
             metadata = export_metadata(weights.config, state, config_json)
             save_file(state, written / WEIGHTS_FILE, metadata=metadata)
@@ -141,8 +138,7 @@ def _write(source: str, target: Path, fmt: Format, with_head: bool, weights: Wei
 def timm_model(config: ViTConfig) -> TimmModel:
     """The timm model of `config`: the paper variant's own name at its image size when timm registers
     one (`vit_base_patch16_224`, `vit_large_r50_s32_384`), else a registered carrier with every
-    argument that differs written out (embed_dim, depth, num_heads, mlp_ratio, img_size, patch_size,
-    class_token, global_pool, in_chans)."""
+    argument that differs written out."""
     parsed, dims = parse_variant(config.variant), architecture(config)
     size = TIMM_SIZES[parsed.size]
     if parsed.hybrid:

@@ -64,8 +64,8 @@ def damage(path: str | os.PathLike) -> str | None:
 
 
 def check(path: str | os.PathLike, fix: str, name: str | None = None) -> None:
-    """A `DamagedCheckpoint` (one line: `name` or the path, what is wrong with the file, `fix`) unless
-    `path` verifies; a one-line UserError if it cannot be opened."""
+    """A `DamagedCheckpoint` naming `name` (else `path`) unless `path` verifies; a UserError if it
+    cannot be opened."""
     try:
         why = damage(path)
     except OSError as err:

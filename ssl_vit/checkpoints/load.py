@@ -13,9 +13,8 @@
 - `timm:MODEL_NAME` (timm's pretrained weights, fetched by timm),
 - `scratch` (random init of the given config).
 
-Files without ssl-vit's config: width, depth, patch and image size and input bands come from the shapes,
-heads from the paper variant of that width and depth (`VARIANTS`); a classifier `head.*` is ignored. A
-config the caller gives wins (the shapes must fit it).
+Files without ssl-vit's config: it comes from the shapes (`infer_config`); a classifier `head.*` is
+ignored. A config the caller gives wins (the shapes must fit it).
 
 Input bands: RGB weights (3 bands) load into a backbone of any other band count through timm's own
 `adapt_input_conv` (the convolution that reads the bands, `patch_embed.proj` or a hybrid's ResNet stem,
@@ -23,9 +22,8 @@ repeated over the bands and scaled by 3 / C; summed for C = 1), said in one line
 band count load only into a backbone of that count.
 
 Loading is safe: `torch.load(weights_only=True)` or safetensors, never unrestricted unpickling; a torch
-file's CRC-32s are checked first (`integrity`), and so is the SHA-256 `ssl-vit export` writes into the
-metadata of its .safetensors (of the backbone config and every tensor; an exported folder's also of its
-config.json): a damaged checkpoint is refused, not loaded. Files without either load as they are
+file's CRC-32s are checked first (`integrity`), and so are the SHA-256s `ssl-vit export` writes
+(`export_metadata`): a damaged checkpoint is refused, not loaded. Files without either load as they are
 (`Weights.verified` None).
 """
 
@@ -58,8 +56,7 @@ METADATA_KEY = "ssl_vit.backbone"  # the ViTConfig, as JSON, in exported .safete
 ARCHITECTURE = ("width", "depth", "heads", "mlp_dim", "pooling", "hybrid", "patch_size")
 WEIGHTS_FILE = "model.safetensors"  # in an exported folder (timm's name for a local Hub model)
 CONFIG_FILE = "config.json"  # beside it, timm's pretrained config
-# In an exported .safetensors' metadata: the SHA-256 of its config and tensors (`weights_digest`), and in
-# an exported folder's, of its config.json.
+# The SHA-256s in an exported .safetensors' metadata (`export_metadata`).
 DIGEST_KEY, CONFIG_DIGEST_KEY = "ssl_vit.sha256", "ssl_vit.config_json_sha256"
 EXPORTED_DAMAGED_FIX = "export it again from its checkpoint, or restore it from a copy"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.")
@@ -212,12 +209,9 @@ def mapped_checkpoint(source: str) -> dict | None:
 
 
 def _read_torch(path: Path, weights: WeightsKind = "student") -> Weights:
-    # torch.load checks no checksum: a damaged file would load whatever its bytes now say. Files without
-    # checksums (torch's legacy format, other tools' files) load unchecked.
     integrity.check(path, "restore it from a copy, or give another checkpoint")
     try:
-        # MAE's training checkpoints keep their argparse.Namespace of arguments: plain data.
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace]):  # as `mapped_checkpoint`
             checkpoint = torch_load(path, map_location="cpu")
     except Exception as err:  # a non-checkpoint file fails in many ways; all mean the same to the user
         raise UserError(
@@ -406,9 +400,8 @@ def check_bands(source: str, have: int, need: int) -> None:
 
 
 def _adapt_bands(vit: ViT, state: dict[str, Tensor], source: str) -> dict[str, Tensor]:
-    """`state` with the convolution that reads the input bands adapted from RGB to `vit`'s band count by
-    timm's `adapt_input_conv` (what `timm.create_model(..., pretrained=True, in_chans=C)` does), saying
-    so once; other band counts are refused (`check_bands`)."""
+    """`state` with the convolution that reads the input bands adapted from RGB to `vit`'s band count as
+    the module's docstring says (as `timm.create_model(..., pretrained=True, in_chans=C)` does)."""
     key = input_conv_key(state)
     weight = state.get(key)
     if weight is None or weight.ndim != 4 or weight.shape[1] == vit.in_chans:

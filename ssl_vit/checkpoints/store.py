@@ -1,12 +1,10 @@
 """The Lightning checkpoint files of a run: how ssl-vit writes, reads and checks them.
 
-- `SafeCheckpointIO` saves atomically (temp file in the target's directory, fsync, `os.replace`) and
-  loads with `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
+- `SafeCheckpointIO` saves atomically (`ssl_vit.storage.atomic`) and loads with
+  `torch.load(weights_only=True)` only, local paths and URLs alike: a checkpoint never runs code.
   `link_atomically` puts a hard link (`last.ckpt`, `ssl_vit.run.last_link`) in place the same way.
 - Every load checks the archive's CRC-32s first (`ssl_vit.checkpoints.integrity`): a damaged checkpoint is
   refused in one line, and `--ckpt_path last` resumes from the newest one that verifies (`resumable`).
-- A remote checkpoint (http(s), fsspec) is downloaded with retries and a read timeout
-  (`ssl_vit.storage.remote`; `read_retries`, `read_timeout_s` of the plugin).
 - `--ckpt_path` as a file (`check_ckpt_path`), and a checkpoint that names a model class outside
   ssl-vit's tasks (`refuse_foreign_model`), are refused before Lightning reads them.
 """
@@ -66,8 +64,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         # Lightning's _atomic_save serialises to memory, then (fsspec transaction) writes a
         # tempfile.mkstemp() file in $TMPDIR and shutil.move()s it onto the target: a rename only when
         # $TMPDIR is on the same filesystem, else a copy written into the target in place (a kill leaves
-        # it truncated, and the full-size temp file in $TMPDIR); nothing is fsynced. Here the temp file is
-        # next to the target, synced, and renamed over it: the target is only ever a whole checkpoint.
+        # it truncated, and the full-size temp file in $TMPDIR); nothing is fsynced. Here: `Staged`.
         target = local_file(path)
         with writable(os.path.dirname(target)):
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -238,7 +235,7 @@ def _write_atomically(target: str, write: Callable[[Any], None]) -> None:
                 # torch's zip writer reports a failed write as "unexpected pos": say what it was.
                 raise OSError(full.errno, os.strerror(full.errno), target) from err
             raise
-        staged.replace()  # a failed save leaves the previous checkpoint untouched
+        staged.replace()
 
 
 class _Recording:
@@ -326,7 +323,7 @@ class NothingIntact(integrity.DamagedCheckpoint):
 
 
 def _resume_order(path: Path) -> tuple:
-    """Highest recorded step first, `last*.ckpt` first among equals. A file whose step cannot be read
+    """`resumable`'s order. A file whose step cannot be read
     (damaged, or a dangling link) is placed by its name (`last*.ckpt` first of all, `stepN.ckpt` at N):
     it is passed over all the same, and the warning then names it where it belongs."""
     last = path.name.startswith("last")
@@ -375,7 +372,7 @@ def check_ckpt_path(path: str | Path) -> dict:
 
     For `--ckpt_path` (resume or evaluate a run's state): LightningCLI itself reads a local checkpoint's
     hyperparameters with torch.load before anything else, and a file that is not a checkpoint fails
-    there with whatever torch's unpickler happened to hit. Cheap: tensors are memory-mapped, not read."""
+    there with whatever torch's unpickler happened to hit."""
     path = Path(path)
     fix = (
         "give a .ckpt written by ssl-vit (RUN/checkpoints/last.ckpt) or `last` to resume the run in "
@@ -385,8 +382,6 @@ def check_ckpt_path(path: str | Path) -> dict:
         raise UserError(f"--ckpt_path {path} does not exist: {fix}")
     if not path.is_file():
         raise UserError(f"--ckpt_path {path} is not a file: {fix}")
-    # Before torch reads it: a damaged checkpoint would load silently (torch checks no CRC). A file
-    # without checksums (another tool's, torch's legacy format) goes on to torch.load unchecked.
     integrity.check(path, DAMAGED_FIX, name=f"--ckpt_path {path}")
     try:
         try:

@@ -64,8 +64,7 @@ def target_variance(target: Tensor) -> Tensor:
 class HealthMonitor(pl.Callback):
     """Logs `health/feature_std` and `health/effective_rank` of the student's features (and
     `health/teacher_std`, `health/teacher_effective_rank`, `health/target_var` where a teacher makes the
-    targets) every `every_n_steps` steps, and stops the run when the student's or the teacher's
-    feature std has been below `min_std` at `patience` consecutive checks.
+    targets) every `every_n_steps` steps, and stops the run when the student's or the teacher's collapse.
 
     Args:
         every_n_steps: how often to look (the trainer's log_every_n_steps if unset). Cost per look: the

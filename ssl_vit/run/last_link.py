@@ -26,9 +26,7 @@ class LastLinkCheckpoint(ModelCheckpointHooks):
     def __init__(self, *args: Any, save_last: bool | Literal["link"] | None = "link", **kwargs: Any) -> None:
         super().__init__(*args, save_last=save_last, **kwargs)
         self._previous_path = ""  # with save_top_k 1: the checkpoint before best_model_path, kept
-        if self.save_last == "link" and self.monitor is not None:
-            # With a monitor, Lightning links last.ckpt to the last *top-k* checkpoint, which can be
-            # older than the current state; `ckpt_path="last"` must resume from the newest state.
+        if self.save_last == "link" and self.monitor is not None:  # (the class's docstring)
             self.save_last = True
 
     @property
@@ -40,8 +38,7 @@ class LastLinkCheckpoint(ModelCheckpointHooks):
     def setup(self, trainer, pl_module, stage: str) -> None:
         link = self.save_last == "link"
         if link:
-            # Lightning raises for save_last="link" on a remote dirpath, which is only known after
-            # resolving it in setup; there, a full copy (save_last=True) is the fallback.
+            # Lightning raises for save_last="link" on a remote dirpath, known only once setup resolves it.
             self.save_last = True
         super().setup(trainer, pl_module, stage)
         if link and store.is_local(self.dirpath):

@@ -8,20 +8,17 @@ every rank's gradients; with FSDP each rank holds a shard; a loss spike can be o
 way every decision is reduced over the ranks, so they skip, stop or roll back together and none waits
 for the others in a collective.
 
-A rollback (`policy: rollback`): the step's loss and whether it and the gradient norm are finite are
-reduced over the ranks (the highest loss, any non-finite) and read in one host read, where `skip` reads
-its flag; `ssl_vit.run.spikes` judges the step against the running median. A spike's update is not
-applied (its gradients are dropped before the optimizer step), and at the end of its step every rank
-restores the newest intact checkpoint of the run saved at or before it (`ssl_vit.run.rollback`: model,
-teacher, optimizer, schedule, gradient scaler, RNGs, step count; read from the file, as a resume does),
-moves its data stream past the batches read since that checkpoint, the spike's included, plus
-`skip_batches` more (`ShardDataModule.skip_batches`: positions only move forward, so no batch between
-the checkpoint and the spike is trained on twice, and the data of a spike never comes back after its
-rollback), rewinds W&B to the checkpoint's step as a resume does, and saves the rolled-back state at
-once, over that checkpoint (`LastLinkCheckpoint.save_rolled_back`): a kill or a SIGTERM after it
-resumes from the rolled-back state, with its history, and never replays the batches it stepped over.
-All of it runs inside one training hook, where a SIGTERM is only noted: the save it causes comes after
-the rollback is complete.
+A rollback (`policy: rollback`): `ssl_vit.run.spikes` judges each step's loss (`RollbackPolicy.read`)
+against the running median. A spike's update is not applied (its gradients are dropped before the
+optimizer step), and at the end of its step every rank restores the newest intact checkpoint of the run
+saved at or before it (`ssl_vit.run.rollback`), moves its data stream past the batches read since that
+checkpoint, the spike's included, plus `skip_batches` more (`ShardDataModule.skip_batches`: positions
+only move forward, so no batch between the checkpoint and the spike is trained on twice, and the data of
+a spike never comes back after its rollback), rewinds W&B to the checkpoint's step as a resume does, and
+saves the rolled-back state at once, over that checkpoint (`LastLinkCheckpoint.save_rolled_back`): a
+kill or a SIGTERM after it resumes from the rolled-back state, with its history, and never replays the
+batches it stepped over. All of it runs inside one training hook, where a SIGTERM is only noted: the
+save it causes comes after the rollback is complete.
 """
 
 from __future__ import annotations
@@ -56,9 +53,7 @@ class NonFinitePolicy:
     resume under another policy); what it holds itself lasts one step, or until the next check."""
 
     name: ClassVar[str]  # the `nonfinite.policy` value that chooses it (`POLICIES`)
-    # Under 16-mixed the gradient scaler skips non-finite steps itself: a policy that does not judge
-    # those steps too leaves them to it.
-    judges_scaled_steps: ClassVar[bool] = False
+    judges_scaled_steps: ClassVar[bool] = False  # under 16-mixed (the end of `NonFiniteGuard`'s docstring)
 
     def __init__(self, guard: NonFiniteGuard) -> None:
         self.guard = guard
@@ -88,7 +83,7 @@ class NonFinitePolicy:
 
 
 class SkipPolicy(NonFinitePolicy):
-    """A step whose gradients are not finite on any rank is not applied: one host read per step."""
+    """`skip` (`NonFiniteGuard`'s Args)."""
 
     name = "skip"
 
@@ -99,8 +94,7 @@ class SkipPolicy(NonFinitePolicy):
 
 
 class StopPolicy(NonFinitePolicy):
-    """The first step whose gradients are not finite, kept on the device and read every
-    `check_every_n_steps` steps and before every save: no host synchronisation in between."""
+    """`stop` (`NonFiniteGuard`'s Args): the first bad step is kept on the device until a check reads it."""
 
     name = "stop"
 
@@ -136,9 +130,7 @@ class StopPolicy(NonFinitePolicy):
 
 
 class RollbackPolicy(NonFinitePolicy):
-    """A loss spike or a non-finite step (`SpikeDetector`) is not applied, and at the end of its step every
-    rank returns to the newest intact checkpoint and steps over the batches since (the module's
-    docstring); before the first checkpoint the step is skipped, after `max_rollbacks` the run stops."""
+    """`rollback` (`NonFiniteGuard`'s Args, and the module's docstring)."""
 
     name = "rollback"
     judges_scaled_steps = True
@@ -286,11 +278,12 @@ class NonFiniteGuard(pl.Callback):
         max_skips: steps `skip` (or `rollback`, before the first checkpoint) may drop over the whole run
             before it stops.
         check_every_n_steps: how often `stop` reads the flag (the trainer's log_every_n_steps if unset).
-        window: steps of the running median of the loss that a spike is measured against.
+        window: steps of the running median of the loss that a spike is measured against (no finite
+            step is a spike before that many were seen).
         spike_factor: a step whose loss is above this many times that median is a spike (0: only
             non-finite steps are).
         patience: with `16-mixed`, whose gradient scaler skips non-finite steps itself, this many of them
-            in a row are a spike.
+            in a row are a spike (with other precisions, one is).
         skip_batches: batches a rollback steps over beyond the spike's, whose data it never trains on;
             by default twice as many as it returns over (the batches from the checkpoint to the spike).
         max_rollbacks: rollbacks over the whole run; the next spike stops it.

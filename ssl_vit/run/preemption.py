@@ -46,11 +46,7 @@ REQUEUE_SIGNAL = signal.SIGUSR1  # Lightning's SLURMEnvironment default
 
 
 class Preemption(pl.Callback):
-    """Saves a resumable `last.ckpt` when the job is told to stop, and requeues it under SLURM.
-
-    Every rank receives the signal from SLURM, but only rank 0's flag decides (Lightning broadcasts it),
-    so all ranks stop after the same step and save one consistent checkpoint.
-    """
+    """Saves a resumable `last.ckpt` when the job is told to stop, and requeues it under SLURM."""
 
     def __init__(self) -> None:
         self.requeue_requested = False
@@ -80,8 +76,7 @@ class Preemption(pl.Callback):
         self.sigterm_noted = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning clears its flag when it installs its handlers, after `setup`: a signal that came
-        # during start-up is raised again here.
+        # Lightning clears its flag when it installs its handlers, after `setup` (the module's docstring).
         if self.requeue_requested or self.sigterm_noted:
             stop_as_on_sigterm(self.trainer)
 
@@ -117,8 +112,7 @@ class Preemption(pl.Callback):
                 file=sys.stderr,
                 flush=True,
             )
-            # The checkpoint is saved: the run directory is the requeued job's (SLURM may kill this one
-            # before it exits and releases it, and the requeued job may start on another node).
+            # The checkpoint is saved: the run directory is the requeued job's (`release_all`).
             release_all()
             result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
             message = (

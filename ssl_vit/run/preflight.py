@@ -183,10 +183,8 @@ def refuse_used_run_dir(checkpoint_dir: Path) -> None:
 
 
 def check_ckpt_choice(subcommand: str, given: str | None) -> str | None:
-    """`--ckpt_path` as given, refused in one line where Lightning would raise from deep inside: `best`
-    (ssl-vit saves by steps and monitors no metric, so there is no best checkpoint), an empty path, and
-    `validate`/`test` without one (which would score a randomly initialised model): `scratch` asks for
-    that on purpose."""
+    """`--ckpt_path` as given, refused in one line (each says why) where Lightning would raise from deep
+    inside (`best`, an empty path) or `validate`/`test` would score a randomly initialised model."""
     fix = "give last, or the path of a .ckpt"
     if given == "best":
         raise UserError(

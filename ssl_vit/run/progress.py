@@ -102,7 +102,6 @@ class ProgressLines(pl.Callback):
         by_step = step > self.first_step and step % max(1, trainer.log_every_n_steps) == 0
         due = by_step or time.monotonic() - self.last_time >= self.every_s
         if self.skipped is not None and (by_step or due and trainer.world_size == 1):
-            # summed over the ranks at the steps every rank reaches together (one sync, as logging has)
             total = (
                 trainer.strategy.reduce(self.skipped.clone(), reduce_op="sum") if by_step else self.skipped
             )

@@ -74,8 +74,7 @@ def another_model(path: str, error: str) -> UserError:
 
 
 class SafeSteps:
-    """The optimizer steps after a rollback, `steps` of them: in 32-bit (`fp32`: mixed precision's
-    autocast off) and/or at `lr_scale` times the learning rate of the schedule.
+    """The optimizer steps after a rollback (`NonFiniteGuard`'s safe_steps, safe_fp32 and lr_scale).
 
     Lightning has no per-step precision switch: its precision plugin opens autocast around every training
     step (`train_step_context`), so for these steps the plugin's context is replaced by one that turns

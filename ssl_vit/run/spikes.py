@@ -25,15 +25,8 @@ SPIKE = "loss spike"
 
 
 class SpikeDetector:
-    """Judges each optimizer step from its loss (reduced over the ranks) and whether it was finite.
-
-    Args:
-        window: steps the running median is taken over; the ratio test starts once it is full.
-        spike_factor: a step whose loss is above this many times the median is a spike (0: never).
-        patience: with AMP's gradient scaler (`16-mixed`), which skips non-finite steps and lowers its
-            scale by itself, this many such steps in a row are a spike; other precisions have no scaler,
-            and one non-finite step is.
-    """
+    """Judges each optimizer step from its loss (reduced over the ranks) and whether it was finite;
+    `window`, `spike_factor` and `patience` as `NonFiniteGuard`'s."""
 
     def __init__(self, window: int, spike_factor: float, patience: int) -> None:
         self.window, self.spike_factor, self.patience = window, spike_factor, patience

@@ -23,7 +23,7 @@ class Staged:
     so same filesystem: a rename is atomic). Make the file there (`create()`, or hard-link another file
     to `staged.path`), write and `sync()` it, then put it in place with `replace()` or `link()`. At
     exit the temporary name is removed (gone already after a rename) and the file descriptor closed,
-    unless `keep()` took it: a failure at any point leaves `target` as it was."""
+    unless `keep()` took it."""
 
     def __init__(self, target: str | os.PathLike, mode: int = 0o666) -> None:
         self.target = os.path.abspath(target)
@@ -77,8 +77,7 @@ class Staged:
 
 
 def write_text(target: str | os.PathLike, text: str) -> None:
-    """`target` replaced whole by `text`, on disk before its name points at it: a reader, or a run after
-    a kill or a power cut, sees the old file or the new one, never a part."""
+    """`target` replaced whole by `text`, as the module's docstring says."""
     with Staged(target) as staged, open(staged.create(), "w", closefd=False) as f:
         f.write(text)
         f.flush()

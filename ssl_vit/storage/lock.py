@@ -12,9 +12,8 @@ The lock file holds its holder's host, pid and command (one JSON line) and carri
 (`fcntl.lockf`) of the holder's process, which the kernel (or the NFS server) drops when the process
 ends, however it ends. POSIX locks rather than flock: they are not inherited by forked DataLoader
 workers (which may outlive a killed trainer), and NFS arbitrates them on the server (flock on NFS is
-emulated with them anyway). A holder creates its file already locked (written and locked under a
-temporary name, then linked into place), so a file whose lock is free has no live holder, wherever
-locks are seen:
+emulated with them anyway). A holder creates its file already locked (`RunLock._create`), so a file
+whose lock is free has no live holder, wherever locks are seen:
 
 - locks seen by every host (local disks; NFS, the default `local_lock=none` with NFSv4 or lockd; Lustre
   mounted with `-o flock`): a file whose lock is free was left by a holder that ended without removing
@@ -24,8 +23,7 @@ locks are seen:
   another host is respected: refused, saying to delete the file if that job has ended.
 - no locks (`lockf` fails with ENOLCK/ENOSYS/EOPNOTSUPP: Lustre `-o noflock`, NFSv3 without lockd): the
   file is created atomically (link(2), atomic on NFS too); one naming a process of this host that no
-  longer exists is taken over (the processes of this host take turns for that, under a flock in the
-  temp directory), one naming another host is respected.
+  longer exists is taken over (`_host_mutex`), one naming another host is respected.
 
 Only the process of a job that is global rank 0 by its launcher's environment takes the lock
 (`job_leader`): under torchrun, srun or Lightning's own launcher every rank runs the command.
@@ -69,7 +67,8 @@ _holding: list[RunLock] = []  # the locks this process holds (`release_all`)
 
 def release_all() -> None:
     """Release every run directory lock this process holds: before `scontrol requeue`, after which SLURM
-    may kill the job before it exits (the requeued job would find the lock left behind)."""
+    may kill the job before it exits (the requeued job, perhaps on another node, would find the lock left
+    behind)."""
     for lock in list(_holding):
         lock.release()
 
@@ -320,8 +319,7 @@ def _try_lock(fd: int) -> bool | None:
 
 
 def _read(fd: int) -> dict | None:
-    # pread on the open descriptor: opening the file again and closing it would drop this process's
-    # POSIX lock on it.
+    # pread on the open descriptor: opening the file again and closing it would drop the lock (`Staged.keep`).
     try:
         record = json.loads(os.pread(fd, 4096, 0).decode())
     except (ValueError, UnicodeDecodeError):

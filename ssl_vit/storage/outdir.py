@@ -7,14 +7,11 @@
   Input and output trees are disjoint. `check_out` also refuses a file, a path under a file, a place that
   cannot be written, the current directory or one above it, and a non-empty directory without
   `--overwrite`.
-- A job holds a lock on its output while it writes (`ssl_vit.storage.lock`, the lock `fit` holds on its run
-  directory: `.NAME.lock` beside the output, `OUTDIR/.SPLIT.lock` for a conversion), so a second job is
-  refused in one line naming the holder, before it computes anything.
+- A job holds a lock on its output while it writes (`out_lock`, `split_lock`: the lock `fit` holds on its
+  run directory), so a second job is refused in one line naming the holder, before it computes anything.
 - Everything is written beside the output and renamed into place at the end (`Output.staged`). The
-  rename never replaces what another job put there meanwhile (a directory with files is never renamed
-  over; a file is linked, which fails if the name exists): the job then says so in one line and keeps its
-  results beside the output. Only `--overwrite` replaces an output, once the new one is complete, and under
-  the lock no two jobs do so at once.
+  rename never replaces what another job put there meanwhile (`commit`). Only `--overwrite` replaces an
+  output, once the new one is complete, and under the lock no two jobs do so at once.
 - `--overwrite` replaces only *our output*: a directory that holds the marker file `MARKER`, which every
   output committed here carries (written into the staging directory when it is made). A non-empty
   directory without it (a thesis, a dataset, the results of another tool, an output of a version before
@@ -23,9 +20,7 @@
   so a signal, or a kill, at any moment leaves the output holding the old result or the new one. Where
   the filesystem cannot exchange, the old output is renamed aside to `.NAME.old` and the new one renamed
   in, with SIGTERM and SIGINT held off between the two renames; only a SIGKILL there leaves `.NAME.old`
-  and no output. The next command on that output, under its lock, puts such a `.NAME.old` back (or
-  removes it once the output is there) and removes a staging directory a killed job left, each in one
-  warning line (`recover`).
+  and no output, which the next command on that output puts back (`recover`).
 - What was computed is written and committed before anything optional (pictures, the W&B run,
   `Output.optional`): a picture that fails costs that picture, one warning line and a note, never the
   numbers.
@@ -109,9 +104,8 @@ def check_out(
     used: bool = True,
 ) -> Path:
     """`out` as a Path after checking that the command may write it; a one-line UserError if not.
-    Writes nothing (a directory made and removed at once tests that the parent is writable). `used`:
-    also whether it may replace what is there (`refuse_used`; `Output` checks that under its lock, after
-    `recover`)."""
+    Leaves nothing written. `used`: also whether it may replace what is there (`refuse_used`; `Output`
+    checks that under its lock, after `recover`)."""
     out = Path(out)
     refuse_inputs(out, inputs, label)
     if out.exists() and not out.is_dir():
@@ -208,8 +202,7 @@ def recover(out: Path, label: str = "--out") -> None:
 
 
 def out_lock(out: str | Path, command: str, label: str = "--out") -> contextlib.AbstractContextManager:
-    """The lock of one job on `out`: `.NAME.lock` beside it (the parent made if missing, removed again if
-    it stays empty). Only the job's rank 0 takes it: every rank of a torchrun job runs the command."""
+    """The lock of one job on `out`: `.NAME.lock` beside it, taken by the job's leader only (`job_leader`)."""
     if not job_leader():
         return contextlib.nullcontext()
     where = Path(os.path.abspath(out))
@@ -220,8 +213,8 @@ def out_lock(out: str | Path, command: str, label: str = "--out") -> contextlib.
 
 
 def split_lock(outdir: Path, split: str) -> RunLock:
-    """The lock of one `data convert` on one split of OUTDIR, `OUTDIR/.SPLIT.lock` (OUTDIR made if
-    missing, removed again if it stays empty): conversions of other splits into OUTDIR run beside it."""
+    """The lock of one `data convert` on one split of OUTDIR, `OUTDIR/.SPLIT.lock`: conversions of other
+    splits into OUTDIR run beside it."""
     return RunLock(
         outdir, name=f".{split}.lock", command="data convert", subject=f"split {split!r} of OUTDIR {outdir}",
         rule="one conversion per split", alternative="give another OUTDIR or --split",

@@ -2,23 +2,19 @@
 (`s3://`, `gs://`, ...) or `pipe:` URL tries again a bounded number of times, waits longer before
 each try, gives up on a read that gets no byte for a while, and continues where the data broke off.
 
-- `ReadPolicy`: how hard (`retries` after the first failure of one fetch, `timeout_s` without a byte);
-  `ShardDataModule`'s `read_retries` and `read_timeout_s`, and `SafeCheckpointIO`'s for checkpoints.
+- `ReadPolicy`: how hard; `ShardDataModule`'s `read_retries` and `read_timeout_s`, and
+  `SafeCheckpointIO`'s for checkpoints.
 - `open_url` / `read_url` / `probe`: a stream, the whole content, whether it exists. A URL that does not
-  exist (HTTP 404 or 410, no such object) is `Missing` at once, never retried: that is an answer. A
-  server's passing trouble (5xx but those that mean "never": 501, 505, ...; 408, 429, a timeout, a
-  refused or dropped connection, a command that exits non-zero) is tried again; after the last try it
-  is `ReadFailed`, whose message names the URL, what went wrong and how many tries were made; any other
-  status (403, 501, ...) is `ReadFailed` at once. `probe` asks with HEAD, and where HEAD is refused
-  (403, 405, 501: presigned URLs, servers without HEAD) with a one-byte ranged GET.
+  exist is `Missing` at once. A server's passing trouble (5xx but those that mean "never": 501, 505,
+  ...; 408, 429, a timeout, a refused or dropped connection, a command that exits non-zero) is tried
+  again, and is `ReadFailed` after the last try; any other status (403, 501, ...) is `ReadFailed` at once.
 - `local_path` / `without_url`: the file a local URL names; an error's message without its URL.
 
 http(s) redirects (the Hugging Face Hub answers a `resolve/` URL with a redirect to its CDN) are
-followed, at most MAX_REDIRECTS of them per request: a longer chain or a loop fails at once with one
-line. A HEAD stays a HEAD through them and a `Range` goes along, so probes and resumed reads work through
-redirects. A Hub token (`HF_TOKEN`, as huggingface_hub reads it) is sent as `Authorization: Bearer` to
-the Hub only (`HF_ENDPOINT`'s scheme, host and port; `https://huggingface.co` unless set), never to the
-host a redirect leads to, and it is never written anywhere (messages, logs, configs, checkpoints).
+followed as `_Redirects` says; a `Range` goes along, so probes and resumed reads work through them. A
+Hub token (`HF_TOKEN`, as huggingface_hub reads it) is sent as `Authorization: Bearer` to the Hub only
+(`_on_hub`), never to the host a redirect leads to, and it is never written anywhere (messages, logs,
+configs, checkpoints).
 
 A fetch that breaks off after some bytes continues at the next byte rather than starting again: an
 HTTP range request (`Range: bytes=N-`; from a server that ignores ranges, the first N bytes are read
@@ -94,9 +90,8 @@ MAX_RETRIES = 100
 
 
 def checked_policy(retries: object = None, timeout_s: object = None) -> ReadPolicy:
-    """The `ReadPolicy` of the settings `read_retries` and `read_timeout_s` (None: the default), checked
-    first: one line for retries not an integer of 0 to MAX_RETRIES, or a timeout not a positive, finite
-    number of seconds."""
+    """The `ReadPolicy` of the settings `read_retries` and `read_timeout_s` (None: the default), each
+    checked first (one line for a bad value)."""
     check_count("read_retries", retries, 0, MAX_RETRIES)
     check_positive_seconds("read_timeout_s", timeout_s)
     return ReadPolicy(
@@ -120,7 +115,7 @@ class _Changed(OSError):
 
 class _TooManyRedirects(OSError):
     """A request redirected more than MAX_REDIRECTS times (a loop), or to a scheme other than http(s)
-    (urllib follows `ftp://`, each try waiting out the read timeout): never mended by trying again."""
+    (`_Redirects`): never mended by trying again."""
 
 
 def is_remote(url: str) -> bool:
@@ -204,7 +199,6 @@ MISSING, RETRY, FATAL = "missing", "retry", "fatal"
 # (501, 505), or is set up so that it never can answer (506, 508, 510, 511). Other 5xx are a server's
 # passing trouble (500, 502-504, and the 52x of proxies in front of one).
 PERMANENT_5XX = {501, 505, 506, 508, 510, 511}
-# A HEAD answered with these may still be a GET that works: `probe` asks for one byte instead.
 HEAD_REFUSED = {403, 405, 501}
 
 
