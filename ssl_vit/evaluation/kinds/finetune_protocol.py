@@ -80,6 +80,5 @@ class FineTuneProtocol(TrainedProtocol):
         best, chosen = 0, {"best_lr": self.lrs[0]}
         if plan.selection is not None:
             best, chosen = choose(self, torch.cat(selected), self.selection_metric(), self.grid_axes())
-        # only the chosen model reads the test split
         test = statistics([models[best].to(local_device())], self, features, "test", None)
         return self.test_scores(test), {**chosen, **found[best]}
