@@ -105,8 +105,7 @@ Urls = Annotated[Any, _line(_urls)]
 
 
 class DataBlock(TypedDict, total=False):
-    """A data block: ShardDataModule arguments; train = the probe / support set, test = the evaluation
-    set. A size other than the backbone's is read with its position embeddings resampled."""
+    """A data block: ShardDataModule arguments; train = the probe / support set, test = the evaluation set."""
 
     __pydantic_config__ = FILE
 
@@ -167,7 +166,6 @@ class SuiteFile(TypedDict, total=False):
     data: DataBlock
     datasets: Annotated[dict[Any, DataBlock], _line(_datasets)]
     protocols: Required[Annotated[Any, _line(_protocols)]]
-    # seeds scratch initialisation, the trained protocols, label subsets and the bootstrap
     seed: Annotated[Any, _line(_integer_of(0, MAX_SEED))]
     resamples: Annotated[Any, _line(_integer_of(100, MAX_RESAMPLES))]  # bootstrap resamples per interval
 
