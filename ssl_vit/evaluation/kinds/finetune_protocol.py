@@ -28,8 +28,7 @@ from ssl_vit.tasks import FineTune
 @register
 @dataclass(config=STRICT)
 class FineTuneProtocol(TrainedProtocol):
-    """Fine-tuning: one model per lr of `lrs` (each the whole of its training), the best on the held-out
-    images scoring the test split."""
+    """Fine-tuning: one model per lr of `lrs`, each the whole of its training."""
 
     optimizer: OptimizerName = "adamw"
     weight_decay: NonNegative = 0.05
