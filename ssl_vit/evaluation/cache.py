@@ -163,9 +163,8 @@ class FeatureCache:
         return found + (self.datamodule.image_size**2 if found and self.datamodule.has_masks("train") else 0)
 
     def _check_memory(self, split: str) -> None:
-        """One line, before the pass, when the split's token cache would not fit: its size from the
-        manifest's image count, against this process's share of the memory the host can give now (the
-        ranks of a node share it)."""
+        """The refusal before the pass (the module's docstring), its size from the manifest's image count,
+        against this process's share of the memory the host can give now (the ranks of a node share it)."""
         per_image = self.token_bytes()
         if not per_image:
             return
