@@ -14,7 +14,6 @@ bands (`--display-bands`; by default a masked-pretraining checkpoint's own `disp
 three), each stretched between its 2nd and 98th percentile (`ssl_vit.targets.masked_picture.false_colour`);
 the filter components are computed over all bands and drawn in those three (`embeddings`).
 
-
 Everything is computed first; analysis.json is written into a temporary directory next to OUT and
 renamed into place, then the pictures are drawn into it, each of which may fail without costing the
 numbers (one warning line, and a note in analysis.json: `ssl_vit.storage.outdir`).

@@ -2,7 +2,7 @@
 
 Plots (matplotlib `Figure`s, fixed size: `PLOT_SIZE` inches at `DPI`) for numbers against axes; image
 grids (torchvision) for pictures made of pixels, which stay pixel-exact. No pyplot: figures are drawn
-straight to files, with no GUI backend or global figure state.
+straight to files, with no GUI backend to choose or global figure registry to close.
 """
 
 from __future__ import annotations

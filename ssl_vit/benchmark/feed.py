@@ -61,8 +61,7 @@ def feed_rate(
 ) -> tuple[float, float, dict | None]:
     """Images/s from `workers` DataLoader workers (0: the main process decodes) to normalised batches
     on `device`, over `batches` timed batches per worker; the share of those images decoded on the
-    CPU (with `decode="device"`, what the device decoder does not take: PNGs, arrays, CMYK JPEGs); and
-    the class mix of all the batches (None for shards of fewer than 2 labelled classes)."""
+    CPU; and the class mix of all the batches (None for shards of fewer than 2 labelled classes)."""
     rounds = max(1, workers)  # batches per round of the DataLoader over its workers
     data = ShardDataModule(
         **band_args(urls),

@@ -1,9 +1,8 @@
 """The `ssl-vit` command.
 
-`fit`, `validate` and `test` are LightningCLI (`ssl_vit.cli.fit`, imported only when one of them runs): the
-model and data are chosen in YAML by `class_path`, every constructor argument is an option. Every other
-subcommand is an argparse subparser registered by the module that owns the concept, so this file only
-dispatches, and turns what a command raises into its one line and exit status.
+`fit`, `validate` and `test` are LightningCLI (`ssl_vit.cli.fit`, imported only when one of them runs).
+Every other subcommand is an argparse subparser registered by the module that owns the concept, so this
+file only dispatches, and turns what a command raises into its one line and exit status.
 """
 
 from __future__ import annotations
@@ -87,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         message = user_error_message(err)
         if message is not None:
-            # raised in or past a DataLoader (a split with no usable sample): its other workers end now,
-            # not after their SIGTERM grace at the interpreter's exit
+            # raised in or past a DataLoader (a split with no usable sample): its workers end now
             _end_early()
             print(f"ssl-vit: error: {redact(message)}", file=sys.stderr)
             return 2
@@ -150,10 +148,6 @@ def _end_early() -> None:
 
     sys.unraisablehook, threading.excepthook = unraisable, in_thread
     workers = sys.modules.get("ssl_vit.data.stream.workers")
-    if workers is not None:  # workers end now, not after their grace (nor after this process)
+    if workers is not None:
         workers.stop_all_workers()
     gc.collect()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -60,9 +60,8 @@ class _Finding(NamedTuple):
 
 
 def config_error(message: str, argv: list[str], parser, err: BaseException) -> str:
-    """`KEY: WHAT` for jsonargparse's `message` about a config of the command `argv`, with the closest
-    valid key (or class, or choice) where there is one; `parser` is the subcommand's parser, whose
-    options are the valid keys at the top."""
+    """`KEY: WHAT` for jsonargparse's `message` about a config of the command `argv`; `parser` is the
+    subcommand's parser, whose options are the valid keys at the top."""
     findings = sorted(_findings(message))
     if not findings:
         lines = [line.strip(" -") for line in message.splitlines() if line.strip(" -")]

@@ -13,9 +13,6 @@ Lightning's parsing and run:
   (optimizer values, compile options, shard URLs), made before anything is written;
 - a mistake in the config (an unknown key, a wrong type, a `class_path` that names no class, a file that
   is not YAML) as one line `KEY: WHAT` with the closest valid key (`ssl_vit.cli.config_errors`).
-
-Imported by `ssl_vit.cli` only when one of these commands runs: it imports Lightning and every task,
-which `ssl-vit --help` and the other commands do not need.
 """
 
 from __future__ import annotations
@@ -87,8 +84,7 @@ class SaveAndLogConfig(SaveConfigCallback):
 
 
 class SslVitCLI(LightningCLIHooks):
-    """One run directory per job (`trainer.default_root_dir`): config.yaml, checkpoints/,
-    wandb/ and pictures/ all land there, and a restarted job finds them again."""
+    """LightningCLI with what a run directory needs (the module's docstring lists it)."""
 
     resumed: dict | None = None  # a resumed fit's checkpoint, memory-mapped, until `before_fit`
 
@@ -115,8 +111,7 @@ class SslVitCLI(LightningCLIHooks):
                     # Atomic saves, weights-only loads (also of http(s) checkpoints).
                     "plugins": [{"class_path": "ssl_vit.checkpoints.store.SafeCheckpointIO"}],
                 },
-                # A mistake in the config raises, for `parse_arguments` to say in one line, instead of
-                # jsonargparse's usage message and nested union report (80 lines for a typo)
+                # a mistake in the config raises, for `parse_arguments` to say in one line (`config_errors`)
                 parser_kwargs={"prog": "ssl-vit", "exit_on_error": False},
             )
 
@@ -343,9 +338,6 @@ def check_values(subcommand: str, config) -> None:
             str(config.trainer.precision),
             SafeSteps(nonfinite.safe_steps, nonfinite.safe_fp32, nonfinite.lr_scale),
         )
-    # The datamodule checks the shards again in its setup, after the trainer has printed its
-    # banner and the logger has started its run; here first, the error is the command's only
-    # output and the run directory is left as it was.
     data_args = getattr(config.get("data"), "init_args", None)
     if data_args is not None:
         if issubclass(import_class(config.data.class_path), ShardDataModule):
@@ -354,9 +346,8 @@ def check_values(subcommand: str, config) -> None:
 
 
 def check_optimizer(config) -> None:
-    """The model's optimizer built once on a dummy parameter, before anything is written: torch checks
-    its values (a negative learning rate, betas outside [0, 1), ...) only when the task builds it, after
-    the run directory, config.yaml and the W&B run exist."""
+    """The model's optimizer built once on a dummy parameter (`check_values`): torch checks its values
+    (a negative learning rate, betas outside [0, 1), ...) only when the task builds it."""
     spec = config.get("model.init_args.training.optimizer")
     class_path = getattr(spec, "class_path", None)
     if class_path is None:

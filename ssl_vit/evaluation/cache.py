@@ -56,7 +56,7 @@ class FeatureCache:
     """Frozen features of a dataset's splits (train, test, and val when the data block gives
     `val_urls`): every kind the suite reads from one pass over each split (`extract_feature_set`), made
     the first time a split is asked for. `backbone` is the checkpoint's at the dataset's image size
-    (`config`; position embeddings resampled when it differs from the suite's backbone)."""
+    (`config`, `suite.dataset_backbone`)."""
 
     def __init__(
         self, backbone: ViT, config: ViTConfig, data: dict[str, Any], kinds: tuple[str, ...]
@@ -80,8 +80,7 @@ class FeatureCache:
         )
 
     def normalisation(self) -> dict[str, tuple[float, ...]]:
-        """The data's per-band `mean` and `std` as its data module resolved them ('auto': from the
-        manifest), for the tasks a protocol trains: they record them."""
+        """The data's per-band `mean` and `std` (`with_normalisation`), for the tasks a protocol trains."""
         return {"mean": tuple(self.datamodule.mean), "std": tuple(self.datamodule.std)}
 
     def get(self, split: str, feature: str) -> Features:
@@ -164,9 +163,8 @@ class FeatureCache:
         return found + (self.datamodule.image_size**2 if found and self.datamodule.has_masks("train") else 0)
 
     def _check_memory(self, split: str) -> None:
-        """One line, before the pass, when the split's token cache would not fit: its size from the
-        manifest's image count, against this process's share of the memory the host can give now (the
-        ranks of a node share it)."""
+        """The refusal before the pass (the module's docstring), its size from the manifest's image count,
+        against this process's share of the memory the host can give now (the ranks of a node share it)."""
         per_image = self.token_bytes()
         if not per_image:
             return

@@ -1,8 +1,5 @@
 """Frozen features of a backbone over an exact pass of a dataset, for the frozen-backbone protocols.
 
-The feature kinds are the backbone's: pooled ones (`cls`, `mean`, `lastk`: `ViT.features`) and
-token-level ones (`tokens`, `patches`, `patches_lastk`: `ViT.feature_set`).
-
 Under `torch.distributed` every rank extracts its own share of an exact pass, and all ranks return
 the features of all samples, sorted by key, so the result does not depend on the world size.
 

@@ -46,7 +46,7 @@ class FewShotMonitor(pl.Callback):
         image_size: evaluation resolution; by default the backbone's.
         batch_size: images per forward pass.
 
-    The labelled set is read as the training data is (a `ShardDataModule`'s bands, `channels`, and their
+    The labelled set is read as the training data is (a `ShardDataModule`'s read limits, bands and their
     `mean` and `std`), so a multispectral run is monitored on its own bands.
 
     A shot count the labelled set cannot fill (a class with fewer training images than the shots) is
@@ -107,8 +107,6 @@ class FewShotMonitor(pl.Callback):
             augment=Augment(train_preset="eval"),
             # an exact pass does not use the training epoch length; setting it spares the manifest lookup
             train_batches=1,
-            # shards read as the training data reads them (retries, timeouts, the largest image), and its
-            # bands normalised as it does
             **(
                 {"limits": data.limits, "channels": data.channels, "mean": data.mean, "std": data.std}
                 if isinstance(data, ShardDataModule)

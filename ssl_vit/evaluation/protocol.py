@@ -57,7 +57,7 @@ class Protocol:
     KIND: ClassVar[str] = ""  # the `kind:` value that selects the class (`register`)
     TITLE: ClassVar[str] = ""  # the kind in words, as verdicts name it ("few-shot")
     TARGET: ClassVar[str] = "label"  # what it is scored on: image labels, or a segmentation's `mask`
-    # why a column of it has no number (its metric is NaN: null in results.json, n/a in the tables)
+    # why a column of it has no number (`stats.scored`)
     NOTHING_TO_SCORE: ClassVar[str] = "no labelled test image (of its classes) to score"
 
     def columns(self) -> list[str]:

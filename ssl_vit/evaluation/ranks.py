@@ -2,11 +2,10 @@
 the ranks, each evaluated whole on its rank's device, the evaluations gathered on rank 0.
 
 A checkpoint's evaluation is its forward passes (one per split, `FeatureCache`), its trained
-protocols and its heads' mean attention distances (`suite.attention_distances`, measured while its
-backbone is loaded: the report draws them and loads no checkpoint); dealing whole checkpoints keeps
-every evaluation exactly what it is in one process (same seeds, same full passes, a Lightning trainer
-of its own), so the table does not depend on the number of ranks, and the ranks need no collective
-until the end.
+protocols and its heads' mean attention distances (`suite.evaluate`'s attention_images); dealing whole
+checkpoints keeps every evaluation exactly what it is in one process (same seeds, same full passes, a
+Lightning trainer of its own), so the table does not depend on the number of ranks, and the ranks need
+no collective until the end.
 
     torchrun --nproc-per-node 4 -m ssl_vit compare a=A.ckpt b=B.ckpt c=C.ckpt d=D.ckpt --suite S --out OUT
 """

@@ -2,12 +2,11 @@
 each with images in the train and the test split, and a train and test split with something labelled to
 train on and score (a labelled image; a segmentation's labelled pixel).
 
-Where the split's manifest tells (its class count; its per-class image and pixel counts when its URLs
-are the whole split), before anything runs (`evaluate`'s and `compare`'s `check_inputs`; of local
-shards: a remote manifest is read once, by the evaluation, which then checks before the protocol runs);
-where it cannot, from the labels of the pass the protocol reads anyway, before it trains or scores. Before, a
-protocol of one class, or of a class the data lack, scored 1.0 for a question never asked, and a test
-split without a labelled pixel an mIoU of NaN."""
+Checked from the split's manifest where it tells, before anything runs (`check_scorable`; of local
+shards: a remote manifest is read once, by the evaluation), else from the labels of the pass the protocol
+reads anyway, before it trains or scores (`check_classes_seen`). Before, a protocol of one class, or of a
+class the data lack, scored 1.0 for a question never asked, and a test split without a labelled pixel an
+mIoU of NaN."""
 
 from __future__ import annotations
 

@@ -145,24 +145,15 @@ def _bounds(samples: Tensor) -> tuple[float, float]:
 
 def interval(score: Score, resamples: int = 1000, seed: int = 0) -> Interval:
     """The result of `score` with its LEVEL interval, from `resamples` crossed resamples drawn from `seed`
-    (the same seed gives the same interval)."""
-    _check(score)
-    runs, seeds, images, _ = score.values.shape
-    if not images:  # nothing to score: no test image
+    (the same seed gives the same interval): `contrast`'s resamples of the one term `score`."""
+    bounds = contrast([(1.0, score, "runs")], resamples, seed)
+    if not score.values.shape[2]:  # nothing to score: no test image
         return Interval(math.nan, math.nan, math.nan, math.nan, math.nan)
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for start in range(0, resamples, CHUNK):
-        count = min(CHUNK, resamples - start)
-        image_w, seed_w = _weights(images, count, generator), _weights(seeds, count, generator)
-        means = _means(score.values, _weights(runs, count, generator), seed_w, image_w)
-        samples.append(score.metric.of(means))
-    low, high = _bounds(torch.cat(samples))
     of, values = score.metric.of, score.values
     return Interval(
         score.value(),
-        low,
-        high,
+        bounds.low,
+        bounds.high,
         of(values.mean((0, 2))).std(correction=0).item(),
         of(values.mean((1, 2))).std(correction=0).item(),
     )

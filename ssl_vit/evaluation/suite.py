@@ -20,14 +20,12 @@ protocols:
   - {name: finetune, kind: finetune, epochs: 5, lrs: [1.0e-3], label_fractions: [0.01, 0.1, 1.0]}
 ```
 
-Each kind (`ssl_vit.evaluation.kinds`, one module each) has its own keys, typed and checked when the
-suite loads: a key the kind does not have, a value of the wrong type, out of range or not among the
-choices is one line naming the key and what it should be, before anything runs. docs/SUITES.md lists
-every key. A dataset whose `image_size` differs from the backbone's `img_size` is read with the
-backbone's position embeddings resampled to it (`dataset_backbone`). The data's `channels` (one band count
-for every dataset of a suite) is the backbone's `in_chans`: `scratch` is built with it, RGB checkpoints
-are adapted to it (timm's `adapt_input_conv`, said in one line) and checkpoints of another band count
-refused (`ssl_vit.checkpoints.load_backbone`).
+Each kind (`ssl_vit.evaluation.kinds`, one module each) has its own keys, checked when the suite loads,
+before anything runs (`protocol`); docs/SUITES.md lists every key. A dataset whose `image_size` differs
+from the backbone's `img_size` is read with the backbone's position embeddings resampled to it
+(`dataset_backbone`). The data's `channels` is the backbone's `in_chans` (`_with_bands`): `scratch` is
+built with it, RGB checkpoints are adapted to it (timm's `adapt_input_conv`, said in one line) and
+checkpoints of another band count refused (`ssl_vit.checkpoints.load_backbone`).
 
 Every protocol is explicit and logged with its result (every key, defaults included, in results.json
 `protocols`), so two checkpoints are always compared under the same written-down protocol. Every result
@@ -187,8 +185,7 @@ def _with_bands(backbone: ViTConfig, datasets: dict, given: dict, path: Path) ->
 
 
 def _check_patches(data: dict, backbone: ViTConfig, where: str) -> None:
-    """A data block's image size, which the backbone's patches must tile (a size other than the
-    backbone's is read with its position embeddings resampled, `dataset_backbone`)."""
+    """A data block's image size, which the backbone's patches must tile."""
     size = data.get("image_size", IMAGE_SIZE)
     patch = parse_variant(backbone.variant).patch_size
     if size % patch:
@@ -222,8 +219,7 @@ def evaluate(
     attention_images: with a number, the record holds "attention_distance" too (`attention_distances`
     on that many images): `compare` draws it from the records, and loads no checkpoint a second time.
 
-    out_dir is checked and locked before anything runs (`outdir.Output`: a non-empty one only with
-    `overwrite`, never one that is, holds or lies inside an input) and replaced once the record is complete.
+    out_dir: checked and locked before anything runs, replaced once the record is complete (`outdir.Output`).
     """
     with contextlib.ExitStack() as stack:
         if out_dir is not None:

@@ -1,15 +1,12 @@
 """What a suite file may hold, typed and checked as it loads (`suite.load_suite`): pydantic in strict
-mode, like the protocol kinds (`protocol.STRICT`), so a string is never read as a number nor a number as
-a flag, and a key the file may not have is refused.
+mode, like the protocol kinds (`protocol.STRICT`), and a key the file may not have is refused.
 
 `SuiteFile` is the file's top level, `DataBlock` a data block (`data:`, or each of `datasets:`): the
 ShardDataModule arguments the evaluation hands on as they are. Each value is checked by a small
-validator that raises the line a user reads (a `BadValue`, which pydantic keeps as the error's cause):
-counts and seconds as the data module checks them (`data.checks`), the backbone as `ViTConfig.from_dict`
-checks it, each protocol as its kind's dataclass. `file_problem` turns pydantic's first error into one
-line, a level's unknown keys before its values, a data block's problems after its name. What needs
-two places at once (an image size the backbone's patches must tile, a protocol's dataset) is checked
-after, by `load_suite`.
+validator that raises the line a user reads (`_line`): counts and seconds as the data module checks them
+(`data.checks`), the backbone as `ViTConfig.from_dict` checks it, each protocol as its kind's dataclass;
+`file_problem` says pydantic's first error. What needs two places at once (an image size the backbone's
+patches must tile, a protocol's dataset) is checked after, by `load_suite`.
 
 Also the YAML reading that the suite and the claims file share (`read_yaml`), and the one line of a
 pydantic error in a protocol or a claim (`problem`).
@@ -48,7 +45,7 @@ FILE = ConfigDict(**STRICT, extra="forbid")
 
 def _line(check: Callable[[Any, str], Any]) -> BeforeValidator:
     """A pydantic validator running `check(value, key)`: the value to keep, or a BadValue whose line
-    names the key (`file_problem` says it)."""
+    names the key (pydantic keeps it as the error's cause, `file_problem` says it)."""
     return BeforeValidator(lambda value, info: check(value, info.field_name))
 
 
@@ -105,8 +102,7 @@ Urls = Annotated[Any, _line(_urls)]
 
 
 class DataBlock(TypedDict, total=False):
-    """A data block: ShardDataModule arguments; train = the probe / support set, test = the evaluation
-    set. A size other than the backbone's is read with its position embeddings resampled."""
+    """A data block: ShardDataModule arguments; train = the probe / support set, test = the evaluation set."""
 
     __pydantic_config__ = FILE
 
@@ -167,7 +163,6 @@ class SuiteFile(TypedDict, total=False):
     data: DataBlock
     datasets: Annotated[dict[Any, DataBlock], _line(_datasets)]
     protocols: Required[Annotated[Any, _line(_protocols)]]
-    # seeds scratch initialisation, the trained protocols, label subsets and the bootstrap
     seed: Annotated[Any, _line(_integer_of(0, MAX_SEED))]
     resamples: Annotated[Any, _line(_integer_of(100, MAX_RESAMPLES))]  # bootstrap resamples per interval
 

@@ -2,11 +2,10 @@
 fraction trains on, the images a protocol with several candidates chooses on, training (a Lightning
 trainer streaming the shards, or a loop over cached frozen features), and scoring per test image.
 
-A protocol with candidates (a grid of learning rates, weight decays) chooses among them on images held
-out of its labelled training images (`selection_split`), or on the data block's `val_urls`, never on the
-test split: the test split is read after the choice, by the chosen candidate only. Every trained
-column records its training loss every few steps (`loss_curve` in results.json, `compare`'s
-training_curves.png), so that whether its loss levelled off can be seen.
+A protocol with candidates (a grid of learning rates, weight decays) chooses among them on held-out
+images (`training_set`), never on the test split: the test split is read after the choice, by the chosen
+candidate only. Every trained column records its training loss every few steps (`loss_curve` in
+results.json, `compare`'s training_curves.png), so that whether its loss levelled off can be seen.
 
 Legend: C candidates, M test images, F statistics per image, B batch.
 """
@@ -83,8 +82,7 @@ class TrainingSet(NamedTuple):
 @dataclass(config=STRICT)
 class TrainedProtocol(Protocol):
     """What the trained kinds share: a Lightning task trained on the train split (or a class-balanced
-    part of it per label fraction), scored once on the test split at the end; a protocol with several
-    candidates chooses among them first, on images the test split does not hold."""
+    part of it per label fraction), scored once on the test split at the end (by its chosen candidate)."""
 
     feature: WidthFeature = "cls"
     epochs: PositiveInt | None = None  # passes over the training (sub)set; 10 unless `steps` is given
@@ -262,9 +260,8 @@ def label_subset(
 
     Class-balanced: each class (of `classes`, else every label present; -1 is unlabelled) keeps
     max(1, round(fraction x its count)) of its samples, drawn without replacement from `seed` (the
-    suite's, so every checkpoint trains on the same images and paired differences stay paired). Each
-    class's draw is one permutation whatever the fraction, so one seed's subsets are nested: the 1% lies
-    inside the 10%.
+    suite's). Each class's draw is one permutation whatever the fraction, so one seed's subsets are
+    nested: the 1% lies inside the 10%.
     """
     wanted = torch.unique(labels[labels >= 0]).tolist() if classes is None else sorted(set(classes))
     return draw_per_class(labels, wanted, seed, lambda n: max(1, round(fraction * n))).sort().values
@@ -484,13 +481,12 @@ def _following(advance: Callable[[int], None], curve: _Curve):
 def train_cached(
     model, protocol: TrainedProtocol, features: FeatureCache, train: Features, steps: int | None, seed: int
 ) -> dict:
-    """`train_streamed` for a frozen-backbone probe whose training transform is `eval`: its backbone
-    would see exactly the images the cache holds features of, so the heads train on those features
-    (`train`: pooled or token features and their labels or masks) instead of a forward pass per step,
-    for `steps` (None: the protocol's epochs), in an order drawn from `seed`.
-    Same optimizer, schedule, batch size and epochs (an epoch: the training images in whole batches, at
-    least one batch). Hand-written: a Lightning Trainer would add a DataLoader and device handling
-    around a few hundred steps on tensors already in memory."""
+    """`train_streamed` for a frozen-backbone probe whose training transform is `eval` (`ProbeProtocol`):
+    its heads train on the cached features `train` (pooled or token features and their labels or masks)
+    instead of a forward pass per step, for `steps` (None: the protocol's epochs), in an order drawn from
+    `seed`. Same optimizer, schedule, batch size and epochs (an epoch: the training images in whole
+    batches, at least one batch). Hand-written: a Lightning Trainer would add a DataLoader and device
+    handling around a few hundred steps on tensors already in memory."""
     start_from_scored_backbone(model, features)
     device = local_device()
     model.to(device).train()

@@ -27,11 +27,9 @@ def compare(
     differences of every other row against it. claims: `verdicts.Claim`s (checked against the rows and
     columns) to give verdicts on in verdicts.md; without them a baseline's differences are the verdicts.
     inputs: files read besides the checkpoints and the suite (the claims file), which out_dir must keep out
-    of. out_dir is checked and locked before anything is evaluated (`outdir.Output`: a non-empty one only with
-    `overwrite`, never one that is, holds or lies inside an input) and replaced whole once the numbers are
-    written, so it never mixes two comparisons; the pictures and the W&B run follow (`writer.write_report`).
-    Returns the rows written; under torchrun the runs are spread over the ranks (`evaluation.ranks`) and only
-    rank 0 writes and returns them (None on the others); every rank checks out_dir alike."""
+    of. out_dir is checked and locked before anything is evaluated, as `evaluate`'s is (`outdir.Output`),
+    and written by `writer.write_report`. Returns the rows written; under torchrun the runs are spread over
+    the ranks (`evaluation.ranks`) and only rank 0 writes and returns them (None on the others)."""
     check_inputs(checkpoints, suite)
     inputs = [*evaluation_inputs(checkpoints, suite), *inputs]
     with Output(out_dir, "compare", inputs, overwrite) as output:

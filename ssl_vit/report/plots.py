@@ -39,8 +39,7 @@ def _legend(ax) -> None:
 
 
 def _panels(n: int, figsize: tuple[float, float]) -> tuple[Figure, list]:
-    """A figure of `n` panels side by side. matplotlib's `Figure` without pyplot: no global figure
-    registry to close, and no interactive backend to choose."""
+    """A figure of `n` panels side by side: a `Figure` without pyplot, as `ssl_vit.analysis.pictures`."""
     fig = Figure(figsize=figsize)
     return fig, list(fig.subplots(1, n, squeeze=False)[0])
 

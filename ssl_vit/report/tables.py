@@ -206,8 +206,7 @@ def write_label_efficiency(rows: list[dict], suite: Suite, path: Path) -> None:
 
 
 def _details_with(records: list[dict], key: str) -> tuple[list[tuple[str, dict]], dict[str, int]]:
-    """Every column's details that hold `key`, in `records` (results.json records of one suite), and in
-    how many runs each column holds it."""
+    """Every column's details that hold `key`, in `records`, and in how many runs each column holds it."""
     found: list[tuple[str, dict]] = []
     runs: dict[str, int] = {}
     for record in records:
@@ -219,8 +218,8 @@ def _details_with(records: list[dict], key: str) -> tuple[list[tuple[str, dict]]
 
 
 def grid_edge_notes(records: list[dict]) -> list[str]:
-    """One line per trained column and grid axis whose choice ended its grid in any of `records`
-    (results.json records of one suite): how often, and what to do."""
+    """One line per trained column and grid axis whose choice ended its grid in any of `records`: how
+    often, and what to do."""
     edges: dict[tuple[str, str, str], list[float]] = {}
     chosen, runs = _details_with(records, "selection")
     for column, found in chosen:
@@ -263,8 +262,8 @@ def all_notes(records: list[dict]) -> list[str]:
 
 
 def unscored_notes(records: list[dict]) -> list[str]:
-    """One line per column that had nothing to score (null in results.json, n/a in the tables) in any of
-    `records` (results.json records of one suite): in how many runs, and why."""
+    """One line per column with nothing to score (`stats.scored`) in any of `records`: in how many runs,
+    and why."""
     found: dict[str, list[str]] = {}
     for record in records:
         for column, why in record.get("unscored", {}).items():
@@ -278,7 +277,7 @@ def unscored_notes(records: list[dict]) -> list[str]:
 
 def unlabelled_notes(records: list[dict]) -> list[str]:
     """One line per dataset and split whose images without a label (-1) the classification protocols left
-    out, in any of `records` (results.json records of one suite)."""
+    out, in any of `records`."""
     found: dict[tuple[str, str], set[int]] = {}
     for record in records:
         for dataset, counts in record.get("unlabelled", {}).items():

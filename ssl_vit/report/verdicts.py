@@ -17,9 +17,8 @@ claims:
     minus: [finetune_10pct]    # one per column: (row - against)[column] - (row - against)[minus]
 ```
 
-Each comparison (row x against x column) is read from its paired interval (`stats.contrast`): "holds
-beyond noise" when the interval lies above 0, "reversed" below 0, "within noise" when it contains 0;
-each names the feature its column rests on. The claim's own sentence counts its comparisons by verdict.
+Each comparison (row x against x column) is read from its paired interval (`stats.contrast`, `_LEGEND`)
+and names the feature its column rests on. The claim's own sentence counts its comparisons by verdict.
 Without claims, a `--baseline` gives one sentence per row: the columns where it is above, within noise
 of and below the baseline. Nothing is written by hand: the text is a function of the measured table.
 """

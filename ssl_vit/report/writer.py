@@ -7,21 +7,14 @@ Writes results.csv and results.md (one row per checkpoint, one column per protoc
 mean ± half-width of its 95% interval, the best per column marked only when it is beyond the others'
 intervals, and the pretraining cost each checkpoint recorded), with a baseline also a table of paired
 differences marked win / loss / noise, differences.png and verdicts.md (or, with claims, the verdict on
-each claim: `verdicts`), fewshot.png (accuracy against labelled
-examples per class, one line per checkpoint), bars.png (a bar chart per protocol), compute.png
-(each result against pretraining FLOPs), with label fractions in a trained protocol label_efficiency.png
-and .csv (each result against the labelled training images used, one line per checkpoint, one row per
-checkpoint and fraction), with trained protocols training_curves.png (their training losses),
-attention_distance.png and .json (the ViT paper's mean attention distance against depth, sec 4.5, one
-curve per checkpoint, as each run's record holds it: measured on its rank while its backbone was loaded,
-`ranks.ATTENTION_IMAGES` images of the first dataset's test split), each checkpoint's own results.json
-(a group's runs under NAME/1, NAME/2, ...), and an offline W&B run with the table and the pictures. A
-checkpoint that fails gets its error in its row; the others' results are never lost. The numbers are
-written beside the output directory and moved into place before the pictures and the W&B run, which
-may fail without costing them (`ssl_vit.storage.outdir`): it holds one comparison.
-
-Everything here reads the ranks' records and per-image statistics: intervals over a group's runs and
-paired differences need every rank's, and nothing here loads a checkpoint or reads a shard.
+each claim: `verdicts`), fewshot.png (accuracy against labelled examples per class, one line per
+checkpoint), bars.png (a bar chart per protocol), compute.png (each result against pretraining FLOPs),
+with label fractions in a trained protocol label_efficiency.png and .csv (each result against the
+labelled training images used, one line per checkpoint, one row per checkpoint and fraction), with
+trained protocols training_curves.png (their training losses), attention_distance.png and .json (the
+ViT paper's mean attention distance against depth, sec 4.5, one curve per checkpoint), each
+checkpoint's own results.json (a group's runs under NAME/1, NAME/2, ...), and an offline W&B run with
+the table and the pictures: the numbers first, then the rest (`write_report`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The protocol kinds, one module each: its suite keys (a pydantic dataclass) and its run. Importing this
-package registers them all (`ssl_vit.evaluation.protocol.PROTOCOLS`), in the order docs/SUITES.md lists
-them."""
+package registers them all (`ssl_vit.evaluation.protocol.PROTOCOLS`)."""
 
-# The order kinds are listed in, as `kind:`'s valid values: frozen features first.
+# The order kinds are listed in, as `kind:`'s valid values and in docs/SUITES.md: frozen features first.
 # isort: off
 from ssl_vit.evaluation.kinds.fewshot_protocol import FewShotProtocol
 from ssl_vit.evaluation.kinds.knn_protocol import KNNProtocol

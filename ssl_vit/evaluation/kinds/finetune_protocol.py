@@ -28,8 +28,7 @@ from ssl_vit.tasks import FineTune
 @register
 @dataclass(config=STRICT)
 class FineTuneProtocol(TrainedProtocol):
-    """Fine-tuning: one model per lr of `lrs` (each the whole of its training), the best on the held-out
-    images scoring the test split."""
+    """Fine-tuning: one model per lr of `lrs`, each the whole of its training."""
 
     optimizer: OptimizerName = "adamw"
     weight_decay: NonNegative = 0.05
@@ -80,6 +79,5 @@ class FineTuneProtocol(TrainedProtocol):
         best, chosen = 0, {"best_lr": self.lrs[0]}
         if plan.selection is not None:
             best, chosen = choose(self, torch.cat(selected), self.selection_metric(), self.grid_axes())
-        # only the chosen model reads the test split
         test = statistics([models[best].to(local_device())], self, features, "test", None)
         return self.test_scores(test), {**chosen, **found[best]}

@@ -43,8 +43,7 @@ def _mean_iou_of_all(means: Tensor) -> Tensor:
 @dataclass(config=STRICT)
 class LinearSegProtocol(ProbeProtocol):
     """Per-patch linear heads on the frozen `patches` (the last block's) or `lastk` (the last 4 blocks'
-    patch tokens, concatenated); columns NAME_miou and NAME_pixel_acc (per label fraction: a fraction
-    of the training images)."""
+    patch tokens, concatenated); columns `SUFFIXES` (a label fraction: of the training images)."""
 
     feature: Literal["patches", "lastk"] = "patches"
     batch_norm: bool = True

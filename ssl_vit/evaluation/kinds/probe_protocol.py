@@ -18,7 +18,6 @@ class ProbeProtocol(TrainedProtocol):
     """A grid of candidates (`lrs`, ...), one head each, on one frozen backbone."""
 
     def cached_kind(self) -> str | None:
-        """The cache's feature kind its heads train on; None when it trains on the stream."""
         return self.feature if self.augmentation == "eval" else None
 
     def scored_kind(self) -> str | None:
@@ -45,8 +44,6 @@ class ProbeProtocol(TrainedProtocol):
         else:
             train = restrict(features.get("train", kind), self.classes, plan.keys, self.TARGET == "label")
             found = train_cached(model, self, features, train, plan.steps, seed)
-        # The head is chosen on the selection images; only then is the test split read, and only the
-        # chosen head scores it.
         head = 0
         chosen = {f"best_{axis}": values[0] for axis, values in self.grid_axes().items()}
         scored = self.scored_kind()
