@@ -50,3 +50,19 @@ def test_the_harness_builds_ssl_vits_simmim_with_the_recipes_cells(monkeypatch):
     task = sslvit("simmim", recipe["settings"], **recipe["choices"]).model
     assert task.cell_size == 4 and task.mask_shape == "cells"
     assert quality.study_recipe("mae")["choices"] == {}
+
+
+def test_the_ablation_can_swap_the_target(monkeypatch):
+    """`--target pixels`: ssl-vit's MAE regressing raw pixels, as lightly's MAE does (its run and row
+    named after the target), the rest of the recipe as it is."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks/peers"))
+    import init_ablation
+    import quality
+
+    recipe = quality.study_recipe("mae")
+    raw = init_ablation.adapter("mae", recipe["choices"], "pixels")
+    assert raw.PEER == "ssl-vit-mae-pixels"
+    assert raw.build("mae", recipe["settings"]).model.target_kind == "pixels"
+    preset = init_ablation.adapter("mae", recipe["choices"])
+    assert preset.PEER == "ssl-vit-mae"
+    assert preset.build("mae", recipe["settings"]).model.target_kind == "norm_pixels"

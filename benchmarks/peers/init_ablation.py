@@ -33,9 +33,12 @@ from ssl_vit.models.init import fixed_sincos_positions, mae_init, mae_weights
 INITS = {"timm": None, "mae": mae_init, "sincos": fixed_sincos_positions, "xavier": mae_weights}
 
 
-def adapter(init: str, choices: dict) -> types.SimpleNamespace:
+def adapter(init: str, choices: dict, target: str | None = None) -> types.SimpleNamespace:
     """ssl-vit's task as a harness adapter, with the recipe's `choices` (SimMIM's cell size), its encoder
-    started by `INITS[init]` (the task's own `encoder_init` is timm's, so each part is applied alone)."""
+    started by `INITS[init]` (the task's own `encoder_init` is timm's, so each part is applied alone), and
+    `target` in place of its preset's where given."""
+    choices = {**choices, **({"target": target} if target else {})}
+    name = f"ssl-vit-{init}" + (f"-{target}" if target else "")
 
     def build(method, settings):
         impl = sslvit(method, settings, encoder_init="timm", **choices)
@@ -43,7 +46,7 @@ def adapter(init: str, choices: dict) -> types.SimpleNamespace:
             INITS[init](impl.model.backbone)
         return impl
 
-    return types.SimpleNamespace(PEER=f"ssl-vit-{init}", build=build, timm_encoder=lambda task: task.backbone)
+    return types.SimpleNamespace(PEER=name, build=build, timm_encoder=lambda task: task.backbone)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=["mae"], choices=["mae", "simmim"])
     parser.add_argument("--inits", nargs="+", default=list(INITS), choices=INITS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--target", help="in place of the preset's (e.g. MAE on raw pixels, as lightly's)")
     parser.add_argument("--steps", type=int, help="default: the study's")
     parser.add_argument("--train-urls", help="default: the study's shards (data.yaml)")
     parser.add_argument("--out", type=Path, default=Path("runs/peers/init"))
@@ -66,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         recipe = quality.study_recipe(method)
         for init in args.inits:
             for seed in args.seeds:
-                out = args.out / f"{init}_{method}_{seed}"
+                run = init + (f"_{args.target}" if args.target else "")
+                out = args.out / f"{run}_{method}_{seed}"
                 if not (out / "train.json").exists():  # a rerun keeps the runs done
                     quality.train(
-                        adapter(init, recipe["choices"]), method, recipe, seed, args.steps or recipe["steps"],
-                        args.train_urls or recipe["data"]["train_urls"], out,
+                        adapter(init, recipe["choices"], args.target), method, recipe, seed,
+                        args.steps or recipe["steps"], args.train_urls or recipe["data"]["train_urls"], out,
                     )  # fmt: skip
-                groups.setdefault(f"ssl-vit_{init}_{method}", []).append(str(out / "encoder.safetensors"))
+                groups.setdefault(f"ssl-vit_{run}_{method}", []).append(str(out / "encoder.safetensors"))
         for peer in ("lightly", "stable-pretraining"):
             trained = [args.peers_out / f"{peer}_{method}_{seed}/encoder.safetensors" for seed in args.seeds]
             if all(path.exists() for path in trained):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     suite = quick_suite(args.suite, args.out / "suite.yaml")
     command = [
         "ssl-vit", "compare", *(f"{name}={','.join(paths)}" for name, paths in groups.items()),
-        "--suite", str(suite), "--claims", str(CLAIMS), "--out", str(args.out / "compare"), "--overwrite",
+        "--suite", str(suite), "--claims", os.path.relpath(CLAIMS), "--out", str(args.out / "compare"),
+        "--overwrite",
     ]  # fmt: skip
     print(" ".join(command), flush=True)
     bin_dir = Path(sys.executable).parent  # this environment's torchrun and ssl-vit
