@@ -5,13 +5,30 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from timm.layers import build_sincos2d_pos_embed
 
+from ssl_vit.targets import TARGETS
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def init_ablation(monkeypatch):
+    """benchmarks/peers/init_ablation.py imported, and the target it registers (`seen_pixels`) taken out
+    of the registry again afterwards, so that no later test in this process lists it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks/peers"))
+    import init_ablation
+
+    yield init_ablation
+    TARGETS.pop("seen_pixels", None)
+    TARGETS.modules.pop("seen_pixels", None)
+    sys.modules.pop("init_ablation", None)
 
 
 def test_each_start_trains_and_exports_the_encoder_it_says(digits_shards, tmp_path):
@@ -52,11 +69,9 @@ def test_the_harness_builds_ssl_vits_simmim_with_the_recipes_cells(monkeypatch):
     assert quality.study_recipe("mae")["choices"] == {}
 
 
-def test_the_ablation_can_swap_the_target(monkeypatch):
+def test_the_ablation_can_swap_the_target(init_ablation):
     """`--target pixels`: ssl-vit's MAE regressing raw pixels, as lightly's MAE does (its run and row
     named after the target), the rest of the recipe as it is."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks/peers"))
-    import init_ablation
     import quality
 
     recipe = quality.study_recipe("mae")
@@ -66,3 +81,18 @@ def test_the_ablation_can_swap_the_target(monkeypatch):
     preset = init_ablation.adapter("mae", recipe["choices"])
     assert preset.PEER == "ssl-vit-mae"
     assert preset.build("mae", recipe["settings"]).model.target_kind == "norm_pixels"
+
+
+def test_seen_pixels_regresses_the_image_the_encoder_sees(init_ablation):
+    """`--target seen_pixels` (stable-pretraining's SimMIM target): the patches of the standardised input
+    itself, where `pixels` first maps RGB back to [0, 1]."""
+    import quality
+
+    from ssl_vit.targets.patches import patchify
+
+    recipe = quality.study_recipe("simmim")
+    task = init_ablation.adapter("timm", recipe["choices"], "seen_pixels").build("simmim", recipe["settings"])
+    assert task.model.target_kind == "seen_pixels"
+    images = torch.randn(2, 3, 28, 28)
+    ctx = types.SimpleNamespace(patch_size=4)
+    assert torch.equal(init_ablation.SeenPixels().make(ctx, images), patchify(images, 4))

@@ -29,8 +29,22 @@ import quality
 from common import sslvit
 
 from ssl_vit.models.init import fixed_sincos_positions, mae_init, mae_weights
+from ssl_vit.targets import register
+from ssl_vit.targets.patches import patchify
+from ssl_vit.targets.pixels_target import Pixels
 
 INITS = {"timm": None, "mae": mae_init, "sincos": fixed_sincos_positions, "xavier": mae_weights}
+
+
+@register
+class SeenPixels(Pixels):
+    """`--target seen_pixels`: each patch of the image as the encoder sees it (standardised by the data's
+    mean and std), where `pixels` regresses RGB in [0, 1]: stable-pretraining's SimMIM target."""
+
+    NAME = "seen_pixels"
+
+    def make(self, ctx, images):
+        return patchify(images, ctx.patch_size)
 
 
 def adapter(init: str, choices: dict, target: str | None = None) -> types.SimpleNamespace:
@@ -54,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=["mae"], choices=["mae", "simmim"])
     parser.add_argument("--inits", nargs="+", default=list(INITS), choices=INITS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--target", help="in place of the preset's (e.g. MAE on raw pixels, as lightly's)")
+    parser.add_argument(
+        "--target",
+        help="in place of the preset's: pixels (MAE on raw pixels, as lightly's), seen_pixels (SimMIM on "
+        "the standardised image, as stable-pretraining's)",
+    )
     parser.add_argument("--steps", type=int, help="default: the study's")
     parser.add_argument("--train-urls", help="default: the study's shards (data.yaml)")
     parser.add_argument("--out", type=Path, default=Path("runs/peers/init"))
