@@ -96,3 +96,19 @@ def test_seen_pixels_regresses_the_image_the_encoder_sees(init_ablation):
     images = torch.randn(2, 3, 28, 28)
     ctx = types.SimpleNamespace(patch_size=4)
     assert torch.equal(init_ablation.SeenPixels().make(ctx, images), patchify(images, 4))
+
+
+def test_the_ablation_can_start_simmims_head_either_way(init_ablation):
+    """`--head xavier` (ssl-vit's SimMIM until 2026-12-07; `PatchHead`'s own start, bound
+    sqrt(6 / (96 + 48)) = 0.20, zero bias) against the preset's `torch` (PyTorch's `nn.Linear` start,
+    uniform within 1/sqrt(96), as SimMIM's code and stable-pretraining's); the run named after it."""
+    import quality
+
+    recipe = quality.study_recipe("simmim")
+    xavier = init_ablation.adapter("timm", recipe["choices"], "seen_pixels", "xavier")
+    assert xavier.PEER == "ssl-vit-timm-seen_pixels-xavier-head"
+    proj = xavier.build("simmim", recipe["settings"]).model.head.proj
+    assert proj.weight.abs().max() > 0.15 and not proj.bias.any()
+    preset = init_ablation.adapter("timm", recipe["choices"]).build("simmim", recipe["settings"]).model
+    assert preset.hparams.head_init == "torch"
+    assert preset.head.proj.weight.abs().max() <= 96**-0.5 and preset.head.proj.bias.abs().max() > 0

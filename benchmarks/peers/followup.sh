@@ -1,22 +1,39 @@
 #!/usr/bin/env bash
 # The follow-up of the quality comparison's reversed columns (RESULTS.md, "Following up the reversed
-# columns"), from the repository root after `make peers`, once the extra runs exist:
+# columns"), from the repository root after `make peers` (seeds 0 and 1), once these extra runs exist
+# (each python the one of .venv-peers):
 #   python benchmarks/peers/init_ablation.py --methods mae --inits mae --target pixels --seeds 0 1 \
 #       --no-compare --out runs/peers/target
+#   python benchmarks/peers/init_ablation.py --methods mae --inits mae --target seen_pixels \
+#       --seeds 0 1 2 --no-compare --out runs/peers/target
 #   python benchmarks/peers/init_ablation.py --methods simmim --inits timm --target seen_pixels \
 #       --seeds 0 1 2 --no-compare --out runs/peers/target
-#   make study-pretrain STUDY_METHODS=simmim STUDY_SEEDS=2
-#   python benchmarks/peers/quality.py --peers adapter_stable_pretraining --methods simmim --seeds 2 --no-compare
-# (each python the one of .venv-peers, with OMP_NUM_THREADS=1). Then this: `ssl-vit compare` of them on
-# 2 ranks, verdicts on followup_claims.yaml, into runs/peers/followup.
+#   python benchmarks/peers/init_ablation.py --methods simmim --inits timm --target seen_pixels \
+#       --head torch --seeds 0 1 2 --no-compare --out runs/peers/head
+#   make study-pretrain STUDY_METHODS="mae simmim" STUDY_SEEDS=2
+#   python benchmarks/peers/quality.py --peers adapter_lightly --methods mae --seeds 2 3 4 5 --no-compare
+#   python benchmarks/peers/quality.py --peers adapter_stable_pretraining --methods simmim \
+#       --seeds 2 3 4 5 --no-compare
+# Then this: `ssl-vit compare` of them on 2 ranks, verdicts on followup_claims.yaml, into
+# runs/peers/followup. Seeds 3 to 5 of each peer are a second set of runs of the same implementation:
+# what the verdicts make of two sets of seeds of one thing.
 set -e
 B=.venv-peers/bin
-S=runs/study; Q=runs/peers/quality; T=runs/peers/target
+S=runs/study; Q=runs/peers/quality; T=runs/peers/target; H=runs/peers/head
+runs() {  # runs NAME DIR PATTERN SEED... -> NAME=DIR/PATTERN(seed),... (PATTERN's % is the seed)
+  local name=$1 dir=$2 pattern=$3 out=""; shift 3
+  for seed in "$@"; do out+="${out:+,}$dir/${pattern//%/$seed}"; done
+  echo "$name=$out"
+}
 OMP_NUM_THREADS=1 $B/torchrun --nproc-per-node 2 --no-python $B/ssl-vit compare \
-  mae=$S/mae_0/checkpoints/last.ckpt,$S/mae_1/checkpoints/last.ckpt \
-  ssl-vit_mae_pixels_mae=$T/mae_pixels_mae_0/encoder.safetensors,$T/mae_pixels_mae_1/encoder.safetensors \
-  lightly_mae=$Q/lightly_mae_0/encoder.safetensors,$Q/lightly_mae_1/encoder.safetensors \
-  simmim=$S/simmim_0/checkpoints/last.ckpt,$S/simmim_1/checkpoints/last.ckpt,$S/simmim_2/checkpoints/last.ckpt \
-  stable-pretraining_simmim=$Q/stable-pretraining_simmim_0/encoder.safetensors,$Q/stable-pretraining_simmim_1/encoder.safetensors,$Q/stable-pretraining_simmim_2/encoder.safetensors \
-  ssl-vit_timm_seen_pixels_simmim=$T/timm_seen_pixels_simmim_0/encoder.safetensors,$T/timm_seen_pixels_simmim_1/encoder.safetensors,$T/timm_seen_pixels_simmim_2/encoder.safetensors \
+  "$(runs mae $S mae_%/checkpoints/last.ckpt 0 1 2)" \
+  "$(runs ssl-vit_mae_pixels_mae $T mae_pixels_mae_%/encoder.safetensors 0 1)" \
+  "$(runs ssl-vit_mae_seen_pixels_mae $T mae_seen_pixels_mae_%/encoder.safetensors 0 1 2)" \
+  "$(runs lightly_mae $Q lightly_mae_%/encoder.safetensors 0 1 2)" \
+  "$(runs lightly_mae_again $Q lightly_mae_%/encoder.safetensors 3 4 5)" \
+  "$(runs simmim $S simmim_%/checkpoints/last.ckpt 0 1 2)" \
+  "$(runs ssl-vit_timm_seen_pixels_simmim $T timm_seen_pixels_simmim_%/encoder.safetensors 0 1 2)" \
+  "$(runs ssl-vit_timm_seen_pixels_torch_head_simmim $H timm_seen_pixels_torch_head_simmim_%/encoder.safetensors 0 1 2)" \
+  "$(runs stable-pretraining_simmim $Q stable-pretraining_simmim_%/encoder.safetensors 0 1 2)" \
+  "$(runs stable-pretraining_simmim_again $Q stable-pretraining_simmim_%/encoder.safetensors 3 4 5)" \
   --suite $Q/suite.yaml --claims benchmarks/peers/followup_claims.yaml --out runs/peers/followup --overwrite

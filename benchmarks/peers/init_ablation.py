@@ -11,6 +11,12 @@ trained in (`quality.train`: the same stream, optimizer and schedule; with timm'
 - `sincos`: timm's weights with MAE's fixed sin-cos position embeddings only;
 - `xavier`: MAE's weights with timm's learned position embeddings only.
 
+`--target` swaps the preset's target for a peer's (`pixels`: lightly's MAE regresses raw pixels;
+`seen_pixels`, registered here: the standardised image, as lightly's MAE and stable-pretraining's
+SimMIM see it), and `--head` the linear head's start (`head_init`: `xavier`, or `torch` as PyTorch
+starts an `nn.Linear`: SimMIM's preset, as SimMIM's code and stable-pretraining's). With the peer's
+target, ssl-vit's task computes the peer's loss and gradients from the same weights (equivalence.py).
+
 Then `ssl-vit compare` of them beside each peer's encoders of the same method and seeds where
 quality.py has trained them (`--peers-out`), on the study's suite without fine-tuning, into
 OUT/compare_METHODS.
@@ -47,12 +53,14 @@ class SeenPixels(Pixels):
         return patchify(images, ctx.patch_size)
 
 
-def adapter(init: str, choices: dict, target: str | None = None) -> types.SimpleNamespace:
+def adapter(
+    init: str, choices: dict, target: str | None = None, head: str | None = None
+) -> types.SimpleNamespace:
     """ssl-vit's task as a harness adapter, with the recipe's `choices` (SimMIM's cell size), its encoder
     started by `INITS[init]` (the task's own `encoder_init` is timm's, so each part is applied alone), and
-    `target` in place of its preset's where given."""
-    choices = {**choices, **({"target": target} if target else {})}
-    name = f"ssl-vit-{init}" + (f"-{target}" if target else "")
+    `target` and the head's start (`head_init`: xavier, torch) in place of its preset's where given."""
+    choices = {**choices, **({"target": target} if target else {}), **({"head_init": head} if head else {})}
+    name = "-".join(part for part in ("ssl-vit", init, target, head and f"{head}-head") if part)
 
     def build(method, settings):
         impl = sslvit(method, settings, encoder_init="timm", **choices)
@@ -73,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         help="in place of the preset's: pixels (MAE on raw pixels, as lightly's), seen_pixels (SimMIM on "
         "the standardised image, as stable-pretraining's)",
     )
+    parser.add_argument(
+        "--head",
+        choices=["xavier", "torch"],
+        help="in place of the preset's: the linear head's start (SimMIM's preset: torch, as its code)",
+    )
     parser.add_argument("--steps", type=int, help="default: the study's")
     parser.add_argument("--train-urls", help="default: the study's shards (data.yaml)")
     parser.add_argument("--out", type=Path, default=Path("runs/peers/init"))
@@ -84,15 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2, help="processes of the comparison (torchrun)")
     args = parser.parse_args(argv)
     groups: dict[str, list[str]] = {}
+    head = args.head and f"{args.head}_head"
     for method in args.methods:
         recipe = quality.study_recipe(method)
         for init in args.inits:
             for seed in args.seeds:
-                run = init + (f"_{args.target}" if args.target else "")
+                run = "_".join(part for part in (init, args.target, head) if part)
                 out = args.out / f"{run}_{method}_{seed}"
                 if not (out / "train.json").exists():  # a rerun keeps the runs done
                     quality.train(
-                        adapter(init, recipe["choices"], args.target), method, recipe, seed,
+                        adapter(init, recipe["choices"], args.target, args.head), method, recipe, seed,
                         args.steps or recipe["steps"], args.train_urls or recipe["data"]["train_urls"], out,
                     )  # fmt: skip
                 groups.setdefault(f"ssl-vit_{run}_{method}", []).append(str(out / "encoder.safetensors"))

@@ -31,14 +31,18 @@ def zero_linear(in_features: int, out_features: int, bias_init: float = 0.0) -> 
 class PatchHead(nn.Module):
     """One linear map per patch token to `out_shape` values: the per-patch classifier of masked patch
     prediction (512 mean-colour classes, or 16 x 512 for the 4x4-downsized target) or the pixel head of
-    SimMIM (p*p*3 values; SimMIM's 1x1 conv + pixel shuffle is the same map)."""
+    SimMIM (p*p*3 values; SimMIM's 1x1 conv + pixel shuffle is the same map).
 
-    def __init__(self, dim: int, out_shape: tuple[int, ...]) -> None:
+    `init`: `xavier` (xavier-uniform weights, zero bias) or `torch` (PyTorch's own start of a linear
+    layer, as SimMIM's code leaves its 1x1 convolution: weights and bias uniform within 1/sqrt(D))."""
+
+    def __init__(self, dim: int, out_shape: tuple[int, ...], init: str = "xavier") -> None:
         super().__init__()
         self.out_shape = tuple(out_shape)
         self.proj = nn.Linear(dim, math.prod(self.out_shape))
-        nn.init.xavier_uniform_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
+        if init == "xavier":
+            nn.init.xavier_uniform_(self.proj.weight)
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, patches: Tensor) -> Tensor:
         """patches: (B, N, D) -> (B, N, *out_shape)."""

@@ -38,6 +38,7 @@ TargetName = TARGETS.choice("TargetName")
 MaskShape = Literal["random", "block", "cells", "jepa"]
 PixelLoss = Literal["mse", "l1", "smooth_l1"]
 EncoderInit = Literal["timm", "mae"]
+HeadInit = Literal["xavier", "torch"]
 
 # Choices left unset by the arguments and the preset.
 DEFAULTS: dict = dict(
@@ -50,6 +51,7 @@ DEFAULTS: dict = dict(
     ema_momentum_end=1.0,
     ema_schedule="cosine",
     encoder_init="timm",
+    head_init="xavier",
 )
 PIXEL_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss}
 
@@ -87,6 +89,9 @@ class MaskedPatchPretraining(BackboneTask):
             embeddings) or `mae` (MAE's: xavier-uniform linears, fixed 2-D sin-cos position embeddings
             that are not trained; `ssl_vit.models.init`). From a checkpoint (`training.init_from`) the encoder
             starts from its weights either way; `mae` still keeps the position embeddings fixed.
+        head_init: how the linear head of `bert` and `mask_token` starts (`PatchHead`): `xavier`
+            (xavier-uniform, zero bias) or `torch` (PyTorch's start of a linear layer, as SimMIM's code
+            leaves its 1x1 convolution: the `simmim` preset's choice).
         decoder_dim, decoder_depth, decoder_heads: the MAE decoder (`drop` only), I-JEPA's predictor.
         teacher_features: what the teacher gives (`ssl_vit.targets.teacher_target.teacher_targets`):
             `final_norm` (I-JEPA) or `top_k_mean` of its top `teacher_top_k` blocks (data2vec).
@@ -114,6 +119,7 @@ class MaskedPatchPretraining(BackboneTask):
         cell_size: int = 32,
         pixel_loss: PixelLoss | None = None,
         encoder_init: EncoderInit | None = None,
+        head_init: HeadInit | None = None,
         decoder_dim: int = 512,
         decoder_depth: int = 8,
         decoder_heads: int = 16,
@@ -132,7 +138,7 @@ class MaskedPatchPretraining(BackboneTask):
             preset, corruption, target, mask_ratio, mask_shape, pixel_loss,
             teacher_features=teacher_features, teacher_top_k=teacher_top_k, views=views,
             ema_momentum=ema_momentum, ema_momentum_end=ema_momentum_end, ema_schedule=ema_schedule,
-            encoder_init=encoder_init,
+            encoder_init=encoder_init, head_init=head_init,
         )  # fmt: skip
         check_target_bands(choices["target"], preset, backbone.in_chans)
         super().__init__(
@@ -180,7 +186,7 @@ class MaskedPatchPretraining(BackboneTask):
             )
             load_mae_decoder(self.decoder, training.init_from)  # an MAE checkpoint's decoder continues too
         else:
-            self.head = PatchHead(width, tuple(self.target_shape))
+            self.head = PatchHead(width, tuple(self.target_shape), choices["head_init"])
             self.mask_embedding = nn.Parameter(torch.zeros(width))
             nn.init.normal_(self.mask_embedding, std=0.02)
         self.views = choices["views"]
@@ -414,7 +420,8 @@ def check_display_bands(display_bands: tuple[int, ...] | None, bands: int) -> tu
 
 def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_loss, **others) -> dict:
     """Fill unset choices from the preset (then `DEFAULTS`) and check they form a method; `others`: the
-    EMA teacher's choices (`teacher_features`, `teacher_top_k`, `views`, `ema_*`) and `encoder_init`."""
+    EMA teacher's choices (`teacher_features`, `teacher_top_k`, `views`, `ema_*`), `encoder_init` and
+    `head_init`."""
     given = dict(
         corruption=corruption,
         target=target,
@@ -435,6 +442,7 @@ def resolve_choices(preset, corruption, target, mask_ratio, mask_shape, pixel_lo
     valid = {"corruption": Corruption.__args__, "target": tuple(TARGETS), "mask_shape": MaskShape.__args__}
     valid.update(pixel_loss=PixelLoss.__args__, teacher_features=TeacherFeatures.__args__)
     valid.update(ema_schedule=MomentumSchedule.__args__, encoder_init=EncoderInit.__args__)
+    valid.update(head_init=HeadInit.__args__)
     for key, names in valid.items():
         if choices[key] not in names:
             by = f"set by preset {preset!r}" if given[key] is None and key in chosen else "or set a preset"
