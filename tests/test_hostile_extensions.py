@@ -114,12 +114,16 @@ def test_a_plugin_preset_of_a_target_never_registered_names_the_preset(digits_sh
     assert not run.exists()
 
 
-def test_an_encoder_init_that_is_none_of_the_choices_is_one_line(digits_shards, tmp_path):
+@pytest.mark.parametrize(
+    "choice, value, valid",
+    [("encoder_init", "jax", ("timm", "mae")), ("head_init", "zeros", ("xavier", "torch"))],
+)
+def test_a_start_that_is_none_of_the_choices_is_one_line(digits_shards, tmp_path, choice, value, valid):
     run = tmp_path / "run"
-    args = one_step_fit_args(digits_shards, run, "--model.init_args.encoder_init", "jax", config="mae")
+    args = one_step_fit_args(digits_shards, run, f"--model.init_args.{choice}", value, config="mae")
     proc = run_cli(*args, cwd=tmp_path, check=False)
-    error_line(proc, "encoder_init", "'jax'")
-    assert "timm" in proc.stderr and "mae" in proc.stderr and not run.exists()
+    error_line(proc, choice, repr(value))
+    assert all(name in proc.stderr for name in valid) and not run.exists()
 
 
 # --- a plugin target's shapes ---------------------------------------------------------------------------

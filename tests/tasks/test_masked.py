@@ -214,3 +214,17 @@ def test_an_mae_run_begun_with_learned_position_embeddings_resumes_as_it_began(d
     again.fit(resumed, datamodule=DigitBatches(digits_batch, steps=2), ckpt_path=saved)
     assert again.global_step == 4 and resumed.backbone.pos_embed.requires_grad
     assert not torch.equal(resumed.backbone.pos_embed, checkpoint["state_dict"]["backbone.pos_embed"])
+
+
+def test_simmims_head_starts_as_simmims_code_leaves_it_and_the_others_xavier():
+    """`head_init`: the `simmim` preset's `torch` (PyTorch's start of a linear layer, as SimMIM's 1x1
+    convolution: weights within 1/sqrt(D), a nonzero bias), `xavier` elsewhere (a zero bias, weights
+    up to sqrt(6 / (D + out))); an explicit choice overrides the preset's."""
+    torch.manual_seed(0)
+    simmim, mpp = task(preset="simmim"), task(preset="vit_mpp")
+    width = simmim.backbone.embed_dim
+    assert simmim.hparams["head_init"] == "torch" and mpp.hparams["head_init"] == "xavier"
+    assert simmim.head.proj.weight.abs().max() <= width**-0.5 and simmim.head.proj.bias.abs().max() > 0
+    assert not mpp.head.proj.bias.any()
+    override = task(preset="simmim", head_init="xavier")
+    assert override.hparams["head_init"] == "xavier" and not override.head.proj.bias.any()
