@@ -1,5 +1,6 @@
 """Heads: zero-initialised classifier, per-patch heads, MAE's decoder."""
 
+import pytest
 import torch
 
 from ssl_vit import build_vit
@@ -64,3 +65,8 @@ def test_mae_gradients_reach_encoder_decoder_and_mask_token():
     assert decoder.mask_token.grad.abs().sum() > 0
     assert vit.patch_embed.proj.weight.grad.abs().sum() > 0
     assert all(torch.isfinite(p.grad).all() for p in decoder.parameters())
+
+
+def test_a_patch_heads_start_is_xavier_or_torch():
+    with pytest.raises(ValueError, match="head init 'zeros': give xavier or torch"):
+        PatchHead(32, (48,), "zeros")

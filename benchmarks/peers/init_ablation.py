@@ -38,6 +38,7 @@ from ssl_vit.models.init import fixed_sincos_positions, mae_init, mae_weights
 from ssl_vit.targets import register
 from ssl_vit.targets.patches import patchify
 from ssl_vit.targets.pixels_target import Pixels
+from ssl_vit.tasks.masked import HeadInit
 
 INITS = {"timm": None, "mae": mae_init, "sincos": fixed_sincos_positions, "xavier": mae_weights}
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--head",
-        choices=["xavier", "torch"],
+        choices=HeadInit.__args__,
         help="in place of the preset's: the linear head's start (SimMIM's preset: torch, as its code)",
     )
     parser.add_argument("--steps", type=int, help="default: the study's")

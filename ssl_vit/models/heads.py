@@ -40,7 +40,9 @@ class PatchHead(nn.Module):
         super().__init__()
         self.out_shape = tuple(out_shape)
         self.proj = nn.Linear(dim, math.prod(self.out_shape))
-        if init == "xavier":
+        if init not in ("xavier", "torch"):
+            raise BadValue(f"head init {init!r}: give xavier or torch")
+        if init == "xavier":  # "torch" keeps the start nn.Linear gave it
             nn.init.xavier_uniform_(self.proj.weight)
             nn.init.zeros_(self.proj.bias)
 
