@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -13,21 +12,16 @@ import torch
 from safetensors.torch import load_file
 from timm.layers import build_sincos2d_pos_embed
 
-from ssl_vit.targets import TARGETS
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def init_ablation(monkeypatch):
-    """benchmarks/peers/init_ablation.py imported, and the target it registers (`seen_pixels`) taken out
-    of the registry again afterwards, so that no later test in this process lists it."""
+    """benchmarks/peers/init_ablation.py imported, and forgotten again afterwards."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks/peers"))
     import init_ablation
 
     yield init_ablation
-    TARGETS.pop("seen_pixels", None)
-    TARGETS.modules.pop("seen_pixels", None)
     sys.modules.pop("init_ablation", None)
 
 
@@ -83,19 +77,21 @@ def test_the_ablation_can_swap_the_target(init_ablation):
     assert preset.build("mae", recipe["settings"]).model.target_kind == "norm_pixels"
 
 
-def test_seen_pixels_regresses_the_image_the_encoder_sees(init_ablation):
-    """`--target seen_pixels` (stable-pretraining's SimMIM target): the patches of the standardised input
-    itself, where `pixels` first maps RGB back to [0, 1]."""
+def test_the_ablation_regresses_the_seen_image_as_the_simmim_preset_does(init_ablation):
+    """`--target seen_pixels` is the package's target (the `simmim` preset's), not one of the harness's:
+    the ablation of a MAE on it and the preset's SimMIM predict the same patches of the standardised
+    input."""
     import quality
 
-    from ssl_vit.targets.patches import patchify
-
-    recipe = quality.study_recipe("simmim")
-    task = init_ablation.adapter("timm", recipe["choices"], "seen_pixels").build("simmim", recipe["settings"])
-    assert task.model.target_kind == "seen_pixels"
+    recipe = quality.study_recipe("mae")
+    seen = (
+        init_ablation.adapter("mae", recipe["choices"], "seen_pixels").build("mae", recipe["settings"]).model
+    )
+    simmim = quality.study_recipe("simmim")
+    preset = init_ablation.adapter("timm", simmim["choices"]).build("simmim", simmim["settings"]).model
+    assert seen.target_kind == preset.target_kind == "seen_pixels"
     images = torch.randn(2, 3, 28, 28)
-    ctx = types.SimpleNamespace(patch_size=4)
-    assert torch.equal(init_ablation.SeenPixels().make(ctx, images), patchify(images, 4))
+    assert torch.equal(seen.target.make(seen.context, images), preset.target.make(preset.context, images))
 
 
 def test_the_ablation_can_start_simmims_head_either_way(init_ablation):

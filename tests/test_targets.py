@@ -11,6 +11,7 @@ import skimage.feature
 import torch
 
 from ssl_vit.errors import BadValue
+from ssl_vit.targets import TARGETS, TargetContext
 from ssl_vit.targets.color3bit_4x4_target import mean_color_3bit_4x4
 from ssl_vit.targets.color3bit_target import decode_mean_color_3bit, mean_color_3bit
 from ssl_vit.targets.hog_target import hog
@@ -93,6 +94,27 @@ def test_pixel_targets_raw_and_normalised():
     target = pixel_targets(images, 4, normalize=True)
     assert torch.allclose(target.mean(dim=-1), torch.zeros(2, 4), atol=1e-4)
     assert torch.allclose(target.var(dim=-1), torch.ones(2, 4), atol=1e-4)
+
+
+def test_seen_pixels_are_the_standardised_input_where_pixels_are_rgb():
+    """`seen_pixels` (SimMIM's code: L1 on its normalised input) regresses the patches of the model input
+    as it is; `pixels` of RGB maps it back to [0, 1] first, so the two differ by the data's mean and std
+    per band. Other band counts are standardised bands for both: the same target."""
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    rgb = torch.rand(2, 3, 8, 8)
+    images = (rgb - mean.view(3, 1, 1)) / std.view(3, 1, 1)
+
+    def context(bands, pixels):
+        return TargetContext(4, (2, 2), bands, 8, (0, 1, 2), pixels)
+
+    ctx = context(3, lambda x: x * std.view(1, 3, 1, 1) + mean.view(1, 3, 1, 1))
+    seen, raw = TARGETS["seen_pixels"](), TARGETS["pixels"]()
+    assert seen.shape(ctx) == raw.shape(ctx) == (4 * 4 * 3,)
+    assert torch.equal(seen.make(ctx, images), patchify(images, 4))
+    by_band = (raw.make(ctx, images).unflatten(-1, (16, 3)) - mean) / std  # (row, column, band) order
+    assert torch.allclose(seen.make(ctx, images), by_band.flatten(-2), atol=1e-5)
+    bands = torch.randn(2, 5, 8, 8)
+    assert torch.equal(seen.make(context(5, lambda x: x), bands), raw.make(context(5, lambda x: x), bands))
 
 
 def test_rgb_normalised_pixels_are_mae_norm_pix_loss_bit_for_bit():

@@ -81,6 +81,8 @@ def rgb_picture_before_bands(task, images, out, count=8):
         if task.target_kind == "norm_pixels":
             true = torch.gather(patches, 1, token_index(idx, patches))
             pred = pred * (true.var(-1, keepdim=True) + 1e-6).sqrt() + true.mean(-1, keepdim=True)
+        if task.target_kind == "seen_pixels":  # standardised values, in MAE's (row, column, band) order
+            pred = (pred.unflatten(-1, (-1, 3)) * task.std.view(3) + task.mean.view(3)).flatten(-2)
         masked = patches.scatter(1, token_index(idx, patches), 0.5)
         if task.target_kind == "hog":
             agreement = torch.nn.functional.cosine_similarity(pred, out.target[:count].float(), dim=-1).clamp(
@@ -92,10 +94,25 @@ def rgb_picture_before_bands(task, images, out, count=8):
     return make_grid(torch.cat(rows), nrow=pixels.shape[0], padding=1, pad_value=1.0)
 
 
-@pytest.mark.parametrize("preset", ["mae", "simmim", "maskfeat", "vit_mpp"])
-def test_rgb_pictures_are_as_before_bit_for_bit(preset, digits_batch):
-    model, images, out, picture = _picture(preset, digits_batch)
+@pytest.mark.parametrize(
+    "preset, target",
+    [("mae", None), ("simmim", None), ("simmim", "pixels"), ("maskfeat", None), ("vit_mpp", None)],
+)
+def test_rgb_pictures_are_as_before_bit_for_bit(preset, target, digits_batch):
+    model, images, out, picture = _picture(preset, digits_batch, **({"target": target} if target else {}))
     assert torch.equal(picture, rgb_picture_before_bands(model, images, out))
+
+
+@pytest.mark.parametrize("target", ["pixels", "norm_pixels", "seen_pixels"])
+def test_a_perfect_pixel_prediction_pictures_the_input_again(target, digits_batch):
+    """Each pixel target's picture maps its prediction back to the input's RGB (`seen_pixels`: the
+    standardisation undone): the true targets as the prediction redraw the input row."""
+    model, images, out, _ = _picture("simmim", digits_batch, target=target)
+    perfect = out._replace(pred=out.target)
+    picture = masked_prediction_picture(model.target, model.context, images, perfect)
+    rows = [picture[:, 1 + 33 * row : 33 * (row + 1)] for row in range(3)]  # 32-pixel rows, 1 of padding
+    assert torch.allclose(rows[2], rows[0], atol=1e-5)
+    assert not torch.allclose(rows[1], rows[0], atol=1e-2)  # the masked row differs
 
 
 def test_five_band_pictures_are_false_colour_of_the_display_bands(digits_batch):

@@ -5,8 +5,9 @@ and given the same images and the same mask, their losses and gradients are comp
 
 - MAE against lightly's: ssl-vit's task with MAE's encoder start (`encoder_init: mae`, as lightly's
   masked ViT starts the ViT it wraps) on lightly's target (the patches of the image as the model sees
-  it, `--target seen_pixels` of init_ablation.py);
-- SimMIM against stable-pretraining's: ssl-vit's task on stable-pretraining's target (the same).
+  it, `target: seen_pixels`);
+- SimMIM against stable-pretraining's: ssl-vit's task as its `simmim` preset makes it (the same target,
+  its head as PyTorch starts a linear layer).
 
 The weights are ssl-vit's, copied into the peer's model under its names. Two layouts differ by a fixed
 permutation, which is copied across: the decoder's sin-cos position embeddings (lightly puts (sin x, cos
@@ -24,7 +25,6 @@ from unittest import mock
 
 import adapter_lightly
 import adapter_stable_pretraining
-import init_ablation  # noqa: F401  (registers the `seen_pixels` target)
 import torch
 from common import Settings, sslvit
 from torch import nn

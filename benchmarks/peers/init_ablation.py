@@ -12,8 +12,8 @@ trained in (`quality.train`: the same stream, optimizer and schedule; with timm'
 - `xavier`: MAE's weights with timm's learned position embeddings only.
 
 `--target` swaps the preset's target for a peer's (`pixels`: lightly's MAE regresses raw pixels;
-`seen_pixels`, registered here: the standardised image, as lightly's MAE and stable-pretraining's
-SimMIM see it), and `--head` the linear head's start (`head_init`: `xavier`, or `torch` as PyTorch
+`seen_pixels`: the standardised image, as lightly's MAE and stable-pretraining's SimMIM regress it,
+the `simmim` preset's own), and `--head` the linear head's start (`head_init`: `xavier`, or `torch` as PyTorch
 starts an `nn.Linear`: SimMIM's preset, as SimMIM's code and stable-pretraining's). With the peer's
 target, ssl-vit's task computes the peer's loss and gradients from the same weights (equivalence.py).
 
@@ -35,23 +35,9 @@ import quality
 from common import sslvit
 
 from ssl_vit.models.init import fixed_sincos_positions, mae_init, mae_weights
-from ssl_vit.targets import register
-from ssl_vit.targets.patches import patchify
-from ssl_vit.targets.pixels_target import Pixels
 from ssl_vit.tasks.masked import HeadInit
 
 INITS = {"timm": None, "mae": mae_init, "sincos": fixed_sincos_positions, "xavier": mae_weights}
-
-
-@register
-class SeenPixels(Pixels):
-    """`--target seen_pixels`: each patch of the image as the encoder sees it (standardised by the data's
-    mean and std), where `pixels` regresses RGB in [0, 1]: stable-pretraining's SimMIM target."""
-
-    NAME = "seen_pixels"
-
-    def make(self, ctx, images):
-        return patchify(images, ctx.patch_size)
 
 
 def adapter(
@@ -79,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument(
         "--target",
-        help="in place of the preset's: pixels (MAE on raw pixels, as lightly's), seen_pixels (SimMIM on "
-        "the standardised image, as stable-pretraining's)",
+        help="in place of the preset's: pixels (MAE on raw pixels in [0, 1]), seen_pixels (the standardised "
+        "image, as lightly's MAE and the simmim preset)",
     )
     parser.add_argument(
         "--head",

@@ -1,5 +1,6 @@
-"""`target: pixels`: each patch's raw pixels, p x p x C values (SimMIM): RGB in [0, 1], other band counts
-as the standardised bands the model sees. The picture pastes the predicted patches into the input."""
+"""`target: pixels`: each patch's raw pixels, p x p x C values: RGB in [0, 1], other band counts as the
+standardised bands the model sees (`seen_pixels`: RGB standardised too, as SimMIM's code). The picture
+pastes the predicted patches into the input."""
 
 from __future__ import annotations
 

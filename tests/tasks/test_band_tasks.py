@@ -107,7 +107,7 @@ def test_colour_targets_on_five_bands_are_one_line_naming_what_works(preset, tar
     given = "preset 'vit_mpp''s target 'color3bit'" if preset else "target 'color3bit_4x4'"
     assert str(error.value) == (
         f"{given} quantises the mean colour of 3 RGB bands, and the data has 5: use target pixels, "
-        "norm_pixels, hog, teacher (presets mae, simmim, maskfeat, ijepa, data2vec2)"
+        "norm_pixels, seen_pixels, hog, teacher (presets mae, simmim, maskfeat, ijepa, data2vec2)"
     )
 
 
@@ -187,7 +187,7 @@ def test_mpp_on_five_bands_is_one_line_through_the_cli(band_shards, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "ssl-vit: error: preset 'vit_mpp''s target 'color3bit' quantises the mean colour of 3 RGB bands, and "
-        "the data has 5: use target pixels, norm_pixels, hog, teacher (presets mae, simmim, maskfeat, ijepa, "
-        "data2vec2)"
+        "the data has 5: use target pixels, norm_pixels, seen_pixels, hog, teacher (presets mae, simmim, "
+        "maskfeat, ijepa, data2vec2)"
     ]
     assert not (tmp_path / "run").exists()

@@ -25,7 +25,8 @@ def task(**kwargs):
     "corruption, target",
     list(
         itertools.product(
-            ["bert", "drop", "mask_token"], ["color3bit", "color3bit_4x4", "pixels", "norm_pixels"]
+            ["bert", "drop", "mask_token"],
+            ["color3bit", "color3bit_4x4", "pixels", "norm_pixels", "seen_pixels"],
         )
     ),
 )
@@ -87,12 +88,9 @@ def test_presets_fill_choices_and_arguments_override_them():
         "mse",
     )
     simmim = task(preset="simmim", mask_ratio=0.5)
-    assert (simmim.corruption, simmim.mask_shape, simmim.mask_ratio, simmim.pixel_loss) == (
-        "mask_token",
-        "cells",
-        0.5,
-        "l1",
-    )
+    chosen = (simmim.corruption, simmim.target_kind, simmim.mask_shape, simmim.mask_ratio, simmim.pixel_loss)
+    assert chosen == ("mask_token", "seen_pixels", "cells", 0.5, "l1")
+    assert task(preset="simmim", target="pixels").target_kind == "pixels"
     assert task(preset="vit_mpp").hparams["target"] == "color3bit"
 
 
