@@ -108,3 +108,19 @@ def test_the_ablation_can_start_simmims_head_either_way(init_ablation):
     preset = init_ablation.adapter("timm", recipe["choices"]).build("simmim", recipe["settings"]).model
     assert preset.hparams.head_init == "torch"
     assert preset.head.proj.weight.abs().max() <= 96**-0.5 and preset.head.proj.bias.abs().max() > 0
+
+
+def test_a_comparison_of_some_peers_keeps_the_claims_of_its_rows(monkeypatch, tmp_path):
+    """quality.py with `--peers adapter_stable_pretraining --methods simmim` compares two rows: the claims
+    it gives `ssl-vit compare` are those two rows' only (the others name rows not compared, which
+    `compare` refuses)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks/peers"))
+    import quality
+    import yaml
+
+    groups = {"simmim": ["a"], "stable-pretraining_simmim": ["b"]}
+    written = yaml.safe_load(quality.claims_of(groups, tmp_path / "claims.yaml").read_text())
+    assert [(c["rows"], c["against"]) for c in written["claims"]] == [("simmim", "stable-pretraining_simmim")]
+    every = {name: ["x"] for name in ("mae", "simmim", "lightly_mae", "stable-pretraining_mae")}
+    every.update(lightly_simmim=["y"], **groups)
+    assert len(yaml.safe_load(quality.claims_of(every, tmp_path / "all.yaml").read_text())["claims"]) == 4

@@ -139,3 +139,23 @@ def test_a_killed_teacher_preset_resumes_with_its_teacher_and_the_same_losses(di
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 5, 6]
     for r in steps:
         assert abs(r["loss"] - expected[r["step"]]) < 1e-6, (r["step"], r["loss"], expected[r["step"]])
+
+
+def test_a_simmim_run_begun_on_rgb_pixels_resumes_on_them(digits_shards, tmp_path):
+    """The `simmim` preset's target became `seen_pixels` (the standardised input); a run begun when it was
+    `pixels` (RGB in [0, 1]) recorded the target it resolved, and resumes on it under today's preset: a
+    run never changes its loss half way."""
+    from cli_helpers import one_step_fit_args
+
+    run = tmp_path / "run"
+    simmim = ("--model.init_args.preset", "simmim", "--model.init_args.cell_size", "4")
+    begun = one_step_fit_args(digits_shards, run, *simmim, "--model.init_args.target", "pixels", config="mae")
+    run_cli(*begun)
+    resumed = one_step_fit_args(digits_shards, run, *simmim, config="mae")
+    run_cli(*resumed, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    last = torch.load(run / "checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 2 and last["hyper_parameters"]["target"] == "pixels"
+    fresh = tmp_path / "fresh"
+    run_cli(*one_step_fit_args(digits_shards, fresh, *simmim, config="mae"))
+    fresh = torch.load(fresh / "checkpoints/last.ckpt", map_location="cpu", weights_only=False)
+    assert fresh["hyper_parameters"]["target"] == "seen_pixels"

@@ -1,6 +1,6 @@
 """Each peer's MAE and SimMIM trained at the study's budget on the study's stream, their encoders
 exported, and all of them evaluated beside ssl-vit's own runs of the same recipes (`make study`) with
-`ssl-vit compare`, its verdicts read on benchmarks/peers/claims.yaml.
+`ssl-vit compare`, its verdicts read on benchmarks/peers/claims.yaml (those of the rows compared).
 
     python benchmarks/peers/quality.py --methods mae simmim --seeds 0 1 --out runs/peers/quality
 
@@ -14,15 +14,15 @@ its adapter (lightly's MAE regresses raw pixels, not per-patch normalised ones).
 Each run writes OUT/PEER_METHOD_SEED/encoder.safetensors (timm's names, ssl-vit's backbone config in the
 metadata) and its loss every 50 steps. Then `ssl-vit compare` runs on the study's suite without its
 fine-tune protocol (the slowest; OUT/suite.yaml), ssl-vit's rows from `--study` (run by `make study`
-first), into OUT/compare, and its results and verdicts are appended to `--results`. `--steps`,
-`--train-urls`, `--suite` and `--no-compare` make a smoke run quick.
+first), into OUT/compare (or `--compare-out`), and its results and verdicts are appended to
+`--results`. `--steps`, `--train-urls`, `--suite` and `--no-compare` make a smoke run quick; a run of
+some `--peers` or seeds reuses the runs OUT holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -122,6 +122,15 @@ def quick_suite(suite: Path, out: Path) -> Path:
     return out
 
 
+def claims_of(groups: dict[str, list[str]], out: Path) -> Path:
+    """claims.yaml less the claims that name a row not compared (a run of some peers or methods only),
+    written to `out`."""
+    loaded = yaml.safe_load(CLAIMS.read_text())
+    loaded["claims"] = [c for c in loaded["claims"] if c["rows"] in groups and c["against"] in groups]
+    out.write_text(yaml.safe_dump(loaded, sort_keys=False))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["mae", "simmim"], choices=["mae", "simmim"])
@@ -134,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", type=Path, default=STUDY / "eval.yaml", help="less its fine-tuning")
     parser.add_argument("--results", type=Path, help="append the comparison to this page (RESULTS.md)")
     parser.add_argument("--no-compare", action="store_true", help="train and export only")
+    parser.add_argument("--compare-out", type=Path, help="where the comparison goes (default: OUT/compare)")
     parser.add_argument("--ranks", type=int, default=2, help="processes of the comparison (torchrun)")
     args = parser.parse_args(argv)
     groups: dict[str, list[str]] = {}
@@ -156,17 +166,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"not compared: {', '.join(missing)} missing (make study writes ssl-vit's)", flush=True)
         return 1 if missing and not args.no_compare else 0
     suite = quick_suite(args.suite, args.out / "suite.yaml")
+    compare = args.compare_out or args.out / "compare"
+    claims = claims_of(groups, args.out / "claims.yaml")
     command = [
         "ssl-vit", "compare", *(f"{name}={','.join(paths)}" for name, paths in groups.items()),
-        "--suite", str(suite), "--claims", os.path.relpath(CLAIMS), "--out", str(args.out / "compare"),
-        "--overwrite",
+        "--suite", str(suite), "--claims", str(claims), "--out", str(compare), "--overwrite",
     ]  # fmt: skip
     print(" ".join(command), flush=True)
     bin_dir = Path(sys.executable).parent  # this environment's torchrun and ssl-vit
     torchrun = [str(bin_dir / "torchrun"), "--nproc-per-node", str(args.ranks), "--no-python"]
     subprocess.run([*torchrun, str(bin_dir / "ssl-vit"), *command[1:]], check=True)
     if args.results:
-        compare = args.out / "compare"
         with args.results.open("a") as page:
             page.write(
                 f"""
