@@ -16,7 +16,8 @@ metadata) and its loss every 50 steps. Then `ssl-vit compare` runs on the study'
 fine-tune protocol (the slowest; OUT/suite.yaml), ssl-vit's rows from `--study` (run by `make study`
 first), into OUT/compare (or `--compare-out`), and its results and verdicts are appended to
 `--results`. `--steps`, `--train-urls`, `--suite` and `--no-compare` make a smoke run quick; a run of
-some `--peers` or seeds reuses the runs OUT holds.
+some `--peers` or seeds reuses the runs OUT holds; `--peer-seeds` gives the peers more runs than
+ssl-vit's (the paired interval resamples each row's runs on their own).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["mae", "simmim"], choices=["mae", "simmim"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--peer-seeds", nargs="+", type=int, help="the peers' seeds (default: --seeds)")
     parser.add_argument("--steps", type=int, help="default: the study's (trainer.yaml max_steps)")
     parser.add_argument("--train-urls", help="default: the study's shards (data.yaml)")
     parser.add_argument("--peers", nargs="+", default=list(ADAPTERS), choices=ADAPTERS)
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         groups[method] = [str(path) for path in ours]
         for module in args.peers:
             adapter = __import__(module)
-            for seed in args.seeds:
+            for seed in args.peer_seeds or args.seeds:
                 out = args.out / f"{adapter.PEER}_{method}_{seed}"
                 if not (out / "train.json").exists():  # a rerun keeps the runs done
                     train(adapter, method, recipe, seed, steps, urls, out)

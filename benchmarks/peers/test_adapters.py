@@ -101,7 +101,7 @@ def test_a_checkpoint_the_peer_saved_loads_as_its_backbone(tmp_path, saved_by):
     assert "MAE (its ViT read by" in info.stdout and "Ti/16" in info.stdout, info.stdout
 
 
-def test_quality_trains_each_peer_on_the_study_recipe_and_exports_a_loadable_encoder(tmp_path):
+def test_quality_trains_each_peer_on_the_study_recipe_and_exports_a_loadable_encoder(tmp_path, capsys):
     """quality.py's training and export, 2 steps of each peer's MAE and SimMIM on shards written here;
     its comparison runs `ssl-vit compare` on the study's suite less fine-tuning (`quick_suite`)."""
     import json
@@ -132,6 +132,14 @@ def test_quality_trains_each_peer_on_the_study_recipe_and_exports_a_loadable_enc
             recipe = quality.study_recipe(method)["settings"]
             vit, _ = load_backbone(str(run / "encoder.safetensors"), recipe.config())
             assert vit.embed_dim == 96 and len(vit.blocks) == 6
+    # ssl-vit's seeds from `--study`, the peers' from `--peer-seeds`: their runs reused or trained, and
+    # nothing compared while one of ssl-vit's is missing (named)
+    capsys.readouterr()
+    some = [*train[:-1], "--peers", "adapter_stable_pretraining", "--methods", "simmim", "--out", str(out)]
+    assert quality.main([*some, "--study", str(tmp_path / "none"), "--peer-seeds", "0", "1"]) == 1
+    assert (out / "stable-pretraining_simmim_1/train.json").exists()
+    (missing,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("not compared")]
+    assert "none/simmim_0/" in missing and "simmim_1" not in missing and "stable-pretraining" not in missing
     written = quality.quick_suite(quality.STUDY / "eval.yaml", tmp_path / "suite.yaml")
     suite = yaml.safe_load(written.read_text())
     kinds = {p["kind"] for p in suite["protocols"]}
