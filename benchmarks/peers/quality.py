@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     torchrun = [str(bin_dir / "torchrun"), "--nproc-per-node", str(args.ranks), "--no-python"]
     subprocess.run([*torchrun, str(bin_dir / "ssl-vit"), *command[1:]], check=True)
     if args.results:
+        seeds = f"{args.seeds}" + (f" (the peers' {args.peer_seeds})" if args.peer_seeds else "")
         with args.results.open("a") as page:
             page.write(
                 f"""
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
 Written by benchmarks/peers/quality.py (`make peers` runs it after `make study`); measured, not edited
 by hand. Each implementation trained {steps} steps of {recipe["data"]["batch_size"]} Fashion-MNIST images from
-the seeds {args.seeds}, on one `ShardDataModule` stream, then `{" ".join(command)}`. Every value
+the seeds {seeds}, on one `ShardDataModule` stream, then `{" ".join(command)}`. Every value
 is the mean over the seeds with its 95% interval (seeds, few-shot draws and test images resampled);
 a verdict reads the paired interval of ssl-vit's row against each peer's. No fine-tune columns.
 
