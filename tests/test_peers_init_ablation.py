@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file
 from timm.layers import build_sincos2d_pos_embed
 
+from ssl_vit.targets.patches import patchify
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -91,7 +93,8 @@ def test_the_ablation_regresses_the_seen_image_as_the_simmim_preset_does(init_ab
     preset = init_ablation.adapter("timm", simmim["choices"]).build("simmim", simmim["settings"]).model
     assert seen.target_kind == preset.target_kind == "seen_pixels"
     images = torch.randn(2, 3, 28, 28)
-    assert torch.equal(seen.target.make(seen.context, images), preset.target.make(preset.context, images))
+    for task in (seen, preset):  # the model input's own patches, not RGB in [0, 1] (`pixels`)
+        assert torch.equal(task.target.make(task.context, images), patchify(images, 4))
 
 
 def test_the_ablation_can_start_simmims_head_either_way(init_ablation):
@@ -120,7 +123,32 @@ def test_a_comparison_of_some_peers_keeps_the_claims_of_its_rows(monkeypatch, tm
 
     groups = {"simmim": ["a"], "stable-pretraining_simmim": ["b"]}
     written = yaml.safe_load(quality.claims_of(groups, tmp_path / "claims.yaml").read_text())
-    assert [(c["rows"], c["against"]) for c in written["claims"]] == [("simmim", "stable-pretraining_simmim")]
+    assert [(c["rows"], c["against"]) for c in written["claims"]] == [
+        (["simmim"], ["stable-pretraining_simmim"])
+    ]
     every = {name: ["x"] for name in ("mae", "simmim", "lightly_mae", "stable-pretraining_mae")}
     every.update(lightly_simmim=["y"], **groups)
     assert len(yaml.safe_load(quality.claims_of(every, tmp_path / "all.yaml").read_text())["claims"]) == 4
+    assert quality.claims_of({"mae": ["a"]}, tmp_path / "none.yaml") is None  # no peer: no claim to read
+    # a claim may list its rows (`rows: [mae, simmim]`): the compared ones stay
+    monkeypatch.setattr(quality, "CLAIMS", tmp_path / "listed.yaml")
+    (tmp_path / "listed.yaml").write_text(
+        "claims:\n- says: x\n  rows: [mae, simmim]\n  against: [lightly_mae]\n"
+    )
+    kept = yaml.safe_load(
+        quality.claims_of({"simmim": [], "lightly_mae": []}, tmp_path / "k.yaml").read_text()
+    )
+    assert [(c["rows"], c["against"]) for c in kept["claims"]] == [(["simmim"], ["lightly_mae"])]
+
+
+@pytest.mark.parametrize("option", ["--seeds", "--peer-seeds"])
+def test_quality_refuses_a_run_given_twice(monkeypatch, capsys, option):
+    """`--peer-seeds 0 0` would put one encoder in a row twice, and the intervals would count it as two
+    runs (falsely narrow): one line, before anything trains."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks/peers"))
+    import quality
+
+    with pytest.raises(SystemExit) as exit:
+        quality.main([option, "0", "0", "--no-compare"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"{option} 0 0: give each once")

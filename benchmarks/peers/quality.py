@@ -123,13 +123,24 @@ def quick_suite(suite: Path, out: Path) -> Path:
     return out
 
 
-def claims_of(groups: dict[str, list[str]], out: Path) -> Path:
-    """claims.yaml less the claims that name a row not compared (a run of some peers or methods only),
-    written to `out`."""
+def claims_of(groups: dict[str, list[str]], out: Path) -> Path | None:
+    """claims.yaml less the rows not compared (a run of some peers or methods only), written to `out`;
+    None when no claim keeps a row on each side."""
     loaded = yaml.safe_load(CLAIMS.read_text())
-    loaded["claims"] = [c for c in loaded["claims"] if c["rows"] in groups and c["against"] in groups]
-    out.write_text(yaml.safe_dump(loaded, sort_keys=False))
+    kept = []
+    for claim in loaded["claims"]:
+        rows, against = ([n for n in listed(claim[key]) if n in groups] for key in ("rows", "against"))
+        if rows and against:
+            kept.append({**claim, "rows": rows, "against": against})
+    if not kept:
+        return None
+    out.write_text(yaml.safe_dump({**loaded, "claims": kept}, sort_keys=False))
     return out
+
+
+def listed(names: str | list[str]) -> list[str]:
+    """A claim's `rows` or `against`: one name or a list of them."""
+    return [names] if isinstance(names, str) else list(names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-out", type=Path, help="where the comparison goes (default: OUT/compare)")
     parser.add_argument("--ranks", type=int, default=2, help="processes of the comparison (torchrun)")
     args = parser.parse_args(argv)
+    for option in ("methods", "seeds", "peer_seeds", "peers"):
+        given = getattr(args, option) or []
+        if len(set(given)) != len(given):  # a run given twice would count as two runs in the intervals
+            parser.error(f"--{option.replace('_', '-')} {' '.join(map(str, given))}: give each once")
     groups: dict[str, list[str]] = {}
     for method in args.methods:
         recipe = study_recipe(method)
@@ -172,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     claims = claims_of(groups, args.out / "claims.yaml")
     command = [
         "ssl-vit", "compare", *(f"{name}={','.join(paths)}" for name, paths in groups.items()),
-        "--suite", str(suite), "--claims", str(claims), "--out", str(compare), "--overwrite",
+        "--suite", str(suite), *(["--claims", str(claims)] if claims else []), "--out", str(compare),
+        "--overwrite",
     ]  # fmt: skip
     print(" ".join(command), flush=True)
     bin_dir = Path(sys.executable).parent  # this environment's torchrun and ssl-vit
@@ -180,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([*torchrun, str(bin_dir / "ssl-vit"), *command[1:]], check=True)
     if args.results:
         seeds = f"{args.seeds}" + (f" (the peers' {args.peer_seeds})" if args.peer_seeds else "")
+        verdicts = compare / "verdicts.md"  # none without claims
         with args.results.open("a") as page:
             page.write(
                 f"""
@@ -192,7 +209,7 @@ is the mean over the seeds with its 95% interval (seeds, few-shot draws and test
 a verdict reads the paired interval of ssl-vit's row against each peer's. No fine-tune columns.
 
 {(compare / "results.md").read_text()}
-{(compare / "verdicts.md").read_text()}
+{verdicts.read_text() if verdicts.exists() else ""}
 """
             )
     return 0

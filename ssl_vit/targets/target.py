@@ -5,10 +5,11 @@ is a `Target` subclass decorated with `@register` (a plugin's too: `ssl_vit.plug
 dimension of its shape, any other with the task's `pixel_loss`.
 
 A target knows of the task only its `TargetContext`. It is made of RGB pixels in [0, 1] (the input
-normalisation undone), or of images of any other band count C as the model sees them, each band
-standardised: raw units (reflectances in the thousands) would make a pixel loss of 1e7, and the targets
-that work for them (pixels per band, HOG) are the same on any per-band scale. Patches are numbered as
-in `patches`; a target is made for a whole batch.
+normalisation undone, `TargetContext.pixels`; `seen_pixels` alone reads the standardised input itself),
+or of images of any other band count C as the model sees them, each band standardised: raw units
+(reflectances in the thousands) would make a pixel loss of 1e7, and the targets that work for them
+(pixels per band, HOG) are the same on any per-band scale. Patches are numbered as in `patches`; a
+target is made for a whole batch.
 
 Legend (the package's): B batch, C bands, N patches (H/p * W/p), p patch size, D width, M masked
 patches, T a target's shape per patch, n pictured images.
@@ -36,7 +37,7 @@ class TargetContext:
     bands: int  # C, input bands
     width: int  # D, the backbone's width
     display_bands: tuple[int, int, int]  # drawn as red, green and blue for C != 3 (`masked_picture`)
-    pixels: Callable[[Tensor], Tensor]  # (B, C, H, W) model inputs -> what targets are made of
+    pixels: Callable[[Tensor], Tensor]  # (B, C, H, W) model inputs -> pixels (RGB in [0, 1]), as drawn
     latents: Callable[[Tensor], Tensor] | None = None  # (B, C, H, W) -> (B, N, D), the EMA teacher's
 
 
