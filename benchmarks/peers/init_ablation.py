@@ -84,17 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2, help="processes of the comparison (torchrun)")
     args = parser.parse_args(argv)
     groups: dict[str, list[str]] = {}
-    head = args.head and f"{args.head}_head"
     for method in args.methods:
         recipe = quality.study_recipe(method)
         for init in args.inits:
             for seed in args.seeds:
-                run = "_".join(part for part in (init, args.target, head) if part)
+                impl = adapter(init, recipe["choices"], args.target, args.head)
+                run = impl.PEER.removeprefix("ssl-vit-").replace("-", "_")  # timm_seen_pixels_torch_head
                 out = args.out / f"{run}_{method}_{seed}"
                 if not (out / "train.json").exists():  # a rerun keeps the runs done
                     quality.train(
-                        adapter(init, recipe["choices"], args.target, args.head), method, recipe, seed,
-                        args.steps or recipe["steps"], args.train_urls or recipe["data"]["train_urls"], out,
+                        impl, method, recipe, seed, args.steps or recipe["steps"],
+                        args.train_urls or recipe["data"]["train_urls"], out,
                     )  # fmt: skip
                 groups.setdefault(f"ssl-vit_{run}_{method}", []).append(str(out / "encoder.safetensors"))
         for peer in ("lightly", "stable-pretraining"):

@@ -39,6 +39,7 @@ from speed import ADAPTERS
 from ssl_vit.checkpoints import config_metadata
 from ssl_vit.data import ShardDataModule
 from ssl_vit.data.options import Augment
+from ssl_vit.report.verdicts import listed
 from ssl_vit.tasks import WarmupDecay
 from ssl_vit.tasks.optim import weight_decay_groups
 
@@ -136,11 +137,6 @@ def claims_of(groups: dict[str, list[str]], out: Path) -> Path | None:
         return None
     out.write_text(yaml.safe_dump({**loaded, "claims": kept}, sort_keys=False))
     return out
-
-
-def listed(names: str | list[str]) -> list[str]:
-    """A claim's `rows` or `against`: one name or a list of them."""
-    return [names] if isinstance(names, str) else list(names)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Literal
 
 import torch
 from timm.layers import build_sincos2d_pos_embed
@@ -28,6 +29,9 @@ def zero_linear(in_features: int, out_features: int, bias_init: float = 0.0) -> 
     return layer
 
 
+HeadInit = Literal["xavier", "torch"]  # how a `PatchHead` starts
+
+
 class PatchHead(nn.Module):
     """One linear map per patch token to `out_shape` values: the per-patch classifier of masked patch
     prediction (512 mean-colour classes, or 16 x 512 for the 4x4-downsized target) or the pixel head of
@@ -36,12 +40,12 @@ class PatchHead(nn.Module):
     `init`: `xavier` (xavier-uniform weights, zero bias) or `torch` (PyTorch's own start of a linear
     layer, as SimMIM's code leaves its 1x1 convolution: weights and bias uniform within 1/sqrt(D))."""
 
-    def __init__(self, dim: int, out_shape: tuple[int, ...], init: str = "xavier") -> None:
+    def __init__(self, dim: int, out_shape: tuple[int, ...], init: HeadInit = "xavier") -> None:
         super().__init__()
         self.out_shape = tuple(out_shape)
         self.proj = nn.Linear(dim, math.prod(self.out_shape))
-        if init not in ("xavier", "torch"):
-            raise BadValue(f"head init {init!r}: give xavier or torch")
+        if init not in HeadInit.__args__:
+            raise BadValue(f"head init {init!r}: give {' or '.join(HeadInit.__args__)}")
         if init == "xavier":  # "torch" keeps the start nn.Linear gave it
             nn.init.xavier_uniform_(self.proj.weight)
             nn.init.zeros_(self.proj.bias)

@@ -48,12 +48,12 @@ from ssl_vit.evaluation.suite_file import FILE, problem, read_yaml
 READING = {"win": "holds beyond noise", "noise": "within noise", "loss": "reversed"}
 
 
-def _listed(value: Any) -> Any:
+def listed(value: Any) -> Any:
     """One name where a list goes (`rows: mae`): a list of it."""
     return [value] if isinstance(value, str) else value
 
 
-Names = Annotated[list[str], Field(min_length=1), BeforeValidator(_listed)]
+Names = Annotated[list[str], Field(min_length=1), BeforeValidator(listed)]
 
 
 class Claim(BaseModel):
@@ -67,7 +67,7 @@ class Claim(BaseModel):
     against: Names  # the rows they should be ahead of
     columns: Names  # result columns the claim is read on
     # per column, a column whose (row - against) is subtracted
-    minus: Annotated[list[str] | None, BeforeValidator(_listed)] = None
+    minus: Annotated[list[str] | None, BeforeValidator(listed)] = None
 
     def comparisons(self) -> list[tuple[str, str, str, str | None]]:
         """(row, against, column, minus column or None) for every comparison the claim makes."""

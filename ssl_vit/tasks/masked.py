@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ssl_vit import masking
 from ssl_vit.checkpoints import load_mae_decoder
 from ssl_vit.errors import BadValue
-from ssl_vit.models.heads import MAEDecoder, PatchHead
+from ssl_vit.models.heads import HeadInit, MAEDecoder, PatchHead
 from ssl_vit.models.init import mae_init
 from ssl_vit.models.vit import ViTConfig
 from ssl_vit.presets import PRESETS
@@ -38,7 +38,6 @@ TargetName = TARGETS.choice("TargetName")
 MaskShape = Literal["random", "block", "cells", "jepa"]
 PixelLoss = Literal["mse", "l1", "smooth_l1"]
 EncoderInit = Literal["timm", "mae"]
-HeadInit = Literal["xavier", "torch"]
 
 # Choices left unset by the arguments and the preset.
 DEFAULTS: dict = dict(
